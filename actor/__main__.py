@@ -1,0 +1,3 @@
+from actor.main import main
+
+main()

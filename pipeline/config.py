@@ -1,0 +1,192 @@
+"""Typed configuration: dataclass schemas registered in Hydra's ConfigStore.
+
+Every pool reads the same composed config (``run_dir/config.yaml``) through
+:func:`load_config`, which merges it onto these schemas so a wrong type or an
+unknown key fails with the key's name, and :func:`validate` checks the values.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+@dataclass
+class RunConfig:
+    name: str = "math"
+    run_dir: str = ""  # empty: outputs/<timestamp> chosen by the launcher
+    seed: int = 0
+
+
+@dataclass
+class RedisConfig:
+    url: str | None = None  # None: the launcher starts an embedded redis-server
+    prefix: str = "nonstop"
+    block_ms: int = 1000  # longest single blocking read
+    dead_letter_maxlen: int = 10000
+    embedded_appendfsync: str = "everysec"
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m-instruct"  # a local folder, "tiny", or a hub id
+    path: str = ""  # filled by the launcher with the materialized local folder
+    dtype: str = "float32"
+
+
+@dataclass
+class EngineConfig:
+    kind: str = "hf"
+    max_new_tokens: int = 24
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0
+    prompts_per_batch: int = 4  # groups generated together in one batch
+    torch_threads: int = 1
+
+
+@dataclass
+class TaskConfig:
+    kind: str = "arithmetic"  # arithmetic | file
+    difficulty: int = 1
+    path: str | None = None
+    system_prompt: str | None = None
+    group_size: int = 4  # completions per prompt (G)
+    seed: int = 0
+
+
+@dataclass
+class ActorConfig:
+    num_actors: int = 1
+    max_lag: int = 2  # hold back new groups when this many versions behind
+    max_queue_groups: int = 8  # hold back while this many rollouts wait unread
+
+
+@dataclass
+class PreprocessorConfig:
+    num_workers: int = 1
+    reference: bool = True  # reference log-probs from the frozen initial model
+    drop_no_signal: bool = True
+    token_budget: int = 2048  # padded tokens per micro-batch
+    read_count: int = 4
+    torch_threads: int = 1
+
+
+@dataclass
+class TrainerConfig:
+    backend: str = "torch"
+    max_steps: int = 20
+    samples_per_step: int = 16
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    is_cap: float = 2.0  # truncation of the importance weight actor -> trainer
+    kl_coef: float = 0.0
+    max_lag: int = 4  # reject samples whose oldest token is older than this
+    publish_every: int = 1
+    checkpoint_every: int = 10
+    resume: bool = True
+    bucket_mb: int = 64
+    transfer_timeout_s: float = 60.0
+    transfer_host: str = "127.0.0.1"  # address actors reach the trainer's transfer store on
+    keep_checkpoints: int = 2
+    torch_threads: int = 1
+
+
+@dataclass
+class LaunchConfig:
+    progress_interval_s: float = 1.0
+    final_sync_timeout_s: float = 60.0  # wait for actors to apply the last version
+    stop_timeout_s: float = 15.0
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    preprocessor: PreprocessorConfig = field(default_factory=PreprocessorConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+
+def register() -> None:
+    """Register the schema so Hydra's ``conf/config.yaml`` can extend it."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="schema", node=Config)
+
+
+_CHOICES = {
+    "engine.kind": ("hf",),
+    "task.kind": ("arithmetic", "file"),
+    "trainer.backend": ("torch",),
+    "model.dtype": ("float32", "bfloat16", "float16"),
+}
+_POSITIVE = (
+    "engine.max_new_tokens", "engine.prompts_per_batch", "task.group_size",
+    "actor.num_actors", "preprocessor.num_workers", "preprocessor.token_budget",
+    "trainer.max_steps", "trainer.samples_per_step", "trainer.publish_every",
+    "trainer.checkpoint_every", "trainer.bucket_mb", "actor.max_queue_groups",
+)
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    return OmegaConf.select(cfg, dotted)
+
+
+def validate(cfg: Any) -> None:
+    """Raise ValueError naming the key and the fix for every bad value."""
+    for key, allowed in _CHOICES.items():
+        if _get(cfg, key) not in allowed:
+            raise ValueError(f"{key}={_get(cfg, key)!r} is not supported; use one of {allowed}")
+    for key in _POSITIVE:
+        if _get(cfg, key) <= 0:
+            raise ValueError(f"{key}={_get(cfg, key)} must be > 0")
+    if _get(cfg, "engine.temperature") <= 0:
+        raise ValueError("engine.temperature must be > 0 (sampling is required for RL)")
+    if not 0 < _get(cfg, "engine.top_p") <= 1:
+        raise ValueError("engine.top_p must be in (0, 1]")
+    if _get(cfg, "task.group_size") < 2:
+        raise ValueError("task.group_size must be >= 2: group-relative advantages need peers")
+    if _get(cfg, "task.kind") == "file" and not _get(cfg, "task.path"):
+        raise ValueError("task.kind=file needs task.path=/path/to/problems.jsonl")
+    if _get(cfg, "actor.max_lag") < 0 or _get(cfg, "trainer.max_lag") < 0:
+        raise ValueError("actor.max_lag and trainer.max_lag must be >= 0")
+
+
+def load_config(path: str, overrides: list[str] | None = None) -> Any:
+    """Load a saved config file onto the schema; errors name the bad key."""
+    if not os.path.exists(path):
+        raise ValueError(f"config file {path} does not exist; pass --config RUN_DIR/config.yaml")
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
+        if overrides:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+    except OmegaConfBaseException as e:
+        raise ValueError(f"bad config {path}: {e}") from None
+    validate(cfg)
+    return cfg
+
+
+def redis_url(cfg: Any) -> str:
+    """The run's Redis URL: the environment wins over the config file.
+
+    The embedded server's password is passed only in the environment, never
+    written to disk in config.yaml.
+    """
+    url = os.environ.get("NONSTOP_REDIS_URL") or cfg.redis.url
+    if not url:
+        raise ValueError(
+            "no Redis to talk to: set redis.url=redis://host:port/0 or NONSTOP_REDIS_URL"
+        )
+    return url

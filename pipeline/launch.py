@@ -1,0 +1,181 @@
+"""The launcher: ``python -m pipeline.launch +exp=math [key=value ...]``.
+
+Composes the Hydra config, materializes the model once, starts an embedded
+redis-server unless ``redis.url`` names one, spawns the pools as separate OS
+processes (``python -m actor|preprocessor|trainer``) with per-process logs,
+shows a live progress line, and stops everything cleanly: when the trainer
+finishes, on Ctrl-C, or when a pool fails (naming it and showing its log).
+Writes ``config.yaml``, ``logs/``, ``metrics.jsonl``, ``checkpoints/`` and
+``summary.json`` into the run directory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import hydra
+from omegaconf import OmegaConf
+
+from pipeline.config import register, validate
+from pipeline.progress import Progress
+from pipeline.redis_server import EmbeddedRedis, check_no_eviction
+from pipeline.streams import Names, connect
+from pipeline.summary import write_summary
+from pipeline.telemetry import read_statuses
+
+register()
+
+
+def pool_commands(cfg, config_path: str) -> dict[str, list[str]]:
+    """name -> argv for every process of the run, trainer first."""
+    py = [sys.executable, "-m"]
+    cmds = {"trainer": py + ["trainer", "--config", config_path, "--name", "trainer"]}
+    for i in range(cfg.preprocessor.num_workers):
+        name = f"preprocessor-{i}"
+        cmds[name] = py + ["preprocessor", "--config", config_path, "--name", name]
+    for i in range(cfg.actor.num_actors):
+        name = f"actor-{i}"
+        cmds[name] = py + ["actor", "--config", config_path, "--name", name]
+    return cmds
+
+
+def tail(path: str, lines: int = 20) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class Supervisor:
+    def __init__(self, cfg, run_dir: str, env: dict[str, str]):
+        self.cfg, self.run_dir, self.env = cfg, run_dir, env
+        self.procs: dict[str, subprocess.Popen] = {}
+        os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+
+    def log_path(self, name: str) -> str:
+        return os.path.join(self.run_dir, "logs", f"{name}.log")
+
+    def spawn(self, cmds: dict[str, list[str]]) -> None:
+        for name, argv in cmds.items():
+            with open(self.log_path(name), "ab") as log:
+                self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                                    env=self.env, start_new_session=True)
+
+    def failed(self) -> str | None:
+        for name, p in self.procs.items():
+            code = p.poll()
+            if code is not None and (code != 0 or name != "trainer"):
+                return name
+        return None
+
+    def stop(self, names=None) -> None:
+        names = list(names or self.procs)
+        for n in names:
+            if self.procs[n].poll() is None:
+                self.procs[n].send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.cfg.launch.stop_timeout_s
+        for n in names:
+            try:
+                self.procs[n].wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"{n} did not stop in {self.cfg.launch.stop_timeout_s}s; killing it")
+                self.procs[n].kill()
+                self.procs[n].wait()
+
+
+def wait_for_final_sync(client, names: Names, cfg, target: int) -> None:
+    """Give actors a bounded time to apply the trainer's last version."""
+    deadline = time.monotonic() + cfg.launch.final_sync_timeout_s
+    while time.monotonic() < deadline:
+        actors = {k: v for k, v in read_statuses(client, names).items() if v["role"] == "actor"}
+        if actors and all(int(v.get("version", 0)) >= target for v in actors.values()):
+            return
+        time.sleep(0.2)
+
+
+def supervise(cfg, sup: Supervisor, client, names: Names) -> tuple[str, int]:
+    """Run until the trainer finishes, a pool fails or Ctrl-C; return (outcome, code)."""
+    progress = Progress(cfg.trainer.max_steps)
+    try:
+        while True:
+            bad = sup.failed()
+            if bad:
+                progress.close()
+                code = sup.procs[bad].returncode
+                print(f"\npool {bad} exited with code {code}; stopping the run. "
+                      f"Last lines of {sup.log_path(bad)}:\n{tail(sup.log_path(bad))}")
+                return f"failed: {bad} exited with {code}", 1
+            if sup.procs["trainer"].poll() == 0:
+                progress.update(read_statuses(client, names))
+                progress.close()
+                return "finished", 0
+            progress.update(read_statuses(client, names))
+            time.sleep(cfg.launch.progress_interval_s)
+    except KeyboardInterrupt:
+        progress.close()
+        print("\ninterrupted: stopping every pool")
+        return "interrupted", 130
+
+
+def run(cfg) -> int:
+    validate(cfg)
+    from pipeline.models import materialize_model
+
+    run_dir = os.path.abspath(cfg.run.run_dir or time.strftime("outputs/%Y-%m-%d_%H-%M-%S"))
+    os.makedirs(run_dir, exist_ok=True)
+    cfg.run.run_dir = run_dir
+    print(f"run directory: {run_dir}")
+    print(f"model: {cfg.model.name} (materializing once for every pool)")
+    cfg.model.path = materialize_model(cfg.model.name)
+    config_path = os.path.join(run_dir, "config.yaml")
+    OmegaConf.save(cfg, config_path)
+    server, env = None, dict(os.environ)
+    if cfg.redis.url:
+        url = cfg.redis.url
+    else:
+        server = EmbeddedRedis(os.path.join(run_dir, "redis"), cfg.redis.embedded_appendfsync)
+        server.start()
+        url = server.url
+        print(f"embedded redis-server on 127.0.0.1:{server.port} (password in "
+              f"{run_dir}/redis/auth, AOF in {run_dir}/redis)")
+        with open(os.path.join(run_dir, "redis", "auth"), "w") as f:
+            os.chmod(f.name, 0o600)
+            f.write(server.password + "\n")
+    env["NONSTOP_REDIS_URL"] = url
+    client = connect(url)
+    check_no_eviction(client)
+    names = Names(cfg.redis.prefix, cfg.run.name)
+    sup = Supervisor(cfg, run_dir, env)
+    start = time.time()
+    sup.spawn(pool_commands(cfg, config_path))
+    outcome, code = supervise(cfg, sup, client, names)
+    try:
+        if outcome == "finished":
+            wait_for_final_sync(client, names, cfg, cfg.trainer.max_steps)
+        sup.stop()
+        summary = write_summary(run_dir, client, names, outcome, time.time() - start)
+        print(summary.render())
+    finally:
+        sup.stop()
+        if server is not None:
+            server.stop()
+    return code
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="config")
+def main(cfg) -> None:
+    try:
+        code = run(cfg)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

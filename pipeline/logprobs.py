@@ -1,0 +1,51 @@
+"""Log-probs that mean the same thing in the actor, preprocessor and trainer:
+the distribution sampled from (temperature, then top-k, then top-p)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
+                      top_k: int = 0) -> torch.Tensor:
+    """Log-softmax of the transformed logits; truncated entries get -inf."""
+    logits = logits.float() / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop_sorted = probs.cumsum(-1) - probs >= top_p  # the top token is always kept
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(logits, dim=-1)
+
+
+def pad_sequences(prompts: list[np.ndarray], completions: list[np.ndarray], pad_id: int = 0):
+    """Right-padded prompt+completion ids, attention mask and completion mask."""
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(lengths), width), dtype=torch.long)
+    comp = torch.zeros((len(lengths), width), dtype=torch.bool)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        ids[i, :lengths[i]] = torch.from_numpy(np.concatenate([p, c]).astype(np.int64))
+        attn[i, :lengths[i]] = 1
+        comp[i, len(p):lengths[i]] = True
+    return ids, attn, comp
+
+
+def completion_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, comp: torch.Tensor,
+                        temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """[batch, width] log-probs of each token given its prefix; 0 outside completions.
+
+    Position t holds log p(ids[t] | ids[:t]); differentiable when grad is enabled.
+    """
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1, :]
+    logp = sampling_logprobs(logits, temperature, top_p, top_k)
+    token_lp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    out = torch.zeros(ids.shape, dtype=token_lp.dtype)
+    out = torch.cat([out[:, :1], token_lp], dim=1)
+    return out.masked_fill(~comp, 0.0)

@@ -1,0 +1,166 @@
+"""The one wire schema: msgspec Structs, versioned, with typed decoders.
+
+Token ids, log-probs and per-token policy versions travel as packed
+little-endian arrays (``bytes``), never as lists, and never through pickle.
+Per-token versions are run-length encoded as (version, count) int32 pairs.
+A payload that does not decode, carries an unknown field or another schema
+version raises :class:`BadEntry` with the reason, so consumers can move it to
+the dead-letter stream and go on.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+SCHEMA_VERSION = 1
+MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
+
+
+class BadEntry(ValueError):
+    """A stream entry that cannot be used; the message says why."""
+
+
+def pack_i32(values) -> bytes:
+    return np.asarray(values, dtype="<i4").tobytes()
+
+
+def unpack_i32(data: bytes) -> np.ndarray:
+    if len(data) % 4:
+        raise BadEntry(f"int32 array has {len(data)} bytes, not a multiple of 4")
+    return np.frombuffer(data, dtype="<i4")
+
+
+def pack_f32(values) -> bytes:
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+def unpack_f32(data: bytes) -> np.ndarray:
+    if len(data) % 4:
+        raise BadEntry(f"float32 array has {len(data)} bytes, not a multiple of 4")
+    return np.frombuffer(data, dtype="<f4")
+
+
+def rle_encode(versions) -> bytes:
+    """[3, 3, 3, 4, 4] -> packed [3, 3, 4, 2] (version, run length) pairs."""
+    v = np.asarray(versions, dtype=np.int64)
+    if v.size == 0:
+        return b""
+    starts = np.flatnonzero(np.r_[True, v[1:] != v[:-1]])
+    counts = np.diff(np.r_[starts, v.size])
+    return pack_i32(np.stack([v[starts], counts], axis=1).ravel())
+
+
+def rle_decode(data: bytes) -> np.ndarray:
+    pairs = unpack_i32(data)
+    if pairs.size % 2:
+        raise BadEntry("run-length versions must be (version, count) pairs")
+    vals, counts = pairs[0::2], pairs[1::2]
+    if (counts <= 0).any():
+        raise BadEntry("run-length versions have a non-positive run length")
+    return np.repeat(vals, counts).astype(np.int64)
+
+
+class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One completion of a prompt, as the actor produced it."""
+
+    completion_ids: bytes  # int32
+    logprobs: bytes  # float32: log-prob of each sampled token under the sampling distribution
+    versions: bytes  # int32 RLE pairs: policy version that produced each token
+    reward: float
+    finished: bool  # ended with EOS rather than the token limit
+    advantage: float = 0.0  # set by the preprocessor
+    ref_logprobs: bytes = b""  # float32, set by the preprocessor
+
+    def tokens(self) -> np.ndarray:
+        return unpack_i32(self.completion_ids)
+
+    def token_versions(self) -> np.ndarray:
+        return rle_decode(self.versions)
+
+
+class RolloutGroup(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """G completions of one prompt: the unit of the ``rollouts`` stream."""
+
+    schema: int
+    group_id: str
+    actor: str
+    problem_id: str
+    prompt_ids: bytes  # int32
+    samples: list[Sample]
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+    created: float = 0.0
+
+
+class TrainBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A token-budget micro-batch: the unit of the ``batches`` stream."""
+
+    schema: int
+    batch_id: str
+    group_ids: list[str]
+    prompt_ids: list[bytes]  # one per sample (int32)
+    samples: list[Sample]
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+class ParamSpec(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    shape: list[int]
+    offset: int  # element offset inside its bucket
+
+
+class BucketSpec(msgspec.Struct, forbid_unknown_fields=True):
+    numel: int
+    params: list[ParamSpec]
+
+
+class WeightAnnouncement(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Version v is about to be sent to ``targets`` in these buckets."""
+
+    schema: int
+    version: int
+    dtype: str
+    buckets: list[BucketSpec]
+    checksums: list[int]  # sum of each bucket's bit patterns, checked by the receiver
+    targets: list[str]
+    created: float = 0.0
+
+
+class StatsEvent(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    schema: int
+    role: str
+    name: str
+    time: float
+    values: dict[str, float]
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS = {
+    cls: msgspec.msgpack.Decoder(cls)
+    for cls in (RolloutGroup, TrainBatch, WeightAnnouncement, StatsEvent)
+}
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _ENCODER.encode(msg)
+
+
+def decode(data: bytes, cls: type):
+    """Decode a payload into ``cls``; raise BadEntry with the reason."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise BadEntry(f"payload is {type(data).__name__}, expected bytes")
+    if len(data) > MAX_PAYLOAD_BYTES:
+        raise BadEntry(f"payload of {len(data)} bytes exceeds {MAX_PAYLOAD_BYTES}")
+    try:
+        msg = _DECODERS[cls].decode(data)
+    except msgspec.ValidationError as e:
+        raise BadEntry(f"not a valid {cls.__name__}: {e}") from None
+    except msgspec.DecodeError as e:
+        raise BadEntry(f"undecodable {cls.__name__} payload: {e}") from None
+    if msg.schema != SCHEMA_VERSION:
+        raise BadEntry(f"schema version {msg.schema}, this build reads {SCHEMA_VERSION}")
+    return msg

@@ -1,0 +1,87 @@
+"""An embedded redis-server for one run: loopback only, per-run password,
+AOF (fsync every second) in the run directory, ``noeviction``."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import time
+
+import redis
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedRedis:
+    """Start with :meth:`start`, stop with :meth:`stop`; ``url`` carries the password."""
+
+    def __init__(self, data_dir: str, appendfsync: str = "everysec", port: int | None = None):
+        self.data_dir = data_dir
+        self.appendfsync = appendfsync
+        self.port = port or free_port()
+        self.password = secrets.token_hex(16)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise ValueError(
+                "redis-server is not installed: run `make setup` "
+                "(or `apt-get install redis-server`), or pass redis.url=redis://host:port/0"
+            )
+        os.makedirs(self.data_dir, exist_ok=True)
+        args = [
+            exe, "--port", str(self.port), "--bind", "127.0.0.1", "--protected-mode", "yes",
+            "--requirepass", self.password, "--dir", os.path.abspath(self.data_dir),
+            "--appendonly", "yes", "--appendfsync", self.appendfsync,
+            "--save", "", "--maxmemory-policy", "noeviction",
+            "--logfile", os.path.join(os.path.abspath(self.data_dir), "redis.log"),
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout_s
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {err}")
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"redis-server did not answer on port {self.port} in {timeout_s}s")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def check_no_eviction(client: redis.Redis) -> None:
+    """Refuse a Redis that may evict stream data under memory pressure."""
+    try:
+        policy = client.config_get("maxmemory-policy").get("maxmemory-policy")
+    except redis.ResponseError:
+        return  # CONFIG not permitted for this user (ACL): the operator vouches for it
+    if policy and policy != "noeviction":
+        raise ValueError(
+            f"redis maxmemory-policy is {policy!r}: it could evict rollouts; "
+            "set `maxmemory-policy noeviction` on the server"
+        )

@@ -1,0 +1,196 @@
+"""The Redis Streams layer shared by every pool.
+
+Streams are named ``<prefix>:<run>:<name>``. Each entry holds a few plain
+fields an operator can read with ``redis-cli XRANGE`` beside the binary
+``data`` payload. Consumers read through consumer groups and acknowledge;
+an entry that does not decode goes to ``<prefix>:<run>:dead`` with the reason
+and is acknowledged, so the consumer goes on. Trimming removes only entries
+every group has read and acknowledged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from pipeline.messages import BadEntry, decode
+
+log = logging.getLogger(__name__)
+
+DATA = b"data"
+
+
+class Names:
+    """Stream and key names of one run."""
+
+    def __init__(self, prefix: str, run: str):
+        self.base = f"{prefix}:{run}"
+
+    def stream(self, name: str) -> str:
+        return f"{self.base}:{name}"
+
+    def key(self, name: str) -> str:
+        return f"{self.base}:{name}"
+
+    @property
+    def rollouts(self) -> str:
+        return self.stream("rollouts")
+
+    @property
+    def batches(self) -> str:
+        return self.stream("batches")
+
+    @property
+    def weights(self) -> str:
+        return self.stream("weights")
+
+    @property
+    def stats(self) -> str:
+        return self.stream("stats")
+
+    @property
+    def dead(self) -> str:
+        return self.stream("dead")
+
+    def status(self, pool: str) -> str:
+        return self.key(f"status:{pool}")
+
+
+def connect(url: str, attempts: int = 20, delay_s: float = 0.25) -> redis.Redis:
+    """Connect with bounded, logged retries; every call has a socket deadline."""
+    last: Exception | None = None
+    for i in range(attempts):
+        try:
+            client = redis.Redis.from_url(
+                url, socket_timeout=30, socket_connect_timeout=5, health_check_interval=30
+            )
+            client.ping()
+            return client
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            last = e
+            log.warning("redis not reachable (%s), retry %d/%d", e, i + 1, attempts)
+            time.sleep(min(delay_s * 2**i, 2.0))
+    raise ConnectionError(f"cannot reach redis at {_redact(url)} after {attempts} tries: {last}")
+
+
+def _redact(url: str) -> str:
+    if "@" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url
+
+
+def publish(client: redis.Redis, stream: str, payload: bytes, **fields: Any) -> str:
+    """XADD ``payload`` with readable plain ``fields`` beside it."""
+    entry = {k: str(v) for k, v in fields.items()}
+    entry["data"] = payload
+    return client.xadd(stream, entry).decode()
+
+
+def ensure_group(client: redis.Redis, stream: str, group: str, start: str = "0") -> None:
+    try:
+        client.xgroup_create(stream, group, id=start, mkstream=True)
+    except redis.ResponseError as e:
+        if "BUSYGROUP" not in str(e):
+            raise
+
+
+class Consumer:
+    """XREADGROUP + XACK with typed decoding and a dead-letter path."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        names: Names,
+        stream: str,
+        group: str,
+        consumer: str,
+        cls: type,
+        block_ms: int = 1000,
+    ):
+        self.client, self.names, self.stream = client, names, stream
+        self.group, self.consumer, self.cls, self.block_ms = group, consumer, cls, block_ms
+        self.dead_lettered = 0
+        ensure_group(client, stream, group)
+
+    def read(self, count: int) -> list[tuple[str, Any]]:
+        """Up to ``count`` new entries as (entry id, decoded message)."""
+        reply = self.client.xreadgroup(
+            self.group, self.consumer, {self.stream: ">"}, count=count, block=self.block_ms
+        )
+        out = []
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                entry_id = entry_id.decode()
+                try:
+                    if DATA not in fields:
+                        raise BadEntry("entry has no 'data' field")
+                    out.append((entry_id, decode(fields[DATA], self.cls)))
+                except BadEntry as e:
+                    self.dead_letter(entry_id, fields, str(e))
+        return out
+
+    def dead_letter(self, entry_id: str, fields: dict, reason: str) -> None:
+        log.error("dead-lettering %s %s: %s", self.stream, entry_id, reason)
+        self.client.xadd(
+            self.names.dead,
+            {"source": self.stream, "id": entry_id, "consumer": self.consumer,
+             "reason": reason, "data": fields.get(DATA, b"")},
+            maxlen=10000, approximate=True,
+        )
+        self.ack([entry_id])
+        self.dead_lettered += 1
+
+    def ack(self, ids: list[str]) -> None:
+        if ids:
+            self.client.xack(self.stream, self.group, *ids)
+
+
+def _id_tuple(entry_id: str | bytes) -> tuple[int, int]:
+    if isinstance(entry_id, bytes):
+        entry_id = entry_id.decode()
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def consumed_floor(client: redis.Redis, stream: str) -> str | None:
+    """The lowest id some group still needs (unread or pending); None if no group."""
+    try:
+        groups = client.xinfo_groups(stream)
+    except redis.ResponseError:
+        return None
+    if not groups:
+        return None
+    floor: tuple[int, int] | None = None
+    for g in groups:
+        last = _id_tuple(g["last-delivered-id"])
+        need = (last[0], last[1] + 1)
+        pending = client.xpending(stream, g["name"])
+        if pending["pending"]:
+            need = min(need, _id_tuple(pending["min"]))
+        floor = need if floor is None else min(floor, need)
+    return f"{floor[0]}-{floor[1]}"
+
+
+def trim_consumed(client: redis.Redis, stream: str, keep_from: str | None = None) -> int:
+    """XTRIM MINID to what every group has acknowledged (and below ``keep_from``)."""
+    floor = consumed_floor(client, stream)
+    if floor is None:
+        return 0
+    if keep_from is not None and _id_tuple(keep_from) < _id_tuple(floor):
+        floor = keep_from
+    return client.xtrim(stream, minid=floor)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, every_s: float = 0.1) -> bool:
+    """Poll ``predicate`` until true or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(every_s)
+    return predicate()

@@ -1,0 +1,101 @@
+"""``summary.json``: what a finished (or stopped) run did, read from the pools'
+status hashes and ``metrics.jsonl``, plus a readable rendering."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+import redis
+
+from pipeline.streams import Names
+from pipeline.telemetry import read_jsonl, read_statuses
+
+
+@dataclass
+class Summary:
+    outcome: str
+    trainer_steps: int
+    samples_trained: int
+    weight_updates_published: int
+    weight_updates_applied: dict[str, int]
+    sequences_spanning_versions: int
+    stale_samples_dropped: int
+    reward_mean_first_window: float | None
+    reward_mean_last_window: float | None
+    reward_window_steps: int
+    groups_produced: int
+    groups_trained: int
+    groups_dropped_no_signal: int
+    dead_lettered: int
+    wall_seconds: float
+    pools: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def render(self) -> str:
+        rows = [
+            ("outcome", self.outcome),
+            ("trainer steps", self.trainer_steps),
+            ("samples trained", self.samples_trained),
+            ("groups produced / trained / no-signal", f"{self.groups_produced} / "
+             f"{self.groups_trained} / {self.groups_dropped_no_signal}"),
+            ("weight updates published", self.weight_updates_published),
+            ("weight updates applied", ", ".join(
+                f"{k}={v}" for k, v in sorted(self.weight_updates_applied.items())) or "-"),
+            ("sequences spanning versions", self.sequences_spanning_versions),
+            ("stale samples dropped", self.stale_samples_dropped),
+            (f"reward first/last {self.reward_window_steps} steps",
+             f"{_fmt(self.reward_mean_first_window)} -> {_fmt(self.reward_mean_last_window)}"),
+            ("dead-lettered entries", self.dead_lettered),
+            ("wall seconds", f"{self.wall_seconds:.1f}"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(["run summary"] + [f"  {k.ljust(width)}  {v}" for k, v in rows])
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def build_summary(run_dir: str, client: redis.Redis, names: Names, outcome: str,
+                  wall_s: float) -> Summary:
+    statuses = read_statuses(client, names)
+    records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    steps = [r for r in records if r.get("event") == "step"]
+    window = max(1, min(5, len(steps) // 2))
+    rewards = [r["reward_mean"] for r in steps]
+    trainer = statuses.get("trainer", {})
+    by_role = lambda role: {k: v for k, v in statuses.items() if v.get("role") == role}  # noqa: E731
+    actors, preps = by_role("actor"), by_role("preprocessor")
+    return Summary(
+        outcome=outcome,
+        trainer_steps=int(trainer.get("step", 0)),
+        samples_trained=int(trainer.get("samples_trained", 0)),
+        weight_updates_published=int(trainer.get("weight_updates_published", 0)),
+        weight_updates_applied={k: int(v.get("weight_updates_applied", 0))
+                                for k, v in actors.items()},
+        sequences_spanning_versions=int(trainer.get("sequences_spanning_versions", 0)),
+        stale_samples_dropped=int(trainer.get("stale_samples_dropped", 0)),
+        reward_mean_first_window=_mean(rewards[:window]),
+        reward_mean_last_window=_mean(rewards[-window:]),
+        reward_window_steps=window,
+        groups_produced=sum(int(v.get("groups_produced", 0)) for v in actors.values()),
+        groups_trained=len({g for r in steps for g in r.get("groups", [])}),
+        groups_dropped_no_signal=sum(int(v.get("dropped", 0)) for v in preps.values()),
+        dead_lettered=sum(int(v.get("dead_lettered", 0)) for v in preps.values())
+        + int(trainer.get("dead_lettered", 0)),
+        wall_seconds=round(wall_s, 2),
+        pools=statuses,
+    )
+
+
+def write_summary(run_dir: str, client: redis.Redis, names: Names, outcome: str,
+                  wall_s: float) -> Summary:
+    summary = build_summary(run_dir, client, names, outcome, wall_s)
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(asdict(summary), f, indent=2)
+    return summary

@@ -1,0 +1,3 @@
+from preprocessor.main import main
+
+main()
