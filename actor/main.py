@@ -56,9 +56,9 @@ def to_group(pool: Pool, problem, prompt: list[int], outs: list[Completion],
              rewards: list[float]) -> RolloutGroup:
     e = pool.cfg.engine
     samples = [
-        Sample(completion_ids=pack_i32(c.tokens), logprobs=pack_f32(c.logprobs),
+        Sample(index=k, completion_ids=pack_i32(c.tokens), logprobs=pack_f32(c.logprobs),
                versions=rle_encode(c.versions), reward=r, finished=c.finished)
-        for c, r in zip(outs, rewards, strict=True)
+        for k, (c, r) in enumerate(zip(outs, rewards, strict=True))
     ]
     return RolloutGroup(schema=SCHEMA_VERSION, group_id=f"{pool.name}:{uuid.uuid4().hex[:16]}",
                         actor=pool.name, problem_id=problem.id, prompt_ids=pack_i32(prompt),

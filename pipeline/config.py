@@ -17,8 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 @dataclass
 class RunConfig:
-    name: str = "math"
-    run_dir: str = ""  # empty: outputs/<timestamp> chosen by the launcher
+    name: str = "math"  # streams and keys are named <redis.prefix>:<run.name>:<stream>
     seed: int = 0
 
 
@@ -108,6 +107,7 @@ class LaunchConfig:
 
 @dataclass
 class Config:
+    run_dir: str = ""  # empty: outputs/<timestamp>, chosen by the launcher
     run: RunConfig = field(default_factory=RunConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -126,9 +126,9 @@ def run(cfg) -> int:
     validate(cfg)
     from pipeline.models import materialize_model
 
-    run_dir = os.path.abspath(cfg.run.run_dir or time.strftime("outputs/%Y-%m-%d_%H-%M-%S"))
+    run_dir = os.path.abspath(cfg.run_dir or time.strftime("outputs/%Y-%m-%d_%H-%M-%S"))
     os.makedirs(run_dir, exist_ok=True)
-    cfg.run.run_dir = run_dir
+    cfg.run_dir = run_dir
     print(f"run directory: {run_dir}")
     print(f"model: {cfg.model.name} (materializing once for every pool)")
     cfg.model.path = materialize_model(cfg.model.name)

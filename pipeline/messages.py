@@ -64,6 +64,7 @@ def rle_decode(data: bytes) -> np.ndarray:
 class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One completion of a prompt, as the actor produced it."""
 
+    index: int  # position inside its group: (group_id, index) names a sample
     completion_ids: bytes  # int32
     logprobs: bytes  # float32: log-prob of each sampled token under the sampling distribution
     versions: bytes  # int32 RLE pairs: policy version that produced each token

@@ -54,7 +54,7 @@ def start_pool(role: str, argv: list[str] | None = None) -> Pool:
         signal.signal(sig, lambda *_: stop.set())
     client = connect(redis_url(cfg))
     names = Names(cfg.redis.prefix, cfg.run.name)
-    run_dir = cfg.run.run_dir or "."
+    run_dir = cfg.run_dir or "."
     pool = Pool(cfg=cfg, name=args.name, role=role, client=client, names=names, stop=stop,
                 status=PoolStatus(client, names, args.name, role),
                 metrics=MetricsFile(os.path.join(run_dir, "metrics.jsonl")))

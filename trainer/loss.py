@@ -38,8 +38,8 @@ def policy_loss(new_lp: torch.Tensor, actor_lp: torch.Tensor, advantages: torch.
         d = (ref_lp - new_lp).masked_fill(~mask, 0.0)
         kl = torch.exp(d) - d - 1  # k3 estimator of KL(pi || ref), >= 0
         per_token = per_token + kl_coef * kl
-        kl_sum = float(kl[mask].sum())
+        kl_sum = float(kl.detach()[mask].sum())
     clipped = ((ratio < 1 - clip_low) | (ratio > 1 + clip_high)) & mask
     return LossParts(loss=per_token[mask].sum(), tokens=int(mask.sum()),
-                     clipped=int(clipped.sum()), ratio_sum=float(ratio[mask].sum()),
+                     clipped=int(clipped.sum()), ratio_sum=float(ratio.detach()[mask].sum()),
                      kl_sum=kl_sum)

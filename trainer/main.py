@@ -116,13 +116,15 @@ def train_step(model, optimizer, data: StepData, cfg, pad_id: int) -> dict:
         "spanning": sum(len(np.unique(s.token_versions())) > 1 for s in samples),
         "oldest_version": int(min(s.token_versions().min() for s in samples)),
         "groups": sorted({g for b in data.batches for g in b.group_ids}),
+        "sample_ids": [f"{g}/{s.index}" for b in data.batches
+                       for g, s in zip(b.group_ids, b.samples, strict=True)],
     }
 
 
 class Trainer:
     def __init__(self, pool: Pool):
         self.pool, cfg = pool, pool.cfg
-        self.ckpt_root = os.path.join(cfg.run.run_dir or ".", "checkpoints")
+        self.ckpt_root = os.path.join(cfg.run_dir or ".", "checkpoints")
         resume_from = checkpoint.latest(self.ckpt_root) if cfg.trainer.resume else None
         self.model, self.tokenizer = load_model(resume_from or model_path(cfg), cfg.model.dtype)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.trainer.lr,

@@ -1,0 +1,215 @@
+"""The math task: problems, prompts and the reward.
+
+- `ArithmeticTask`: built-in generator of arithmetic word-free problems, by difficulty.
+- `FileTask`: user problems from JSONL or parquet rows with `question` and `answer`
+  (GSM8K style: an answer holding ``#### N`` has the reference answer N).
+- `build_prompt_ids`: system prompt + question through the model's chat template.
+- `reward`: 1.0 when the completion's final number (or its last ``\\boxed{}``) equals the
+  reference answer under `math_verify`, else 0.0; never raises.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import msgspec
+
+DEFAULT_DIFFICULTY = 2
+DEFAULT_SYSTEM_PROMPT = "You are a calculator. Reply with only the final number."
+QUESTION_TEMPLATE = "What is {expr}?"
+TASK_KINDS = ("arithmetic", "file")
+MAX_DIFFICULTY = 5
+
+_NUMBER = re.compile(r"(?:(?<![\w)])-)?\d+(?:,\d{3})*(?:\.\d+)?")
+_BOXED = "\\boxed{"
+
+
+class Problem(msgspec.Struct, frozen=True):
+    """One problem: a stable id, the question text and the reference answer."""
+
+    id: str
+    question: str
+    answer: str
+
+
+# ---------------------------------------------------------------- arithmetic
+
+
+def _expression(rng: random.Random, difficulty: int) -> str:
+    """An arithmetic expression whose value is a non-negative integer."""
+    if difficulty == 1:  # single-digit addition
+        return f"{rng.randint(0, 9)} + {rng.randint(0, 9)}"
+    if difficulty == 2:  # single-digit addition or subtraction, result >= 0
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        return f"{a} + {b}" if rng.random() < 0.5 else f"{max(a, b)} - {min(a, b)}"
+    if difficulty == 3:  # two-digit addition or subtraction, result >= 0
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        return f"{a} + {b}" if rng.random() < 0.5 else f"{max(a, b)} - {min(a, b)}"
+    if difficulty == 4:  # three two-digit operands
+        while True:
+            a, b, c = (rng.randint(10, 99) for _ in range(3))
+            expr = f"{a} {rng.choice('+-')} {b} {rng.choice('+-')} {c}"
+            if eval(expr) >= 0:  # noqa: S307 - our own digits and operators only
+                return expr
+    return f"{rng.randint(2, 9)} * {rng.randint(2, 19)}"  # 5: multiplication
+
+
+class ArithmeticTask:
+    """Generated arithmetic problems; difficulty 1 (easiest) to 5 (see `_expression`)."""
+
+    def __init__(self, difficulty: int = DEFAULT_DIFFICULTY, seed: int = 0):
+        if not 1 <= difficulty <= MAX_DIFFICULTY:
+            raise ValueError(f"difficulty must be 1..{MAX_DIFFICULTY}, got {difficulty}")
+        self.difficulty = difficulty
+        self.seed = seed
+        self._rng = random.Random(seed)
+        self._count = 0
+
+    def _make(self, rng: random.Random, pid: str) -> Problem:
+        expr = _expression(rng, self.difficulty)
+        value = eval(expr)  # noqa: S307 - generated above from digits and + - *
+        return Problem(id=pid, question=QUESTION_TEMPLATE.format(expr=expr), answer=str(value))
+
+    def sample(self) -> Problem:
+        """The next problem of this task's deterministic sequence."""
+        self._count += 1
+        return self._make(self._rng, f"arith-d{self.difficulty}-s{self.seed}-{self._count}")
+
+    def heldout(self, n: int) -> list[Problem]:
+        """A fixed evaluation set: the same n problems on every call, from its own stream."""
+        rng = random.Random(f"heldout-{self.difficulty}-{self.seed}")
+        return [self._make(rng, f"heldout-d{self.difficulty}-{i}") for i in range(n)]
+
+
+# ---------------------------------------------------------------- user files
+
+
+def _reference_answer(raw: object) -> str:
+    text = str(raw).strip()
+    if "####" in text:  # GSM8K: worked solution, then "#### 42"
+        text = text.rsplit("####", 1)[1].strip()
+    return text.replace(",", "")
+
+
+def _read_rows(path: Path) -> list[tuple[int, object]]:
+    """(line or row number, row) pairs from a .jsonl/.json-lines or .parquet file."""
+    if path.suffix == ".parquet":
+        try:
+            import pandas as pd
+        except ImportError:
+            raise ValueError(
+                f"reading {path} needs pandas and pyarrow: `pip install pandas pyarrow`"
+            ) from None
+        try:
+            frame = pd.read_parquet(path)
+        except ImportError as exc:
+            raise ValueError(f"reading {path} needs pyarrow: `pip install pyarrow` ({exc})") from exc
+        return [(i + 1, row) for i, row in enumerate(frame.to_dict("records"))]
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((lineno, json.loads(line)))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+    return rows
+
+
+def load_problems(path: str) -> list[Problem]:
+    """Problems from a JSONL or parquet file; ValueError naming file, line and field."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(f"task file {file} does not exist")
+    problems = []
+    for lineno, row in _read_rows(file):
+        if not isinstance(row, dict):
+            raise ValueError(f"{file}:{lineno}: expected a JSON object with question and answer")
+        for field in ("question", "answer"):
+            if row.get(field) is None or str(row[field]).strip() == "":
+                raise ValueError(f"{file}:{lineno}: missing or empty field {field!r}")
+        pid = str(row.get("id", f"{file.name}:{lineno}"))
+        problems.append(Problem(pid, str(row["question"]), _reference_answer(row["answer"])))
+    if not problems:
+        raise ValueError(f"task file {file} holds no problems")
+    return problems
+
+
+class FileTask:
+    """Problems from a user file, cycled in an order reshuffled (by seed) every pass."""
+
+    def __init__(self, path: str, seed: int = 0):
+        self.path = path
+        self.problems = load_problems(path)
+        self._rng = random.Random(seed)
+        self._order: list[int] = []
+
+    def sample(self) -> Problem:
+        if not self._order:
+            self._order = list(range(len(self.problems)))
+            self._rng.shuffle(self._order)
+        return self.problems[self._order.pop()]
+
+    def heldout(self, n: int) -> list[Problem]:
+        """The first n problems of a fixed shuffle (the file has no separate split)."""
+        order = list(range(len(self.problems)))
+        random.Random("heldout").shuffle(order)
+        return [self.problems[i] for i in order[:n]]
+
+
+def make_task(
+    kind: str, difficulty: int = DEFAULT_DIFFICULTY, path: str | None = None, seed: int = 0
+) -> ArithmeticTask | FileTask:
+    """Build a task by kind: "arithmetic" (uses difficulty) or "file" (uses path)."""
+    if kind == "arithmetic":
+        return ArithmeticTask(difficulty, seed)
+    if kind == "file":
+        if not path:
+            raise ValueError('task kind "file" needs a path to a .jsonl or .parquet file')
+        return FileTask(path, seed)
+    raise ValueError(f"unknown task kind {kind!r}; allowed: {', '.join(TASK_KINDS)}")
+
+
+# ---------------------------------------------------------------- prompt and reward
+
+
+def build_prompt_ids(tokenizer, question: str, system_prompt: str | None = None) -> list[int]:
+    """Token ids of system prompt + question, ending where the assistant's reply starts."""
+    messages = [{"role": "user", "content": question}]
+    if system_prompt:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def final_answer(completion: str) -> str | None:
+    """The content of the last ``\\boxed{...}``, else the last number in the text."""
+    start = completion.rfind(_BOXED)
+    if start >= 0:
+        depth, i = 1, start + len(_BOXED)
+        for j in range(i, len(completion)):
+            depth += {"{": 1, "}": -1}.get(completion[j], 0)
+            if depth == 0:
+                return completion[i:j]
+    numbers = _NUMBER.findall(completion)
+    return numbers[-1].replace(",", "") if numbers else None
+
+
+def reward(completion: str, answer: str) -> float:
+    """1.0 if the completion's final answer equals `answer` (math_verify), else 0.0."""
+    from math_verify import parse, verify
+
+    try:
+        found = final_answer(completion)
+        if found is None:
+            return 0.0
+        # timeouts off: math_verify's timeouts use SIGALRM, which fails outside the main thread
+        gold = parse(answer, parsing_timeout=None)
+        pred = parse(found, parsing_timeout=None)
+        return 1.0 if gold and pred and verify(gold, pred, timeout_seconds=None) else 0.0
+    except Exception:  # noqa: BLE001 - a reward never raises on garbage
+        return 0.0

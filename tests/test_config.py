@@ -1,0 +1,76 @@
+"""Every YAML under conf/ composes onto the typed schema; bad values name their key."""
+
+import os
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from pipeline.config import load_config, register, validate
+
+CONF = os.path.join(os.path.dirname(__file__), "..", "conf")
+
+
+def _options():
+    for group in sorted(os.listdir(CONF)):
+        path = os.path.join(CONF, group)
+        if os.path.isdir(path):
+            for f in sorted(os.listdir(path)):
+                if f.endswith(".yaml"):
+                    name = f[: -len(".yaml")]
+                    yield f"+exp={name}" if group == "exp" else f"{group}={name}"
+
+
+def _compose(overrides):
+    register()
+    with initialize_config_dir(config_dir=os.path.abspath(CONF), version_base=None):
+        return compose(config_name="config", overrides=overrides)
+
+
+@pytest.mark.parametrize("override", list(_options()))
+def test_every_yaml_composes(override):
+    cfg = _compose([override])
+    validate(cfg)
+    assert cfg.trainer.max_steps > 0
+
+
+def test_every_yaml_is_listed():
+    yamls = [f for _, _, fs in os.walk(CONF) for f in fs if f.endswith(".yaml")]
+    assert len(list(_options())) == len(yamls) - 1  # all but config.yaml itself
+
+
+def test_exp_math_overrides_defaults():
+    cfg = _compose(["+exp=math"])
+    assert cfg.run.name == "math"
+    assert cfg.model.name == "smollm2-135m-instruct"
+    tiny = _compose(["+exp=tiny"])
+    assert tiny.model.name == "tiny"
+
+
+def test_bad_value_names_key():
+    cfg = _compose(["trainer.max_steps=0"])
+    with pytest.raises(ValueError, match="trainer.max_steps"):
+        validate(cfg)
+    cfg = _compose(["task.kind=file"])
+    with pytest.raises(ValueError, match="task.path"):
+        validate(cfg)
+
+
+def test_bad_type_and_unknown_key_name_the_key():
+    with pytest.raises(Exception, match="max_steps"):
+        _compose(["trainer.max_steps=many"])
+    with pytest.raises(Exception, match="no_such_key"):
+        _compose(["trainer.no_such_key=1"])
+
+
+def test_saved_config_loads_with_overrides(tmp_path):
+    cfg = _compose(["+exp=tiny"])
+    path = tmp_path / "config.yaml"
+    OmegaConf.save(cfg, path)
+    loaded = load_config(str(path), ["trainer.max_steps=7"])
+    assert loaded.trainer.max_steps == 7
+    (tmp_path / "bad.yaml").write_text("trainer:\n  lr: fast\n")
+    with pytest.raises(ValueError, match="lr"):
+        load_config(str(tmp_path / "bad.yaml"))
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(str(tmp_path / "missing.yaml"))
