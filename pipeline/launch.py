@@ -146,6 +146,8 @@ def run(cfg) -> int:
         with open(os.path.join(run_dir, "redis", "auth"), "w") as f:
             os.chmod(f.name, 0o600)
             f.write(server.password + "\n")
+        with open(os.path.join(run_dir, "redis", "port"), "w") as f:
+            f.write(f"{server.port}\n")
     env["NONSTOP_REDIS_URL"] = url
     client = connect(url)
     check_no_eviction(client)
