@@ -20,10 +20,18 @@ import uuid
 import zlib
 
 import numpy as np
+
 from actor.engine import Completion, HFEngine
 from actor.task import build_prompt_ids, make_task, reward
-from pipeline.messages import SCHEMA_VERSION, RolloutGroup, Sample, encode, pack_f32, \
-    pack_i32, rle_encode
+from pipeline.messages import (
+    SCHEMA_VERSION,
+    RolloutGroup,
+    Sample,
+    encode,
+    pack_f32,
+    pack_i32,
+    rle_encode,
+)
 from pipeline.models import load_model
 from pipeline.runtime import Pool, model_path, start_pool, trainer_version
 from pipeline.streams import publish
@@ -113,11 +121,13 @@ def main(argv: list[str] | None = None) -> None:
                 break
             t0, tokens0 = time.monotonic(), engine.stats.tokens
             produced += generate_step(pool, engine, task, tokenizer, rewards)
-            pool.status.set(state="generating", version=engine.version, groups_produced=produced,
+            rate = (engine.stats.tokens - tokens0) / max(time.monotonic() - t0, 1e-9)
+            pool.status.set(state="generating", version=engine.version,
+                            groups_produced=produced,
                             tokens=engine.stats.tokens, weight_updates_applied=receiver.applied,
                             weight_updates_failed=receiver.failed,
                             reward_mean=rewards.mean or 0.0,
-                            tokens_per_s=(engine.stats.tokens - tokens0) / max(time.monotonic() - t0, 1e-9))
+                            tokens_per_s=round(rate, 1))
     finally:
         receiver.stop()
         swap_ms = engine.stats.swap_ms

@@ -46,6 +46,8 @@ def rle_encode(versions) -> bytes:
     v = np.asarray(versions, dtype=np.int64)
     if v.size == 0:
         return b""
+    if v.min() < 0 or v.max() >= 2**31:
+        raise ValueError(f"policy versions must lie in [0, 2**31), got {v.min()}..{v.max()}")
     starts = np.flatnonzero(np.r_[True, v[1:] != v[:-1]])
     counts = np.diff(np.r_[starts, v.size])
     return pack_i32(np.stack([v[starts], counts], axis=1).ravel())
@@ -160,7 +162,7 @@ def decode(data: bytes, cls: type):
         msg = _DECODERS[cls].decode(data)
     except msgspec.ValidationError as e:
         raise BadEntry(f"not a valid {cls.__name__}: {e}") from None
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise BadEntry(f"undecodable {cls.__name__} payload: {e}") from None
     if msg.schema != SCHEMA_VERSION:
         raise BadEntry(f"schema version {msg.schema}, this build reads {SCHEMA_VERSION}")

@@ -183,7 +183,7 @@ def trim_consumed(client: redis.Redis, stream: str, keep_from: str | None = None
         return 0
     if keep_from is not None and _id_tuple(keep_from) < _id_tuple(floor):
         floor = keep_from
-    return client.xtrim(stream, minid=floor)
+    return client.xtrim(stream, minid=floor, approximate=False)
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, every_s: float = 0.1) -> bool:

@@ -32,7 +32,12 @@ import torch
 import torch.distributed as dist
 
 from pipeline.messages import (
-    SCHEMA_VERSION, BucketSpec, ParamSpec, WeightAnnouncement, decode, encode,
+    SCHEMA_VERSION,
+    BucketSpec,
+    ParamSpec,
+    WeightAnnouncement,
+    decode,
+    encode,
 )
 from pipeline.redis_server import free_port
 from pipeline.streams import Names, publish

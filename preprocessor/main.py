@@ -21,8 +21,7 @@ import numpy as np
 import torch
 
 from pipeline.logprobs import completion_logprobs, pad_sequences
-from pipeline.messages import SCHEMA_VERSION, RolloutGroup, TrainBatch, encode, pack_f32, \
-    unpack_i32
+from pipeline.messages import SCHEMA_VERSION, RolloutGroup, TrainBatch, encode, pack_f32, unpack_i32
 from pipeline.models import load_model
 from pipeline.runtime import Pool, model_path, start_pool
 from pipeline.streams import Consumer, publish, trim_consumed

@@ -321,17 +321,6 @@ def test_pickle_payload_is_refused_never_unpickled(cls, protocol):
         decode(pickle.dumps({"schema": SCHEMA_VERSION, "x": _Boom()}, protocol=protocol), cls)
 
 
-# Known source bug (pipeline/messages.py, decode): msgspec raises UnicodeDecodeError,
-# which is neither ValidationError nor DecodeError, for a string that is not UTF-8, so
-# it escapes decode() instead of becoming BadEntry (and crashes a Consumer).
-INVALID_UTF8 = pytest.mark.xfail(
-    raises=UnicodeDecodeError,
-    strict=False,
-    reason="known bug: decode() lets UnicodeDecodeError through for non-UTF-8 strings",
-)
-
-
-@INVALID_UTF8
 @pytest.mark.parametrize("where", ["value", "field-name", "dict-key"])
 def test_invalid_utf8_string_is_a_bad_entry(where):
     fields = as_fields(make_stats())
@@ -347,10 +336,6 @@ def test_invalid_utf8_string_is_a_bad_entry(where):
         decode(data, StatsEvent)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known bug: rle_encode casts int64 to int32 unchecked, so 2**31 wraps to -2**31",
-)
 @pytest.mark.parametrize("versions", [[2**31], [1] + [2**32 + 5] * 3])
 def test_rle_never_silently_wraps_large_versions(versions):
     try:
@@ -372,7 +357,6 @@ def _valid_or_bad_entry(data, cls):
     assert msg.schema == SCHEMA_VERSION
 
 
-@INVALID_UTF8
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=512), st.sampled_from(ALL_CLASSES))
 def test_random_bytes_decode_or_raise_bad_entry(data, cls):
@@ -429,7 +413,6 @@ def test_random_msgpack_maps_decode_or_raise_bad_entry(fields, cls):
     _valid_or_bad_entry(data, cls)
 
 
-@INVALID_UTF8
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_mutated_valid_payloads_decode_or_raise_bad_entry(data):

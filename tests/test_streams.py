@@ -197,12 +197,6 @@ def test_malformed_entries_go_to_dead_stream_and_good_ones_flow_in_order(rclient
     assert dead[1]["data"] == b"\xc1\xff garbage"  # the payload is kept for inspection
 
 
-@pytest.mark.xfail(
-    raises=UnicodeDecodeError,
-    strict=False,
-    reason="known bug: decode() lets UnicodeDecodeError through, so Consumer.read crashes "
-    "instead of dead-lettering an entry whose payload holds a non-UTF-8 string",
-)
 def test_entry_with_invalid_utf8_string_is_dead_lettered(rclient):
     fields = msgspec.msgpack.decode(encode(group(1)))
     bad = msgspec.msgpack.encode(fields).replace(b"\xa7actor-0", b"\xa7actor\xff\xfe")
@@ -309,11 +303,6 @@ def test_trim_without_groups_or_stream_removes_nothing(rclient):
     assert stream_ids(rclient, NAMES.batches) == ids
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="trim_consumed calls XTRIM MINID with redis-py's default approximate=True, so "
-    "nothing is trimmed until a whole stream node (up to 100 entries) is consumed",
-)
 def test_trim_is_exact_on_a_short_stream(rclient):
     ids = _fill(rclient, 10)
     rclient.xgroup_create(NAMES.batches, "trainer", id="0")
