@@ -39,8 +39,9 @@ class EngineStats:
 
 
 class HFEngine:
-    def __init__(self, model, tokenizer, temperature: float, top_p: float, top_k: int,
-                 seed: int = 0):
+    def __init__(
+        self, model, tokenizer, temperature: float, top_p: float, top_k: int, seed: int = 0
+    ):
         self.model, self.tokenizer = model, tokenizer
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.lock = threading.Lock()
@@ -67,7 +68,7 @@ class HFEngine:
         for spec, flat in zip(layout, buckets, strict=True):
             for p in spec.params:
                 n = math.prod(p.shape)
-                views.append((self._params[p.name], flat[p.offset:p.offset + n].view(p.shape)))
+                views.append((self._params[p.name], flat[p.offset : p.offset + n].view(p.shape)))
         same_dtype = all(v.dtype == param.dtype for param, v in views)
         t0 = time.perf_counter()
         with self.lock:
@@ -93,21 +94,23 @@ class HFEngine:
 
     # -- sampling ------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int,
-                 should_stop=lambda: False) -> list[Completion]:
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, should_stop=lambda: False
+    ) -> list[Completion]:
         batch = len(prompts)
         width = max(len(p) for p in prompts)
         ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((batch, width), dtype=torch.long)
         for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         out = [Completion([], [], [], False) for _ in prompts]
         alive = torch.ones(batch, dtype=torch.bool)
-        logits, version = self._forward(input_ids=ids, attention_mask=mask,
-                                        position_ids=positions, past_key_values=cache)
+        logits, version = self._forward(
+            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache
+        )
         for _ in range(max_new_tokens):
             logp = sampling_logprobs(logits, self.temperature, self.top_p, self.top_k)
             token = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)
@@ -127,6 +130,10 @@ class HFEngine:
             token = torch.where(alive, token, torch.full_like(token, self.pad_id))
             mask = torch.cat([mask, alive[:, None].long()], dim=1)
             positions = positions[:, -1:] + 1
-            logits, version = self._forward(input_ids=token[:, None], attention_mask=mask,
-                                            position_ids=positions, past_key_values=cache)
+            logits, version = self._forward(
+                input_ids=token[:, None],
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+            )
         return out

@@ -43,8 +43,9 @@ log = logging.getLogger("actor")
 
 def in_flight_groups(pool: Pool) -> float:
     """Groups produced by every actor and not yet trained, dropped or rejected."""
-    produced, retired = pool.client.mget(pool.names.key("samples_produced"),
-                                         pool.names.key("samples_retired"))
+    produced, retired = pool.client.mget(
+        pool.names.key("samples_produced"), pool.names.key("samples_retired")
+    )
     return (int(produced or 0) - int(retired or 0)) / pool.cfg.task.group_size
 
 
@@ -60,18 +61,33 @@ def wait_for_room(pool: Pool, engine: HFEngine) -> None:
         time.sleep(0.1)
 
 
-def to_group(pool: Pool, problem, prompt: list[int], outs: list[Completion],
-             rewards: list[float]) -> RolloutGroup:
+def to_group(
+    pool: Pool, problem, prompt: list[int], outs: list[Completion], rewards: list[float]
+) -> RolloutGroup:
     e = pool.cfg.engine
     samples = [
-        Sample(index=k, completion_ids=pack_i32(c.tokens), logprobs=pack_f32(c.logprobs),
-               versions=rle_encode(c.versions), reward=r, finished=c.finished)
+        Sample(
+            index=k,
+            completion_ids=pack_i32(c.tokens),
+            logprobs=pack_f32(c.logprobs),
+            versions=rle_encode(c.versions),
+            reward=r,
+            finished=c.finished,
+        )
         for k, (c, r) in enumerate(zip(outs, rewards, strict=True))
     ]
-    return RolloutGroup(schema=SCHEMA_VERSION, group_id=f"{pool.name}:{uuid.uuid4().hex[:16]}",
-                        actor=pool.name, problem_id=problem.id, prompt_ids=pack_i32(prompt),
-                        samples=samples, temperature=e.temperature, top_p=e.top_p,
-                        top_k=e.top_k, created=time.time())
+    return RolloutGroup(
+        schema=SCHEMA_VERSION,
+        group_id=f"{pool.name}:{uuid.uuid4().hex[:16]}",
+        actor=pool.name,
+        problem_id=problem.id,
+        prompt_ids=pack_i32(prompt),
+        samples=samples,
+        temperature=e.temperature,
+        top_p=e.top_p,
+        top_k=e.top_k,
+        created=time.time(),
+    )
 
 
 def generate_step(pool: Pool, engine: HFEngine, task, tokenizer, rewards: Window) -> int:
@@ -80,24 +96,39 @@ def generate_step(pool: Pool, engine: HFEngine, task, tokenizer, rewards: Window
     g = cfg.task.group_size
     problems = [task.sample() for _ in range(cfg.engine.prompts_per_batch)]
     prompts = [build_prompt_ids(tokenizer, p.question, cfg.task.system_prompt) for p in problems]
-    outs = engine.generate([p for p in prompts for _ in range(g)], cfg.engine.max_new_tokens,
-                           should_stop=pool.stop.is_set)
+    outs = engine.generate(
+        [p for p in prompts for _ in range(g)],
+        cfg.engine.max_new_tokens,
+        should_stop=pool.stop.is_set,
+    )
     if pool.stop.is_set():
         return 0  # a half-finished batch is not published
     for i, (problem, prompt) in enumerate(zip(problems, prompts, strict=True)):
-        group_outs = outs[i * g:(i + 1) * g]
+        group_outs = outs[i * g : (i + 1) * g]
         texts = tokenizer.batch_decode([c.tokens for c in group_outs], skip_special_tokens=True)
         scores = [reward(t, problem.answer) for t in texts]
         rewards.add(*scores)
         group = to_group(pool, problem, prompt, group_outs, scores)
         versions = np.concatenate([s.token_versions() for s in group.samples])
-        publish(pool.client, pool.names.rollouts, encode(group), schema=SCHEMA_VERSION,
-                group=group.group_id, actor=pool.name, problem=problem.id,
-                versions=f"{versions.min()}-{versions.max()}",
-                reward=f"{np.mean(scores):.3f}", tokens=int(versions.size))
+        publish(
+            pool.client,
+            pool.names.rollouts,
+            encode(group),
+            schema=SCHEMA_VERSION,
+            group=group.group_id,
+            actor=pool.name,
+            problem=problem.id,
+            versions=f"{versions.min()}-{versions.max()}",
+            reward=f"{np.mean(scores):.3f}",
+            tokens=int(versions.size),
+        )
         pool.client.incrby(pool.names.key("samples_produced"), len(group.samples))
-        pool.record(event="group", group=group.group_id, reward=float(np.mean(scores)),
-                    versions=[int(versions.min()), int(versions.max())])
+        pool.record(
+            event="group",
+            group=group.group_id,
+            reward=float(np.mean(scores)),
+            versions=[int(versions.min()), int(versions.max())],
+        )
     return len(problems)
 
 
@@ -105,13 +136,28 @@ def main(argv: list[str] | None = None) -> None:
     pool = start_pool("actor", argv)
     cfg = pool.cfg
     model, tokenizer = load_model(model_path(cfg), cfg.model.dtype)
-    engine = HFEngine(model, tokenizer, cfg.engine.temperature, cfg.engine.top_p,
-                      cfg.engine.top_k, seed=cfg.run.seed + zlib.crc32(pool.name.encode()) % 10_000)
-    task = make_task(cfg.task.kind, cfg.task.difficulty, cfg.task.path,
-                     cfg.task.seed + zlib.crc32(pool.name.encode()) % 10_000)
-    receiver = WeightReceiver(pool.client, pool.names, pool.name, engine.swap,
-                              cfg.trainer.transfer_timeout_s,
-                              on_error=lambda msg: pool.status.set(last_error=msg))
+    engine = HFEngine(
+        model,
+        tokenizer,
+        cfg.engine.temperature,
+        cfg.engine.top_p,
+        cfg.engine.top_k,
+        seed=cfg.run.seed + zlib.crc32(pool.name.encode()) % 10_000,
+    )
+    task = make_task(
+        cfg.task.kind,
+        cfg.task.difficulty,
+        cfg.task.path,
+        cfg.task.seed + zlib.crc32(pool.name.encode()) % 10_000,
+    )
+    receiver = WeightReceiver(
+        pool.client,
+        pool.names,
+        pool.name,
+        engine.swap,
+        cfg.trainer.transfer_timeout_s,
+        on_error=lambda msg: pool.status.set(last_error=msg),
+    )
     receiver.start()
     rewards, produced = Window(200), 0
     try:
@@ -122,17 +168,25 @@ def main(argv: list[str] | None = None) -> None:
             t0, tokens0 = time.monotonic(), engine.stats.tokens
             produced += generate_step(pool, engine, task, tokenizer, rewards)
             rate = (engine.stats.tokens - tokens0) / max(time.monotonic() - t0, 1e-9)
-            pool.status.set(state="generating", version=engine.version,
-                            groups_produced=produced,
-                            tokens=engine.stats.tokens, weight_updates_applied=receiver.applied,
-                            weight_updates_failed=receiver.failed,
-                            reward_mean=rewards.mean or 0.0,
-                            tokens_per_s=round(rate, 1))
+            pool.status.set(
+                state="generating",
+                version=engine.version,
+                groups_produced=produced,
+                tokens=engine.stats.tokens,
+                weight_updates_applied=receiver.applied,
+                weight_updates_failed=receiver.failed,
+                reward_mean=rewards.mean or 0.0,
+                tokens_per_s=round(rate, 1),
+            )
     finally:
         receiver.stop()
         swap_ms = engine.stats.swap_ms
-        pool.status.set(state="stopped", version=engine.version, groups_produced=produced,
-                        weight_updates_applied=receiver.applied,
-                        weight_updates_failed=receiver.failed,
-                        swap_ms_max=max(swap_ms) if swap_ms else 0.0)
+        pool.status.set(
+            state="stopped",
+            version=engine.version,
+            groups_produced=produced,
+            weight_updates_applied=receiver.applied,
+            weight_updates_failed=receiver.failed,
+            swap_ms_max=max(swap_ms) if swap_ms else 0.0,
+        )
         log.info("stopped: %d groups, %d weight updates applied", produced, receiver.applied)

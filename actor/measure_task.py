@@ -17,6 +17,7 @@ import torch
 from actor.task import (
     DEFAULT_DIFFICULTY,
     DEFAULT_SYSTEM_PROMPT,
+    QUESTION_TEMPLATE,
     ArithmeticTask,
     build_prompt_ids,
     reward,
@@ -34,6 +35,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--system-prompt", default=DEFAULT_SYSTEM_PROMPT)
+    parser.add_argument("--question-template", default=QUESTION_TEMPLATE)
     parser.add_argument("--show", type=int, default=0, help="print this many completions")
     return parser.parse_args()
 
@@ -56,7 +58,7 @@ def generate(model, tokenizer, prompts: list[list[int]], args) -> list[str]:
 
 
 def measure(model, tokenizer, difficulty: int, args) -> dict:
-    problems = ArithmeticTask(difficulty, args.seed).heldout(args.n)
+    problems = ArithmeticTask(difficulty, args.seed, args.question_template).heldout(args.n)
     start, correct, shown = time.time(), 0, 0
     for i in range(0, len(problems), args.batch_size):
         chunk = problems[i : i + args.batch_size]
@@ -77,7 +79,8 @@ def main() -> None:
     model, tokenizer = load_model(materialize_model(args.model))
     tokenizer.padding_side = "left"
     print(f"model={args.model} temperature={args.temperature} "
-          f"max_new_tokens={args.max_new_tokens} system_prompt={args.system_prompt!r}")
+          f"max_new_tokens={args.max_new_tokens} system_prompt={args.system_prompt!r} "
+          f"question_template={args.question_template!r}")
     rows = [measure(model, tokenizer, d, args) for d in args.difficulty]
     print(f"{'difficulty':>10} {'n':>5} {'correct':>8} {'accuracy':>9} {'seconds':>8}")
     for r in rows:

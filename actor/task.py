@@ -22,6 +22,7 @@ DEFAULT_SYSTEM_PROMPT = "You are a calculator. Reply with only the final number.
 QUESTION_TEMPLATE = "What is {expr}?"
 TASK_KINDS = ("arithmetic", "file")
 MAX_DIFFICULTY = 5
+MAX_ANSWER_CHARS = 100  # longer "answers" are garbage; they also bound math_verify's work
 
 _NUMBER = re.compile(r"(?:(?<![\w)])-)?\d+(?:,\d{3})*(?:\.\d+)?")
 _BOXED = "\\boxed{"
@@ -60,18 +61,23 @@ def _expression(rng: random.Random, difficulty: int) -> str:
 class ArithmeticTask:
     """Generated arithmetic problems; difficulty 1 (easiest) to 5 (see `_expression`)."""
 
-    def __init__(self, difficulty: int = DEFAULT_DIFFICULTY, seed: int = 0):
+    def __init__(
+        self, difficulty: int = DEFAULT_DIFFICULTY, seed: int = 0, template: str = QUESTION_TEMPLATE
+    ):
+        if "{expr}" not in template:
+            raise ValueError(f"question template {template!r} must contain {{expr}}")
         if not 1 <= difficulty <= MAX_DIFFICULTY:
             raise ValueError(f"difficulty must be 1..{MAX_DIFFICULTY}, got {difficulty}")
         self.difficulty = difficulty
         self.seed = seed
+        self.template = template
         self._rng = random.Random(seed)
         self._count = 0
 
     def _make(self, rng: random.Random, pid: str) -> Problem:
         expr = _expression(rng, self.difficulty)
         value = eval(expr)  # noqa: S307 - generated above from digits and + - *
-        return Problem(id=pid, question=QUESTION_TEMPLATE.format(expr=expr), answer=str(value))
+        return Problem(id=pid, question=self.template.format(expr=expr), answer=str(value))
 
     def sample(self) -> Problem:
         """The next problem of this task's deterministic sequence."""
@@ -205,7 +211,7 @@ def reward(completion: str, answer: str) -> float:
 
     try:
         found = final_answer(completion)
-        if found is None:
+        if found is None or len(found) > MAX_ANSWER_CHARS:
             return 0.0
         # timeouts off: math_verify's timeouts use SIGALRM, which fails outside the main thread
         gold = parse(answer, parsing_timeout=None)

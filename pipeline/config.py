@@ -133,10 +133,18 @@ _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
 }
 _POSITIVE = (
-    "engine.max_new_tokens", "engine.prompts_per_batch", "task.group_size",
-    "actor.num_actors", "preprocessor.num_workers", "preprocessor.token_budget",
-    "trainer.max_steps", "trainer.samples_per_step", "trainer.publish_every",
-    "trainer.checkpoint_every", "trainer.bucket_mb", "actor.max_queue_groups",
+    "engine.max_new_tokens",
+    "engine.prompts_per_batch",
+    "task.group_size",
+    "actor.num_actors",
+    "preprocessor.num_workers",
+    "preprocessor.token_budget",
+    "trainer.max_steps",
+    "trainer.samples_per_step",
+    "trainer.publish_every",
+    "trainer.checkpoint_every",
+    "trainer.bucket_mb",
+    "actor.max_queue_groups",
 )
 
 

@@ -63,8 +63,9 @@ class Supervisor:
     def spawn(self, cmds: dict[str, list[str]]) -> None:
         for name, argv in cmds.items():
             with open(self.log_path(name), "ab") as log:
-                self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                                    env=self.env, start_new_session=True)
+                self.procs[name] = subprocess.Popen(
+                    argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+                )
 
     def failed(self) -> str | None:
         for name, p in self.procs.items():
@@ -107,8 +108,10 @@ def supervise(cfg, sup: Supervisor, client, names: Names) -> tuple[str, int]:
             if bad:
                 progress.close()
                 code = sup.procs[bad].returncode
-                print(f"\npool {bad} exited with code {code}; stopping the run. "
-                      f"Last lines of {sup.log_path(bad)}:\n{tail(sup.log_path(bad))}")
+                print(
+                    f"\npool {bad} exited with code {code}; stopping the run. "
+                    f"Last lines of {sup.log_path(bad)}:\n{tail(sup.log_path(bad))}"
+                )
                 return f"failed: {bad} exited with {code}", 1
             if sup.procs["trainer"].poll() == 0:
                 progress.update(read_statuses(client, names))
@@ -141,8 +144,10 @@ def run(cfg) -> int:
         server = EmbeddedRedis(os.path.join(run_dir, "redis"), cfg.redis.embedded_appendfsync)
         server.start()
         url = server.url
-        print(f"embedded redis-server on 127.0.0.1:{server.port} (password in "
-              f"{run_dir}/redis/auth, AOF in {run_dir}/redis)")
+        print(
+            f"embedded redis-server on 127.0.0.1:{server.port} (password in "
+            f"{run_dir}/redis/auth, AOF in {run_dir}/redis)"
+        )
         with open(os.path.join(run_dir, "redis", "auth"), "w") as f:
             os.chmod(f.name, 0o600)
             f.write(server.password + "\n")

@@ -7,8 +7,9 @@ import numpy as np
 import torch
 
 
-def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
-                      top_k: int = 0) -> torch.Tensor:
+def sampling_logprobs(
+    logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0
+) -> torch.Tensor:
     """Log-softmax of the transformed logits; truncated entries get -inf."""
     logits = logits.float() / temperature
     if top_k and top_k < logits.shape[-1]:
@@ -31,14 +32,21 @@ def pad_sequences(prompts: list[np.ndarray], completions: list[np.ndarray], pad_
     attn = torch.zeros((len(lengths), width), dtype=torch.long)
     comp = torch.zeros((len(lengths), width), dtype=torch.bool)
     for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        ids[i, :lengths[i]] = torch.from_numpy(np.concatenate([p, c]).astype(np.int64))
-        attn[i, :lengths[i]] = 1
-        comp[i, len(p):lengths[i]] = True
+        ids[i, : lengths[i]] = torch.from_numpy(np.concatenate([p, c]).astype(np.int64))
+        attn[i, : lengths[i]] = 1
+        comp[i, len(p) : lengths[i]] = True
     return ids, attn, comp
 
 
-def completion_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, comp: torch.Tensor,
-                        temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+def completion_logprobs(
+    model,
+    ids: torch.Tensor,
+    attn: torch.Tensor,
+    comp: torch.Tensor,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+) -> torch.Tensor:
     """[batch, width] log-probs of each token given its prefix; 0 outside completions.
 
     Position t holds log p(ids[t] | ids[:t]); differentiable when grad is enabled.

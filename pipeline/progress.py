@@ -30,9 +30,11 @@ class Progress:
         groups = sum(int(v.get("groups_produced", 0)) for v in actors.values())
         reward = trainer.get("reward_mean")
         reward_s = f"{float(reward):.3f}" if reward else "-"
-        return (f"[{'#' * done}{'.' * (width - done)}] step {step}/{total} "
-                f"reward {reward_s} | trainer v{trainer_v} actors v{versions} lag {lag} | "
-                f"groups {groups} | {elapsed:.0f}s")
+        return (
+            f"[{'#' * done}{'.' * (width - done)}] step {step}/{total} "
+            f"reward {reward_s} | trainer v{trainer_v} actors v{versions} lag {lag} | "
+            f"groups {groups} | {elapsed:.0f}s"
+        )
 
     def update(self, statuses: dict[str, dict[str, str]]) -> None:
         now = time.monotonic()

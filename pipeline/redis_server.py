@@ -42,11 +42,27 @@ class EmbeddedRedis:
             )
         os.makedirs(self.data_dir, exist_ok=True)
         args = [
-            exe, "--port", str(self.port), "--bind", "127.0.0.1", "--protected-mode", "yes",
-            "--requirepass", self.password, "--dir", os.path.abspath(self.data_dir),
-            "--appendonly", "yes", "--appendfsync", self.appendfsync,
-            "--save", "", "--maxmemory-policy", "noeviction",
-            "--logfile", os.path.join(os.path.abspath(self.data_dir), "redis.log"),
+            exe,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--protected-mode",
+            "yes",
+            "--requirepass",
+            self.password,
+            "--dir",
+            os.path.abspath(self.data_dir),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            self.appendfsync,
+            "--save",
+            "",
+            "--maxmemory-policy",
+            "noeviction",
+            "--logfile",
+            os.path.join(os.path.abspath(self.data_dir), "redis.log"),
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout_s

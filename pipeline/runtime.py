@@ -46,8 +46,11 @@ def start_pool(role: str, argv: list[str] | None = None) -> Pool:
         level=logging.INFO,
         format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s",
     )
-    threads = {"actor": cfg.engine.torch_threads, "preprocessor": cfg.preprocessor.torch_threads,
-               "trainer": cfg.trainer.torch_threads}[role]
+    threads = {
+        "actor": cfg.engine.torch_threads,
+        "preprocessor": cfg.preprocessor.torch_threads,
+        "trainer": cfg.trainer.torch_threads,
+    }[role]
     torch.set_num_threads(threads)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -55,9 +58,16 @@ def start_pool(role: str, argv: list[str] | None = None) -> Pool:
     client = connect(redis_url(cfg))
     names = Names(cfg.redis.prefix, cfg.run.name)
     run_dir = cfg.run_dir or "."
-    pool = Pool(cfg=cfg, name=args.name, role=role, client=client, names=names, stop=stop,
-                status=PoolStatus(client, names, args.name, role),
-                metrics=MetricsFile(os.path.join(run_dir, "metrics.jsonl")))
+    pool = Pool(
+        cfg=cfg,
+        name=args.name,
+        role=role,
+        client=client,
+        names=names,
+        stop=stop,
+        status=PoolStatus(client, names, args.name, role),
+        metrics=MetricsFile(os.path.join(run_dir, "metrics.jsonl")),
+    )
     logging.getLogger(role).info("%s started (pid %d)", args.name, os.getpid())
     return pool
 

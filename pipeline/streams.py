@@ -138,9 +138,15 @@ class Consumer:
         log.error("dead-lettering %s %s: %s", self.stream, entry_id, reason)
         self.client.xadd(
             self.names.dead,
-            {"source": self.stream, "id": entry_id, "consumer": self.consumer,
-             "reason": reason, "data": fields.get(DATA, b"")},
-            maxlen=10000, approximate=True,
+            {
+                "source": self.stream,
+                "id": entry_id,
+                "consumer": self.consumer,
+                "reason": reason,
+                "data": fields.get(DATA, b""),
+            },
+            maxlen=10000,
+            approximate=True,
         )
         self.ack([entry_id])
         self.dead_lettered += 1

@@ -37,15 +37,22 @@ class Summary:
             ("outcome", self.outcome),
             ("trainer steps", self.trainer_steps),
             ("samples trained", self.samples_trained),
-            ("groups produced / trained / no-signal", f"{self.groups_produced} / "
-             f"{self.groups_trained} / {self.groups_dropped_no_signal}"),
+            (
+                "groups produced / trained / no-signal",
+                f"{self.groups_produced} / {self.groups_trained} / {self.groups_dropped_no_signal}",
+            ),
             ("weight updates published", self.weight_updates_published),
-            ("weight updates applied", ", ".join(
-                f"{k}={v}" for k, v in sorted(self.weight_updates_applied.items())) or "-"),
+            (
+                "weight updates applied",
+                ", ".join(f"{k}={v}" for k, v in sorted(self.weight_updates_applied.items()))
+                or "-",
+            ),
             ("sequences spanning versions", self.sequences_spanning_versions),
             ("stale samples dropped", self.stale_samples_dropped),
-            (f"reward first/last {self.reward_window_steps} steps",
-             f"{_fmt(self.reward_mean_first_window)} -> {_fmt(self.reward_mean_last_window)}"),
+            (
+                f"reward first/last {self.reward_window_steps} steps",
+                f"{_fmt(self.reward_mean_first_window)} -> {_fmt(self.reward_mean_last_window)}",
+            ),
             ("dead-lettered entries", self.dead_lettered),
             ("wall seconds", f"{self.wall_seconds:.1f}"),
         ]
@@ -61,8 +68,9 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def build_summary(run_dir: str, client: redis.Redis, names: Names, outcome: str,
-                  wall_s: float) -> Summary:
+def build_summary(
+    run_dir: str, client: redis.Redis, names: Names, outcome: str, wall_s: float
+) -> Summary:
     statuses = read_statuses(client, names)
     records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     steps = [r for r in records if r.get("event") == "step"]
@@ -76,8 +84,9 @@ def build_summary(run_dir: str, client: redis.Redis, names: Names, outcome: str,
         trainer_steps=int(trainer.get("step", 0)),
         samples_trained=int(trainer.get("samples_trained", 0)),
         weight_updates_published=int(trainer.get("weight_updates_published", 0)),
-        weight_updates_applied={k: int(v.get("weight_updates_applied", 0))
-                                for k, v in actors.items()},
+        weight_updates_applied={
+            k: int(v.get("weight_updates_applied", 0)) for k, v in actors.items()
+        },
         sequences_spanning_versions=int(trainer.get("sequences_spanning_versions", 0)),
         stale_samples_dropped=int(trainer.get("stale_samples_dropped", 0)),
         reward_mean_first_window=_mean(rewards[:window]),
@@ -93,8 +102,9 @@ def build_summary(run_dir: str, client: redis.Redis, names: Names, outcome: str,
     )
 
 
-def write_summary(run_dir: str, client: redis.Redis, names: Names, outcome: str,
-                  wall_s: float) -> Summary:
+def write_summary(
+    run_dir: str, client: redis.Redis, names: Names, outcome: str, wall_s: float
+) -> Summary:
     summary = build_summary(run_dir, client, names, outcome, wall_s)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(asdict(summary), f, indent=2)

@@ -58,8 +58,15 @@ class PoolStatus:
 
     def __init__(self, client: redis.Redis, names: Names, name: str, role: str):
         self.client, self.key = client, names.status(name)
-        self.client.hset(self.key, mapping={"role": role, "pid": os.getpid(),
-                                            "started": time.time(), "heartbeat": time.time()})
+        self.client.hset(
+            self.key,
+            mapping={
+                "role": role,
+                "pid": os.getpid(),
+                "started": time.time(),
+                "heartbeat": time.time(),
+            },
+        )
 
     def set(self, **fields) -> None:
         fields["heartbeat"] = time.time()

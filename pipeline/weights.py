@@ -82,16 +82,23 @@ def _pair_group(store: dist.Store, nonce: str, rank: int, host: str, timeout_s: 
 class WeightPublisher:
     """Trainer side: a background thread that sends the newest version to every actor."""
 
-    def __init__(self, client: redis.Redis, names: Names, host: str, bucket_mb: int,
-                 timeout_s: float):
+    def __init__(
+        self, client: redis.Redis, names: Names, host: str, bucket_mb: int, timeout_s: float
+    ):
         self.client, self.names, self.host = client, names, host
         self.bucket_bytes, self.timeout_s = bucket_mb * 1024 * 1024, timeout_s
         port = free_port(host)
-        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=timeout_s))
+        self.store = dist.TCPStore(
+            host,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
         self.secret = secrets.token_hex(8)
-        client.hset(names.key("rendezvous"),
-                    mapping={"host": host, "port": port, "secret": self.secret})
+        client.hset(
+            names.key("rendezvous"), mapping={"host": host, "port": port, "secret": self.secret}
+        )
         self.groups: dict[str, object] = {}
         self.joins_id = "0"
         self.published = 0
@@ -154,8 +161,9 @@ class WeightPublisher:
                 self.joins_id = entry_id.decode()
                 actor, nonce = fields[b"actor"].decode(), fields[b"nonce"].decode()
                 try:
-                    self.groups[actor] = _pair_group(self.store, nonce, 0, self.host,
-                                                     self.timeout_s)
+                    self.groups[actor] = _pair_group(
+                        self.store, nonce, 0, self.host, self.timeout_s
+                    )
                     log.info("actor %s joined the weight transfer", actor)
                 except Exception as e:
                     log.error("actor %s could not join the weight transfer: %s", actor, e)
@@ -164,13 +172,24 @@ class WeightPublisher:
         self._accept_joins()
         sums = checksum(flat)
         targets = sorted(self.groups)
-        ann = WeightAnnouncement(schema=SCHEMA_VERSION, version=version,
-                                 dtype=str(flat[0].dtype).removeprefix("torch."),
-                                 buckets=layout, checksums=sums, targets=targets,
-                                 created=time.time())
-        publish(self.client, self.names.weights, encode(ann), version=version,
-                targets=",".join(targets), buckets=len(layout),
-                bytes=sum(b.numel() * b.element_size() for b in flat))
+        ann = WeightAnnouncement(
+            schema=SCHEMA_VERSION,
+            version=version,
+            dtype=str(flat[0].dtype).removeprefix("torch."),
+            buckets=layout,
+            checksums=sums,
+            targets=targets,
+            created=time.time(),
+        )
+        publish(
+            self.client,
+            self.names.weights,
+            encode(ann),
+            version=version,
+            targets=",".join(targets),
+            buckets=len(layout),
+            bytes=sum(b.numel() * b.element_size() for b in flat),
+        )
         timeout = datetime.timedelta(seconds=self.timeout_s)
         for actor in targets:
             t0 = time.monotonic()
@@ -181,8 +200,9 @@ class WeightPublisher:
                 log.error("dropping actor %s from the weight transfer: %s", actor, e)
                 self.groups.pop(actor, None)
                 continue
-            log.info("sent version %d to %s in %.0f ms", version, actor,
-                     1000 * (time.monotonic() - t0))
+            log.info(
+                "sent version %d to %s in %.0f ms", version, actor, 1000 * (time.monotonic() - t0)
+            )
         self.published += 1
         self.client.set(self.names.key("published_version"), version)
 
@@ -195,9 +215,15 @@ class WeightReceiver:
     released (for reuse as the next staging copy) or None.
     """
 
-    def __init__(self, client: redis.Redis, names: Names, actor: str,
-                 swap: Callable[[int, list[BucketSpec], list[torch.Tensor]], object],
-                 timeout_s: float, on_error: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        client: redis.Redis,
+        names: Names,
+        actor: str,
+        swap: Callable[[int, list[BucketSpec], list[torch.Tensor]], object],
+        timeout_s: float,
+        on_error: Callable[[str], None] | None = None,
+    ):
         self.client, self.names, self.actor = client, names, actor
         self.swap, self.timeout_s = swap, timeout_s
         self.on_error = on_error or (lambda msg: None)
@@ -221,8 +247,12 @@ class WeightReceiver:
         while not self._stop.is_set() and not self.client.exists(key):
             time.sleep(0.2)
         info = {k.decode(): v.decode() for k, v in self.client.hgetall(key).items()}
-        store = dist.TCPStore(info["host"], int(info["port"]), is_master=False,
-                              timeout=datetime.timedelta(seconds=self.timeout_s))
+        store = dist.TCPStore(
+            info["host"],
+            int(info["port"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=self.timeout_s),
+        )
         last = self.client.xrevrange(self.names.weights, count=1)
         after = last[0][0].decode() if last else "0"
         nonce = f"{self.actor}:{secrets.token_hex(6)}"
@@ -256,8 +286,11 @@ class WeightReceiver:
     def _staging(self, ann: WeightAnnouncement) -> list[torch.Tensor]:
         dtype = getattr(torch, ann.dtype)
         spare = self._spare
-        if spare and [b.numel() for b in spare] == [b.numel for b in ann.buckets] \
-                and spare[0].dtype == dtype:
+        if (
+            spare
+            and [b.numel() for b in spare] == [b.numel for b in ann.buckets]
+            and spare[0].dtype == dtype
+        ):
             return spare
         return [torch.empty(b.numel, dtype=dtype) for b in ann.buckets]
 

@@ -53,11 +53,18 @@ def to_batches(groups: list[RolloutGroup], budget: int) -> list[TrainBatch]:
     for idx in pack(lengths, budget):
         chosen = [items[i] for i in idx]
         g0 = chosen[0][0]
-        out.append(TrainBatch(
-            schema=SCHEMA_VERSION, batch_id=uuid.uuid4().hex[:16],
-            group_ids=[g.group_id for g, _ in chosen], prompt_ids=[g.prompt_ids for g, _ in chosen],
-            samples=[s for _, s in chosen], temperature=g0.temperature, top_p=g0.top_p,
-            top_k=g0.top_k))
+        out.append(
+            TrainBatch(
+                schema=SCHEMA_VERSION,
+                batch_id=uuid.uuid4().hex[:16],
+                group_ids=[g.group_id for g, _ in chosen],
+                prompt_ids=[g.prompt_ids for g, _ in chosen],
+                samples=[s for _, s in chosen],
+                temperature=g0.temperature,
+                top_p=g0.top_p,
+                top_k=g0.top_k,
+            )
+        )
     return out
 
 
@@ -78,9 +85,17 @@ def process(pool: Pool, ref_model, pad_id: int, entries: list[tuple[str, Rollout
     batches = to_batches(kept, cfg.token_budget) if kept else []
     for b in batches:
         versions = np.concatenate([s.token_versions() for s in b.samples])
-        publish(pool.client, pool.names.batches, encode(b), schema=SCHEMA_VERSION,
-                batch=b.batch_id, samples=len(b.samples), groups=len(set(b.group_ids)),
-                versions=f"{versions.min()}-{versions.max()}", tokens=int(versions.size))
+        publish(
+            pool.client,
+            pool.names.batches,
+            encode(b),
+            schema=SCHEMA_VERSION,
+            batch=b.batch_id,
+            samples=len(b.samples),
+            groups=len(set(b.group_ids)),
+            versions=f"{versions.min()}-{versions.max()}",
+            tokens=int(versions.size),
+        )
     return {"kept": len(kept), "dropped": dropped, "batches": len(batches)}
 
 
@@ -91,8 +106,15 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.preprocessor.reference:
         ref_model, tokenizer = load_model(model_path(cfg), cfg.model.dtype)
     pad_id = tokenizer.pad_token_id if tokenizer is not None else 0
-    consumer = Consumer(pool.client, pool.names, pool.names.rollouts, GROUP, pool.name,
-                        RolloutGroup, block_ms=cfg.redis.block_ms)
+    consumer = Consumer(
+        pool.client,
+        pool.names,
+        pool.names.rollouts,
+        GROUP,
+        pool.name,
+        RolloutGroup,
+        block_ms=cfg.redis.block_ms,
+    )
     totals = {"kept": 0, "dropped": 0, "batches": 0}
     while not pool.stop.is_set():
         entries = consumer.read(cfg.preprocessor.read_count)

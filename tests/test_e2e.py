@@ -16,9 +16,19 @@ def test_pipeline_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, NONSTOP_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.launch", "+exp=tiny", f"run_dir={run_dir}",
-         "trainer.max_steps=4"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pipeline.launch",
+            "+exp=tiny",
+            f"run_dir={run_dir}",
+            "trainer.max_steps=4",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "run summary" in proc.stdout
@@ -30,8 +40,12 @@ def test_pipeline_end_to_end(tmp_path):
     assert summary["weight_updates_published"] == 4
     assert summary["weight_updates_applied"]["actor-0"] >= 2
     assert summary["sequences_spanning_versions"] >= 1, "no sequence continued across a swap"
-    for key in ("stale_samples_dropped", "reward_mean_first_window",
-                "reward_mean_last_window", "wall_seconds"):
+    for key in (
+        "stale_samples_dropped",
+        "reward_mean_first_window",
+        "reward_mean_last_window",
+        "wall_seconds",
+    ):
         assert key in summary
 
     records = read_jsonl(str(run_dir / "metrics.jsonl"))
@@ -56,9 +70,20 @@ def test_pipeline_end_to_end(tmp_path):
 def test_failing_pool_stops_the_run_and_is_named(tmp_path):
     env = dict(os.environ, NONSTOP_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.launch", "+exp=tiny", f"run_dir={tmp_path / 'r'}",
-         "task.kind=file", f"task.path={tmp_path / 'missing.jsonl'}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "pipeline.launch",
+            "+exp=tiny",
+            f"run_dir={tmp_path / 'r'}",
+            "task.kind=file",
+            f"task.path={tmp_path / 'missing.jsonl'}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "pool actor-0 exited" in proc.stdout

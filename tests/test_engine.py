@@ -29,8 +29,9 @@ def _check_trainer_agrees(engine, prompts, outs, **sampling):
     with torch.no_grad():
         lp = completion_logprobs(engine.model, ids, attn, comp, **sampling)
     for row, o in enumerate(outs):
-        torch.testing.assert_close(lp[row][comp[row]], torch.tensor(o.logprobs),
-                                   atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            lp[row][comp[row]], torch.tensor(o.logprobs), atol=2e-4, rtol=1e-4
+        )
 
 
 def test_recorded_logprobs_match_a_full_forward(tmp_path):

@@ -47,8 +47,17 @@ def test_mask_excludes_padding():
 def test_kl_to_reference_pulls_towards_it():
     new = torch.tensor([[0.0]], requires_grad=True)
     mask = torch.ones(1, 1, dtype=torch.bool)
-    parts = policy_loss(new, torch.zeros(1, 1), torch.zeros(1, 1), mask, 0.2, 0.2, 3.0,
-                        ref_lp=torch.tensor([[-1.0]]), kl_coef=0.5)
+    parts = policy_loss(
+        new,
+        torch.zeros(1, 1),
+        torch.zeros(1, 1),
+        mask,
+        0.2,
+        0.2,
+        3.0,
+        ref_lp=torch.tensor([[-1.0]]),
+        kl_coef=0.5,
+    )
     parts.loss.backward()
     assert parts.kl_sum > 0
     assert new.grad[0, 0] > 0  # descending lowers log-prob toward the reference

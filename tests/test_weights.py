@@ -45,8 +45,9 @@ def test_published_version_reaches_the_actor_whole(tmp_path, rclient):
                     p.add_(0.5)
             publisher.submit(version, trainer_model)
             assert wait_until(lambda v=version: engine.version == v, 20), receiver.failed
-        for (n, p), (_, q) in zip(trainer_model.named_parameters(),
-                                  actor_model.named_parameters(), strict=True):
+        for (n, p), (_, q) in zip(
+            trainer_model.named_parameters(), actor_model.named_parameters(), strict=True
+        ):
             torch.testing.assert_close(p, q, msg=n)
         assert receiver.applied == 2 and receiver.failed == 0
         entries = rclient.xrange(names.weights)

@@ -24,8 +24,9 @@ def save(ckpt_root: str, model, tokenizer, optimizer, state: dict, keep: int) ->
     with open(os.path.join(ckpt_root, "latest.tmp"), "w") as f:
         f.write(os.path.basename(path))
     os.replace(os.path.join(ckpt_root, "latest.tmp"), os.path.join(ckpt_root, "latest"))
-    for old in sorted(d for d in os.listdir(ckpt_root) if d.startswith("step-")
-                      and not d.endswith(".tmp"))[:-keep]:
+    for old in sorted(
+        d for d in os.listdir(ckpt_root) if d.startswith("step-") and not d.endswith(".tmp")
+    )[:-keep]:
         shutil.rmtree(os.path.join(ckpt_root, old), ignore_errors=True)
     return path
 

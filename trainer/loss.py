@@ -17,9 +17,17 @@ class LossParts:
     kl_sum: float
 
 
-def policy_loss(new_lp: torch.Tensor, actor_lp: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, clip_low: float, clip_high: float, is_cap: float,
-                ref_lp: torch.Tensor | None = None, kl_coef: float = 0.0) -> LossParts:
+def policy_loss(
+    new_lp: torch.Tensor,
+    actor_lp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    is_cap: float,
+    ref_lp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> LossParts:
     """All tensors are [batch, tokens]; ``advantages`` is per token; ``mask`` bool.
 
     ratio r = pi/mu with mu the policy the actor sampled from (possibly several
@@ -29,8 +37,7 @@ def policy_loss(new_lp: torch.Tensor, actor_lp: torch.Tensor, advantages: torch.
     """
     log_ratio = (new_lp - actor_lp).masked_fill(~mask, 0.0)
     ratio = torch.exp(log_ratio)
-    surr = torch.minimum(ratio * advantages,
-                         ratio.clamp(1 - clip_low, 1 + clip_high) * advantages)
+    surr = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_low, 1 + clip_high) * advantages)
     surr = torch.where(advantages < 0, torch.maximum(surr, is_cap * advantages), surr)
     per_token = -surr
     kl_sum = 0.0
@@ -40,6 +47,10 @@ def policy_loss(new_lp: torch.Tensor, actor_lp: torch.Tensor, advantages: torch.
         per_token = per_token + kl_coef * kl
         kl_sum = float(kl.detach()[mask].sum())
     clipped = ((ratio < 1 - clip_low) | (ratio > 1 + clip_high)) & mask
-    return LossParts(loss=per_token[mask].sum(), tokens=int(mask.sum()),
-                     clipped=int(clipped.sum()), ratio_sum=float(ratio.detach()[mask].sum()),
-                     kl_sum=kl_sum)
+    return LossParts(
+        loss=per_token[mask].sum(),
+        tokens=int(mask.sum()),
+        clipped=int(clipped.sum()),
+        ratio_sum=float(ratio.detach()[mask].sum()),
+        kl_sum=kl_sum,
+    )

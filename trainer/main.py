@@ -47,8 +47,9 @@ class StepData:
 
 def fresh_only(batch: TrainBatch, version: int, max_lag: int) -> tuple[TrainBatch | None, int]:
     """Drop samples whose oldest token is more than ``max_lag`` versions old."""
-    keep = [i for i, s in enumerate(batch.samples)
-            if version - int(s.token_versions().min()) <= max_lag]
+    keep = [
+        i for i, s in enumerate(batch.samples) if version - int(s.token_versions().min()) <= max_lag
+    ]
     stale = len(batch.samples) - len(keep)
     if not keep:
         return None, stale
@@ -97,8 +98,17 @@ def train_step(model, optimizer, data: StepData, cfg, pad_id: int) -> dict:
         new_lp = completion_logprobs(model, ids, attn, comp, b.temperature, b.top_p, b.top_k)
         adv = torch.tensor([s.advantage for s in b.samples])[:, None].expand_as(new_lp)
         ref = per_token(b.samples, comp, "ref_logprobs") if b.samples[0].ref_logprobs else None
-        parts = policy_loss(new_lp, per_token(b.samples, comp, "logprobs"), adv, comp,
-                            cfg.clip_low, cfg.clip_high, cfg.is_cap, ref, cfg.kl_coef)
+        parts = policy_loss(
+            new_lp,
+            per_token(b.samples, comp, "logprobs"),
+            adv,
+            comp,
+            cfg.clip_low,
+            cfg.clip_high,
+            cfg.is_cap,
+            ref,
+            cfg.kl_coef,
+        )
         (parts.loss / total_tokens).backward()
         agg["loss"] += float(parts.loss) / total_tokens
         agg["clipped"] += parts.clipped
@@ -109,15 +119,22 @@ def train_step(model, optimizer, data: StepData, cfg, pad_id: int) -> dict:
     model.eval()
     samples = [s for b in data.batches for s in b.samples]
     return {
-        "loss": agg["loss"], "grad_norm": float(grad_norm), "tokens": total_tokens,
-        "clip_frac": agg["clipped"] / total_tokens, "ratio_mean": agg["ratio_sum"] / total_tokens,
-        "kl": agg["kl_sum"] / total_tokens, "samples": len(samples),
+        "loss": agg["loss"],
+        "grad_norm": float(grad_norm),
+        "tokens": total_tokens,
+        "clip_frac": agg["clipped"] / total_tokens,
+        "ratio_mean": agg["ratio_sum"] / total_tokens,
+        "kl": agg["kl_sum"] / total_tokens,
+        "samples": len(samples),
         "reward_mean": float(np.mean([s.reward for s in samples])),
         "spanning": sum(len(np.unique(s.token_versions())) > 1 for s in samples),
         "oldest_version": int(min(s.token_versions().min() for s in samples)),
         "groups": sorted({g for b in data.batches for g in b.group_ids}),
-        "sample_ids": [f"{g}/{s.index}" for b in data.batches
-                       for g, s in zip(b.group_ids, b.samples, strict=True)],
+        "sample_ids": [
+            f"{g}/{s.index}"
+            for b in data.batches
+            for g, s in zip(b.group_ids, b.samples, strict=True)
+        ],
     }
 
 
@@ -127,20 +144,38 @@ class Trainer:
         self.ckpt_root = os.path.join(cfg.run_dir or ".", "checkpoints")
         resume_from = checkpoint.latest(self.ckpt_root) if cfg.trainer.resume else None
         self.model, self.tokenizer = load_model(resume_from or model_path(cfg), cfg.model.dtype)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.trainer.lr,
-                                           weight_decay=cfg.trainer.weight_decay)
-        self.state = {"version": 0, "samples_trained": 0, "stale_samples_dropped": 0,
-                      "sequences_spanning_versions": 0, "entry_id": "0-0"}
-        self.consumer = Consumer(pool.client, pool.names, pool.names.batches, GROUP, pool.name,
-                                 TrainBatch, block_ms=cfg.redis.block_ms)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
+        )
+        self.state = {
+            "version": 0,
+            "samples_trained": 0,
+            "stale_samples_dropped": 0,
+            "sequences_spanning_versions": 0,
+            "entry_id": "0-0",
+        }
+        self.consumer = Consumer(
+            pool.client,
+            pool.names,
+            pool.names.batches,
+            GROUP,
+            pool.name,
+            TrainBatch,
+            block_ms=cfg.redis.block_ms,
+        )
         if resume_from:
             self.state = checkpoint.load_state(resume_from, self.optimizer)
             pool.client.xgroup_setid(pool.names.batches, GROUP, self.state["entry_id"])
             log.info("resumed from %s at version %d", resume_from, self.state["version"])
         self.checkpoint_id = self.state["entry_id"]
         pool.client.set(pool.names.key("trainer_version"), self.state["version"])
-        self.publisher = WeightPublisher(pool.client, pool.names, cfg.trainer.transfer_host,
-                                         cfg.trainer.bucket_mb, cfg.trainer.transfer_timeout_s)
+        self.publisher = WeightPublisher(
+            pool.client,
+            pool.names,
+            cfg.trainer.transfer_host,
+            cfg.trainer.bucket_mb,
+            cfg.trainer.transfer_timeout_s,
+        )
         if resume_from:
             self.publisher.submit(self.state["version"], self.model)
 
@@ -160,8 +195,9 @@ class Trainer:
         if s["version"] % cfg.publish_every == 0 or s["version"] == cfg.max_steps:
             self.publisher.submit(s["version"], self.model)
         if s["version"] % cfg.checkpoint_every == 0 or s["version"] == cfg.max_steps:
-            checkpoint.save(self.ckpt_root, self.model, self.tokenizer, self.optimizer, s,
-                            cfg.keep_checkpoints)
+            checkpoint.save(
+                self.ckpt_root, self.model, self.tokenizer, self.optimizer, s, cfg.keep_checkpoints
+            )
             self.checkpoint_id = s["entry_id"]
         ms, seq = self.checkpoint_id.split("-")
         trim_consumed(self.pool.client, self.pool.names.batches, keep_from=f"{ms}-{int(seq) + 1}")
@@ -171,15 +207,27 @@ class Trainer:
     def report(self, metrics: dict) -> None:
         s = self.state
         self.pool.record(event="step", step=s["version"], **metrics)
-        self.pool.status.set(state="training", step=s["version"], version=s["version"],
-                             samples_trained=s["samples_trained"],
-                             stale_samples_dropped=s["stale_samples_dropped"],
-                             sequences_spanning_versions=s["sequences_spanning_versions"],
-                             weight_updates_published=self.publisher.published,
-                             reward_mean=metrics["reward_mean"], loss=metrics["loss"])
-        log.info("step %d loss %.4f reward %.3f samples %d stale %d spanning %d (%.1fs)",
-                 s["version"], metrics["loss"], metrics["reward_mean"], metrics["samples"],
-                 metrics["stale"], metrics["spanning"], metrics["step_s"])
+        self.pool.status.set(
+            state="training",
+            step=s["version"],
+            version=s["version"],
+            samples_trained=s["samples_trained"],
+            stale_samples_dropped=s["stale_samples_dropped"],
+            sequences_spanning_versions=s["sequences_spanning_versions"],
+            weight_updates_published=self.publisher.published,
+            reward_mean=metrics["reward_mean"],
+            loss=metrics["loss"],
+        )
+        log.info(
+            "step %d loss %.4f reward %.3f samples %d stale %d spanning %d (%.1fs)",
+            s["version"],
+            metrics["loss"],
+            metrics["reward_mean"],
+            metrics["samples"],
+            metrics["stale"],
+            metrics["spanning"],
+            metrics["step_s"],
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -192,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
             break
         trainer.report(trainer.step(data))
     trainer.publisher.close(timeout_s=pool.cfg.trainer.transfer_timeout_s)
-    pool.status.set(state="finished" if trainer.state["version"] >= max_steps else "stopped",
-                    weight_updates_published=trainer.publisher.published)
+    pool.status.set(
+        state="finished" if trainer.state["version"] >= max_steps else "stopped",
+        weight_updates_published=trainer.publisher.published,
+    )
     log.info("trainer done at version %d", trainer.state["version"])
