@@ -157,6 +157,7 @@ def run(cfg) -> int:
     client = connect(url)
     check_no_eviction(client)
     names = Names(cfg.redis.prefix, cfg.run.name)
+    client.delete(names.key("rendezvous"))  # a previous trainer's address is stale now
     sup = Supervisor(cfg, run_dir, env)
     start = time.time()
     sup.spawn(pool_commands(cfg, config_path))

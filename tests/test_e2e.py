@@ -90,3 +90,70 @@ def test_failing_pool_stops_the_run_and_is_named(tmp_path):
     assert "missing.jsonl" in proc.stdout  # the actor's own error, shown from its log
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["outcome"].startswith("failed: actor-0")
+
+
+def _launch(run_dir, tmp_path, *overrides, timeout=300):
+    env = dict(os.environ, NONSTOP_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.launch", "+exp=tiny", f"run_dir={run_dir}", *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_relaunch_resumes_from_checkpoint_and_stream_position(tmp_path):
+    run_dir = tmp_path / "run"
+    first = _launch(run_dir, tmp_path, "trainer.max_steps=2")
+    assert first.returncode == 0, first.stdout + first.stderr
+    second = _launch(run_dir, tmp_path, "trainer.max_steps=4")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["trainer_steps"] == 4
+    records = read_jsonl(str(run_dir / "metrics.jsonl"))
+    steps = [r["step"] for r in records if r.get("event") == "step"]
+    assert steps == [1, 2, 3, 4]  # no step redone, none skipped
+    trained = [sid for r in records if r.get("event") == "step" for sid in r["sample_ids"]]
+    assert len(trained) == len(set(trained)), "a sample was trained in both launches"
+    state = json.loads((run_dir / "checkpoints" / "step-000004" / "trainer_state.json").read_text())
+    assert state["samples_trained"] == len(trained)
+
+
+def test_ctrl_c_stops_every_pool_and_writes_a_summary(tmp_path):
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, NONSTOP_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.launch",
+            "+exp=tiny",
+            f"run_dir={run_dir}",
+            "trainer.max_steps=100000",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and '"event": "step"' not in (
+        metrics.read_text() if metrics.exists() else ""
+    ):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert "interrupted" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["outcome"] == "interrupted" and summary["trainer_steps"] >= 1
+    leftovers = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
+    assert leftovers.stdout.strip() == "", "pool processes outlived the launcher"
