@@ -63,14 +63,18 @@ def measure(model, tokenizer, difficulty: int, args) -> dict:
     for i in range(0, len(problems), args.batch_size):
         chunk = problems[i : i + args.batch_size]
         prompts = [build_prompt_ids(tokenizer, p.question, args.system_prompt) for p in chunk]
-        for problem, text in zip(chunk, generate(model, tokenizer, prompts, args)):
+        for problem, text in zip(chunk, generate(model, tokenizer, prompts, args), strict=True):
             score = reward(text, problem.answer)
             correct += int(score)
             if shown < args.show:
                 shown += 1
                 print(f"[{score:.0f}] {problem.question} = {problem.answer} :: {text!r}")
-    return {"difficulty": difficulty, "n": len(problems), "correct": correct,
-            "seconds": time.time() - start}
+    return {
+        "difficulty": difficulty,
+        "n": len(problems),
+        "correct": correct,
+        "seconds": time.time() - start,
+    }
 
 
 def main() -> None:
@@ -78,15 +82,18 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model, tokenizer = load_model(materialize_model(args.model))
     tokenizer.padding_side = "left"
-    print(f"model={args.model} temperature={args.temperature} "
-          f"max_new_tokens={args.max_new_tokens} system_prompt={args.system_prompt!r} "
-          f"question_template={args.question_template!r}")
+    print(
+        f"model={args.model} temperature={args.temperature} "
+        f"max_new_tokens={args.max_new_tokens} system_prompt={args.system_prompt!r} "
+        f"question_template={args.question_template!r}"
+    )
     rows = [measure(model, tokenizer, d, args) for d in args.difficulty]
     print(f"{'difficulty':>10} {'n':>5} {'correct':>8} {'accuracy':>9} {'seconds':>8}")
     for r in rows:
         acc = r["correct"] / r["n"]
-        print(f"{r['difficulty']:>10} {r['n']:>5} {r['correct']:>8} {acc:>9.1%} "
-              f"{r['seconds']:>8.1f}")
+        print(
+            f"{r['difficulty']:>10} {r['n']:>5} {r['correct']:>8} {acc:>9.1%} {r['seconds']:>8.1f}"
+        )
 
 
 if __name__ == "__main__":

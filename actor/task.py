@@ -39,23 +39,33 @@ class Problem(msgspec.Struct, frozen=True):
 # ---------------------------------------------------------------- arithmetic
 
 
-def _expression(rng: random.Random, difficulty: int) -> str:
-    """An arithmetic expression whose value is a non-negative integer."""
+def _plus_minus(rng: random.Random, low: int, high: int) -> tuple[str, int]:
+    """`a + b` or `a - b` (a >= b) with operands in [low, high]."""
+    a, b = rng.randint(low, high), rng.randint(low, high)
+    if rng.random() < 0.5:
+        return f"{a} + {b}", a + b
+    return f"{max(a, b)} - {min(a, b)}", abs(a - b)
+
+
+def _expression(rng: random.Random, difficulty: int) -> tuple[str, int]:
+    """An arithmetic expression and its value, a non-negative integer."""
     if difficulty == 1:  # single-digit addition
-        return f"{rng.randint(0, 9)} + {rng.randint(0, 9)}"
-    if difficulty == 2:  # single-digit addition or subtraction, result >= 0
         a, b = rng.randint(0, 9), rng.randint(0, 9)
-        return f"{a} + {b}" if rng.random() < 0.5 else f"{max(a, b)} - {min(a, b)}"
-    if difficulty == 3:  # two-digit addition or subtraction, result >= 0
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
-        return f"{a} + {b}" if rng.random() < 0.5 else f"{max(a, b)} - {min(a, b)}"
-    if difficulty == 4:  # three two-digit operands
+        return f"{a} + {b}", a + b
+    if difficulty == 2:  # single-digit addition or subtraction
+        return _plus_minus(rng, 0, 9)
+    if difficulty == 3:  # two-digit addition or subtraction
+        return _plus_minus(rng, 10, 99)
+    if difficulty == 4:  # three two-digit operands, left to right
         while True:
-            a, b, c = (rng.randint(10, 99) for _ in range(3))
-            expr = f"{a} {rng.choice('+-')} {b} {rng.choice('+-')} {c}"
-            if eval(expr) >= 0:  # noqa: S307 - our own digits and operators only
-                return expr
-    return f"{rng.randint(2, 9)} * {rng.randint(2, 19)}"  # 5: multiplication
+            expr, value = _plus_minus(rng, 10, 99)
+            c = rng.randint(10, 99)
+            if rng.random() < 0.5:
+                return f"{expr} + {c}", value + c
+            if value >= c:
+                return f"{expr} - {c}", value - c
+    a, b = rng.randint(2, 9), rng.randint(2, 19)  # 5: multiplication
+    return f"{a} * {b}", a * b
 
 
 class ArithmeticTask:
@@ -75,8 +85,7 @@ class ArithmeticTask:
         self._count = 0
 
     def _make(self, rng: random.Random, pid: str) -> Problem:
-        expr = _expression(rng, self.difficulty)
-        value = eval(expr)  # noqa: S307 - generated above from digits and + - *
+        expr, value = _expression(rng, self.difficulty)
         return Problem(id=pid, question=self.template.format(expr=expr), answer=str(value))
 
     def sample(self) -> Problem:
@@ -112,7 +121,9 @@ def _read_rows(path: Path) -> list[tuple[int, object]]:
         try:
             frame = pd.read_parquet(path)
         except ImportError as exc:
-            raise ValueError(f"reading {path} needs pyarrow: `pip install pyarrow` ({exc})") from exc
+            raise ValueError(
+                f"reading {path} needs pyarrow: `pip install pyarrow` ({exc})"
+            ) from exc
         return [(i + 1, row) for i, row in enumerate(frame.to_dict("records"))]
     rows = []
     with open(path, encoding="utf-8") as fh:

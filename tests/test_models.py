@@ -25,7 +25,10 @@ def test_tiny_model_loads_and_generates(tiny_path):
 def test_tiny_model_is_deterministic_and_cached(tiny_path, tmp_path):
     again = materialize_model(TINY_MODEL, cache_dir=str(tmp_path))
     assert again != tiny_path
-    first, second = load_file(f"{tiny_path}/model.safetensors"), load_file(f"{again}/model.safetensors")
+    first, second = (
+        load_file(f"{tiny_path}/model.safetensors"),
+        load_file(f"{again}/model.safetensors"),
+    )
     assert first.keys() == second.keys()
     for name in first:
         assert torch.equal(first[name], second[name]), name

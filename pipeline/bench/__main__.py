@@ -1,0 +1,23 @@
+"""``python -m pipeline.bench <name> [--out FILE] [...]``: dispatch to
+``pipeline.bench.<name>.main(argv)``."""
+
+import importlib
+import pkgutil
+import sys
+
+import pipeline.bench as bench
+
+
+def available() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if not m.ispkg)
+
+
+def main(argv: list[str]) -> int:
+    names = available()
+    if not argv or argv[0] not in names:
+        print(f"usage: python -m pipeline.bench {{{','.join(names)}}} --out FILE [...]")
+        return 2
+    return importlib.import_module(f"pipeline.bench.{argv[0]}").main(argv[1:]) or 0
+
+
+sys.exit(main(sys.argv[1:]))
