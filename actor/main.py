@@ -132,6 +132,13 @@ def generate_step(pool: Pool, engine: HFEngine, task, tokenizer, rewards: Window
     return len(problems)
 
 
+def record_swaps(pool: Pool, engine: HFEngine, logged: int) -> int:
+    """A "swap" metrics record per weight swap since the last call (pipeline.plot's stalls)."""
+    for ms in engine.stats.swap_ms[logged:]:
+        pool.record(event="swap", swap_ms=round(ms, 3), version=engine.version)
+    return len(engine.stats.swap_ms)
+
+
 def main(argv: list[str] | None = None) -> None:
     pool = start_pool("actor", argv)
     cfg = pool.cfg
@@ -159,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         on_error=lambda msg: pool.status.set(last_error=msg),
     )
     receiver.start()
-    rewards, produced = Window(200), 0
+    rewards, produced, swaps = Window(200), 0, 0
     try:
         while not pool.stop.is_set():
             wait_for_room(pool, engine)
@@ -167,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
                 break
             t0, tokens0 = time.monotonic(), engine.stats.tokens
             produced += generate_step(pool, engine, task, tokenizer, rewards)
+            swaps = record_swaps(pool, engine, swaps)
             rate = (engine.stats.tokens - tokens0) / max(time.monotonic() - t0, 1e-9)
             pool.status.set(
                 state="generating",

@@ -106,6 +106,15 @@ class LaunchConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """Where metrics go besides ``metrics.jsonl`` (always written)."""
+
+    tensorboard: bool = True  # event files in run_dir/tensorboard/<pool> when installed
+    wandb_project: str | None = None  # log to Weights & Biases when set and wandb installed
+    wandb_entity: str | None = None
+
+
+@dataclass
 class Config:
     run_dir: str = ""  # empty: outputs/<timestamp>, chosen by the launcher
     run: RunConfig = field(default_factory=RunConfig)
@@ -117,6 +126,7 @@ class Config:
     preprocessor: PreprocessorConfig = field(default_factory=PreprocessorConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 def register() -> None:

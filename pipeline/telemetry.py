@@ -2,19 +2,29 @@
 
 ``metrics.jsonl`` lines in the run directory, a status hash per pool in Redis
 (heartbeat, policy version, counters) that the launcher and operators read,
-and a rolling window mean.
+and a rolling window mean. The same metric records also go to TensorBoard event
+files (``run_dir/tensorboard/<pool>``) when ``tensorboard`` is installed, and to
+Weights & Biases when ``metrics.wandb_project`` is set and ``wandb`` is installed;
+neither is ever required. The ``metrics`` settings are read from the run
+directory's ``config.yaml`` (beside ``metrics.jsonl``) unless passed in.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import os
+import threading
 import time
 from collections import deque
+from typing import Any
 
 import redis
 
 from pipeline.streams import Names
+
+log = logging.getLogger(__name__)
 
 
 class Window:
@@ -32,18 +42,115 @@ class Window:
 
 
 class MetricsFile:
-    """Append-only JSON lines, one record per event, flushed each write."""
+    """Append-only JSON lines, one record per event, flushed each write (thread-safe);
+    each record is also handed to the optional sinks (TensorBoard, W&B)."""
 
-    def __init__(self, path: str):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    def __init__(self, path: str, settings: Any = None):
+        run_dir = os.path.dirname(path) or "."
+        os.makedirs(run_dir, exist_ok=True)
         self.f = open(path, "a", buffering=1)  # noqa: SIM115
+        self._lock = threading.Lock()
+        self.sinks = open_sinks(run_dir, settings)
 
     def write(self, **record) -> None:
         record.setdefault("time", time.time())
-        self.f.write(json.dumps(record) + "\n")
+        with self._lock:
+            self.f.write(json.dumps(record) + "\n")
+            for sink in list(self.sinks):
+                try:
+                    sink.write(record)
+                except Exception as e:  # a metrics sink never stops a pool
+                    log.warning("metrics sink %s failed, dropping it: %s", type(sink).__name__, e)
+                    self.sinks.remove(sink)
 
     def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
         self.f.close()
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """A record's numeric fields as ``<event>/<field>`` (lists, text and flags left out)."""
+    event = record.get("event", "metric")
+    return {
+        f"{event}/{k}": float(v)
+        for k, v in record.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and k not in ("time", "step")
+    }
+
+
+class TensorBoardSink:
+    """One event-file folder per pool: ``<root>/<pool>``; x axis: the trainer step for
+    step records, else the pool's count of that event."""
+
+    def __init__(self, root: str):
+        self.root, self.writers, self.counts = root, {}, {}
+
+    def write(self, record: dict) -> None:
+        pool = str(record.get("pool", "run"))
+        if pool not in self.writers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writers[pool] = SummaryWriter(os.path.join(self.root, pool), flush_secs=5)
+        key = (pool, record.get("event"))
+        step = record.get("step")
+        step = step if isinstance(step, int) else self.counts.get(key, 0) + 1
+        self.counts[key] = step
+        for tag, value in scalars(record).items():
+            self.writers[pool].add_scalar(tag, value, step, walltime=record["time"])
+
+    def close(self) -> None:
+        for w in self.writers.values():
+            w.close()
+
+
+class WandbSink:
+    """One W&B run per pool, grouped by the run directory's name."""
+
+    def __init__(self, project: str, entity: str | None, run_dir: str):
+        self.project, self.entity, self.run_dir, self.run = project, entity, run_dir, None
+
+    def write(self, record: dict) -> None:
+        if self.run is None:
+            import wandb
+
+            self.run = wandb.init(
+                project=self.project,
+                entity=self.entity,
+                group=os.path.basename(os.path.abspath(self.run_dir)),
+                name=str(record.get("pool", "run")),
+                dir=self.run_dir,
+            )
+        self.run.log(scalars(record))
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+
+
+def _settings_beside(run_dir: str) -> Any:
+    """The ``metrics`` section of the run directory's config.yaml, or None."""
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(path):
+        return None
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(OmegaConf.load(path), "metrics")
+
+
+def open_sinks(run_dir: str, settings: Any = None) -> list:
+    """The optional sinks that are installed and configured (see the module doc)."""
+    settings = settings if settings is not None else _settings_beside(run_dir)
+    get = lambda key, default: getattr(settings, key, default) if settings else default  # noqa: E731
+    sinks: list = []
+    if get("tensorboard", True) and importlib.util.find_spec("tensorboard") is not None:
+        sinks.append(TensorBoardSink(os.path.join(run_dir, "tensorboard")))
+    project = get("wandb_project", None)
+    if project and importlib.util.find_spec("wandb") is not None:
+        sinks.append(WandbSink(project, get("wandb_entity", None), run_dir))
+    elif project:
+        log.warning("metrics.wandb_project=%s but wandb is not installed; no W&B logging", project)
+    return sinks
 
 
 def read_jsonl(path: str) -> list[dict]:

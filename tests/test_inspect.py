@@ -1,0 +1,182 @@
+"""``python -m pipeline.inspect`` against a live run: the launcher and every pool
+as real processes on a tiny model, inspected while they work."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STREAMS = ("rollouts", "batches", "weights", "joins", "dead")
+POOLS = ("trainer", "preprocessor-0", "actor-0")
+
+
+def _inspect(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.inspect", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _snapshot(run_dir) -> dict:
+    proc = _inspect("--run-dir", str(run_dir), "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout)
+
+
+def _flowing(snap: dict) -> bool:
+    """Every stream has carried entries and every pool has counted work."""
+    streams, pools = snap["streams"], snap["pools"]
+    return (
+        all(streams[s]["entries_added"] > 0 for s in STREAMS)
+        and all(p in pools for p in POOLS)
+        and pools["actor-0"]["throughput"].get("weight_updates_applied", 0) > 0
+        and pools["preprocessor-0"]["throughput"].get("dead_lettered", 0) > 0
+    )
+
+
+@pytest.fixture(scope="module")
+def live_run(tmp_path_factory):
+    """A tiny run that keeps going until the module is done, then gets Ctrl-C."""
+    tmp = tmp_path_factory.mktemp("inspect")
+    run_dir = tmp / "run"
+    env = dict(os.environ, NONSTOP_CACHE=str(tmp / "cache"), HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.launch",
+            "+exp=tiny",
+            f"run_dir={run_dir}",
+            "trainer.max_steps=1000000",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while '"event": "step"' not in (metrics.read_text() if metrics.exists() else ""):
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "no trainer step within 120 s"
+            time.sleep(0.2)
+        yield run_dir
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        assert proc.returncode == 130, out
+
+
+def _client(run_dir) -> redis.Redis:
+    port = (run_dir / "redis" / "port").read_text().strip()
+    auth = (run_dir / "redis" / "auth").read_text().strip()
+    return redis.Redis(host="127.0.0.1", port=int(port), password=auth, socket_timeout=10)
+
+
+def test_inspect_shows_every_stream_and_pool_of_a_live_run(live_run):
+    client = _client(live_run)
+    # an entry no decoder accepts: the preprocessor must dead-letter it, and inspect count it
+    client.xadd("nonstop:tiny:rollouts", {"schema": "1", "data": b"\x00not msgpack"})
+    deadline = time.monotonic() + 60
+    snap = _snapshot(live_run)
+    while not _flowing(snap) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        snap = _snapshot(live_run)
+    client.close()
+    assert snap["run"] == "nonstop:tiny"
+    assert snap["redis"]["maxmemory_policy"] == "noeviction"
+    assert snap["trainer_version"] >= 1
+    streams = snap["streams"]
+    for name in STREAMS:
+        assert streams[name]["exists"] and streams[name]["entries_added"] > 0, (name, snap)
+    # consumer groups with their consumers, lag and pending entries
+    (prep_group,) = streams["rollouts"]["groups"]
+    assert prep_group["name"] == "preprocessor"
+    assert [c["name"] for c in prep_group["consumers"]] == ["preprocessor-0"]
+    assert prep_group["lag"] >= 0 and prep_group["pending"] >= 0
+    (train_group,) = streams["batches"]["groups"]
+    assert train_group["name"] == "trainer" and train_group["consumers"][0]["name"] == "trainer"
+    # pools: role, live heartbeat, version, throughput counters
+    pools = snap["pools"]
+    assert set(POOLS) <= set(pools), pools
+    for name in POOLS:
+        assert pools[name]["alive"] and pools[name]["heartbeat_age_s"] < 15, pools[name]
+        assert pools[name]["role"] == name.split("-")[0]
+        assert pools[name]["last_error"] is None
+    assert pools["trainer"]["version"] >= 1 and pools["trainer"]["throughput"]["step"] >= 1
+    assert pools["trainer"]["throughput"]["samples_trained"] > 0
+    assert pools["actor-0"]["version"] >= 1
+    assert pools["actor-0"]["throughput"]["groups_produced"] > 0
+    assert pools["actor-0"]["throughput"]["tokens"] > 0
+    assert pools["preprocessor-0"]["throughput"]["kept"] > 0
+    # the dead letter: in the stream, reported by the pool, with its reason
+    dead = snap["dead_letters"]
+    assert dead["count"] >= 1 and dead["reported_by_pools"] >= 1
+    assert dead["recent"][0]["source"] == "nonstop:tiny:rollouts" and dead["recent"][0]["reason"]
+
+    text = _inspect("--run-dir", str(live_run))
+    assert text.returncode == 0, text.stderr
+    for word in (*STREAMS, *POOLS, "preprocessor", "dead letters: 1"):
+        assert word in text.stdout, (word, text.stdout)
+    assert (live_run / "redis" / "auth").read_text().strip() not in text.stdout  # redacted
+
+
+def test_inspect_by_url_finds_the_run(live_run):
+    port = (live_run / "redis" / "port").read_text().strip()
+    auth = (live_run / "redis" / "auth").read_text().strip()
+    url = f"redis://:{auth}@127.0.0.1:{port}/0"
+    named = _inspect("--url", url, "--prefix", "nonstop", "--run", "tiny", "--json")
+    assert named.returncode == 0, named.stderr
+    assert set(POOLS) <= set(json.loads(named.stdout)["pools"])
+    found = subprocess.run(  # only the URL, from the environment: the one run is found
+        [sys.executable, "-m", "pipeline.inspect", "--json"],
+        cwd=ROOT,
+        env=dict(os.environ, NONSTOP_REDIS_URL=url),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert found.returncode == 0, found.stderr
+    assert json.loads(found.stdout)["run"] == "nonstop:tiny"
+
+
+def test_watch_redraws_until_ctrl_c(live_run):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.inspect", "--run-dir", str(live_run), "--watch", "0.3"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    frames = out.split("\x1b[H\x1b[2J")
+    assert len(frames) >= 3, out  # cleared and redrawn at least twice
+    assert all("rollouts" in f and "trainer" in f for f in frames[1:]), out
+    # the live view adds rates from one frame to the next
+    assert "groups/s" in frames[-1] or "groups/s" in frames[-2], frames[-1]
+
+
+def test_inspect_says_what_to_pass(tmp_path):
+    proc = _inspect("--run-dir", str(tmp_path))
+    assert proc.returncode == 2
+    assert "no embedded redis-server" in proc.stderr and "--url" in proc.stderr
