@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,7 @@ class Completion:
     logprobs: list[float]
     versions: list[int]
     finished: bool
+    kept: list = field(default_factory=list)  # keep_sampling_mask: kept vocab ids per token
 
 
 @dataclass
@@ -36,15 +38,28 @@ class EngineStats:
     swap_ms: list[float] = field(default_factory=list)
     forward_passes: int = 0
     tokens: int = 0
+    # (start, end) perf_counter times of recent forward passes, and of swaps: the
+    # stall a weight update causes is the gap between two passes around a swap
+    timeline: deque = field(default_factory=lambda: deque(maxlen=4096))
+    swap_times: deque = field(default_factory=lambda: deque(maxlen=4096))
 
 
 class HFEngine:
     def __init__(
-        self, model, tokenizer, temperature: float, top_p: float, top_k: int, seed: int = 0
+        self,
+        model,
+        tokenizer,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int = 0,
+        keep_sampling_mask: bool = False,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
-        self.lock = threading.Lock()
+        truncating = top_p < 1.0 or 0 < top_k < model.config.vocab_size
+        self.keep_sampling_mask = keep_sampling_mask and truncating
+        self.lock = threading.Condition()
         self.version = 0
         self.stats = EngineStats()
         self.stop_ids = self._stop_ids(tokenizer)
@@ -61,35 +76,52 @@ class HFEngine:
             ids.add(im_end)
         return ids
 
-    # -- weights -------------------------------------------------------------
-    def swap(self, version: int, layout: list[BucketSpec], buckets: list[torch.Tensor]):
-        """Install ``buckets`` as the weights; return the buffers released for reuse."""
-        views = []
+    # -- weights (the receiver's SwapTarget) ---------------------------------
+    def _views(self, layout: list[BucketSpec], buckets: list[torch.Tensor]):
         for spec, flat in zip(layout, buckets, strict=True):
             for p in spec.params:
                 n = math.prod(p.shape)
-                views.append((self._params[p.name], flat[p.offset : p.offset + n].view(p.shape)))
+                yield self._params[p.name], flat[p.offset : p.offset + n].view(p.shape)
+
+    def swap(self, version: int, layout: list[BucketSpec], buckets: list[torch.Tensor]):
+        """Install ``buckets`` as the weights; return the buffers released for reuse."""
+        views = list(self._views(layout, buckets))
         same_dtype = all(v.dtype == param.dtype for param, v in views)
         t0 = time.perf_counter()
         with self.lock:
             for param, v in views:
                 if same_dtype:
-                    param.data = v
+                    param.data = v  # pointer swap: the staging copy becomes the weights
                 else:
                     param.data.copy_(v)
-            self.version = version
+            self.set_version(version)
         self.stats.swap_ms.append(1000 * (time.perf_counter() - t0))
+        self.stats.swap_times.append(time.perf_counter())
         self.stats.swaps += 1
         if not same_dtype:
             return buckets
         released, self._active = self._active, buckets
         return released
 
+    def weight_views(self, layout: list[BucketSpec]):
+        """Per bucket, (parameter data, offset in the bucket): for in-place receiving."""
+        return [[(self._params[p.name].data, p.offset) for p in spec.params] for spec in layout]
+
+    def set_version(self, version: int | None) -> None:
+        """Caller holds the lock. None marks the weights partial: no forward pass runs."""
+        self.version = version
+        if version is not None:
+            self.lock.notify_all()
+
     def _forward(self, **inputs) -> tuple[torch.Tensor, int]:
         with self.lock:
+            while self.version is None:  # a failed in-place transfer: wait for a whole version
+                self.lock.wait(1.0)
+            start = time.perf_counter()
             logits = self.model(**inputs, use_cache=True).logits[:, -1, :]
             version = self.version
         self.stats.forward_passes += 1
+        self.stats.timeline.append((start, time.perf_counter()))
         return logits, version
 
     # -- sampling ------------------------------------------------------------
@@ -117,11 +149,14 @@ class HFEngine:
             token_lp = logp.gather(-1, token[:, None]).squeeze(-1)
             rows = torch.nonzero(alive).flatten().tolist()
             self.stats.tokens += len(rows)
+            kept = self._kept_ids(logp) if self.keep_sampling_mask else None
             for i in rows:
                 t = int(token[i])
                 out[i].tokens.append(t)
                 out[i].logprobs.append(float(token_lp[i]))
                 out[i].versions.append(version)
+                if kept is not None:
+                    out[i].kept.append(kept[i])
                 if t in self.stop_ids:
                     out[i].finished = True
                     alive[i] = False
@@ -137,3 +172,10 @@ class HFEngine:
                 past_key_values=cache,
             )
         return out
+
+    @staticmethod
+    def _kept_ids(logp: torch.Tensor) -> list:
+        """Per row, the int32 vocabulary ids top-k/top-p left finite."""
+        rows, ids = torch.isfinite(logp).nonzero(as_tuple=True)
+        counts = torch.bincount(rows, minlength=logp.shape[0]).tolist()
+        return [part.numpy() for part in torch.split(ids.to(torch.int32), counts)]

@@ -30,13 +30,14 @@ from pipeline.messages import (
     encode,
     pack_f32,
     pack_i32,
+    pack_mask,
     rle_encode,
 )
 from pipeline.models import load_model
 from pipeline.runtime import Pool, model_path, start_pool, trainer_version
 from pipeline.streams import publish
 from pipeline.telemetry import Window
-from pipeline.weights import WeightReceiver
+from pipeline.weight_receiver import WeightReceiver
 
 log = logging.getLogger("actor")
 
@@ -65,17 +66,21 @@ def to_group(
     pool: Pool, problem, prompt: list[int], outs: list[Completion], rewards: list[float]
 ) -> RolloutGroup:
     e = pool.cfg.engine
-    samples = [
-        Sample(
-            index=k,
-            completion_ids=pack_i32(c.tokens),
-            logprobs=pack_f32(c.logprobs),
-            versions=rle_encode(c.versions),
-            reward=r,
-            finished=c.finished,
+    samples = []
+    for k, (c, r) in enumerate(zip(outs, rewards, strict=True)):
+        mask_ids, mask_counts = pack_mask(c.kept)  # b"", b"" unless keep_sampling_mask
+        samples.append(
+            Sample(
+                index=k,
+                completion_ids=pack_i32(c.tokens),
+                logprobs=pack_f32(c.logprobs),
+                versions=rle_encode(c.versions),
+                reward=r,
+                finished=c.finished,
+                mask_ids=mask_ids,
+                mask_counts=mask_counts,
+            )
         )
-        for k, (c, r) in enumerate(zip(outs, rewards, strict=True))
-    ]
     return RolloutGroup(
         schema=SCHEMA_VERSION,
         group_id=f"{pool.name}:{uuid.uuid4().hex[:16]}",
@@ -150,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg.engine.top_p,
         cfg.engine.top_k,
         seed=cfg.run.seed + zlib.crc32(pool.name.encode()) % 10_000,
+        keep_sampling_mask=cfg.engine.keep_sampling_mask,
     )
     task = make_task(
         cfg.task.kind,
@@ -161,8 +167,9 @@ def main(argv: list[str] | None = None) -> None:
         pool.client,
         pool.names,
         pool.name,
-        engine.swap,
+        engine,
         cfg.trainer.transfer_timeout_s,
+        staged=cfg.engine.weight_staging,
         on_error=lambda msg: pool.status.set(last_error=msg),
     )
     receiver.start()

@@ -45,6 +45,12 @@ class EngineConfig:
     top_p: float = 1.0
     top_k: int = 0
     prompts_per_batch: int = 4  # groups generated together in one batch
+    # receive new weights into a staging copy while generating (true), or under the
+    # forward lock straight into the weights (false: no second copy, generation pauses)
+    weight_staging: bool = True
+    # with top_p < 1 or top_k > 0: record each token's kept vocabulary ids, so the
+    # trainer renormalises over the same support instead of recomputing it
+    keep_sampling_mask: bool = False
     torch_threads: int = 1
 
 
@@ -65,10 +71,39 @@ class ActorConfig:
     max_queue_groups: int = 8  # hold back while this many rollouts wait unread
 
 
+SCORERS = ("reference", "prm", "teacher")  # names allowed in preprocessor.scorers
+PRM_KINDS = ("arithmetic", "model")
+
+
+@dataclass
+class PRMConfig:
+    """Step-level process rewards (scorer ``prm``)."""
+
+    kind: str = "arithmetic"  # arithmetic: check each equation a step states; model: an HF LM
+    weight: float = 0.5  # token advantage = (1 - weight) * outcome + weight * step advantage
+    delimiter: str = "line"  # step boundary: "line" (line breaks) or a literal string
+    model: str = ""  # kind=model: a local folder, "tiny", or a hub id
+    step_tag: str = "\n"  # kind=model: appended after each step; the PRM is read at its end
+    good_token: str = "+"  # kind=model: step score p(good) / (p(good) + p(bad)) at the tag
+    bad_token: str = "-"
+
+
+@dataclass
+class TeacherConfig:
+    """On-policy distillation (scorer ``teacher``): reward_t = teacher_lp_t - student_lp_t."""
+
+    model: str = ""  # a local folder, "tiny-teacher", or a hub id; the student's tokenizer
+    weight: float = 1.0  # token advantage = (1 - weight) * outcome + weight * teacher reward
+
+
 @dataclass
 class PreprocessorConfig:
     num_workers: int = 1
-    reference: bool = True  # reference log-probs from the frozen initial model
+    # scorers run on every rollout group: reference (log-probs of the frozen initial
+    # model), prm (step rewards), teacher (distillation rewards); [] for none
+    scorers: list[str] = field(default_factory=lambda: ["reference"])
+    prm: PRMConfig = field(default_factory=PRMConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     drop_no_signal: bool = True
     token_budget: int = 2048  # padded tokens per micro-batch
     read_count: int = 4
@@ -91,7 +126,7 @@ class TrainerConfig:
     publish_every: int = 1
     checkpoint_every: int = 10
     resume: bool = True
-    bucket_mb: int = 64
+    bucket_mb: float = 64.0
     transfer_timeout_s: float = 60.0
     transfer_host: str = "127.0.0.1"  # address actors reach the trainer's transfer store on
     keep_checkpoints: int = 2
@@ -180,6 +215,42 @@ def validate(cfg: Any) -> None:
         raise ValueError("task.kind=file needs task.path=/path/to/problems.jsonl")
     if _get(cfg, "actor.max_lag") < 0 or _get(cfg, "trainer.max_lag") < 0:
         raise ValueError("actor.max_lag and trainer.max_lag must be >= 0")
+    validate_scorers(_get(cfg, "preprocessor"))
+
+
+def validate_scorers(pre: Any) -> None:
+    """preprocessor.scorers and the settings of the scorers it names."""
+    names = list(pre.scorers)
+    for name in names:
+        if name not in SCORERS:
+            raise ValueError(
+                f"preprocessor.scorers names an unknown scorer {name!r}; "
+                f"allowed: {', '.join(SCORERS)} (e.g. preprocessor.scorers=[reference,prm])"
+            )
+    if len(set(names)) != len(names):
+        raise ValueError(f"preprocessor.scorers={names} lists a scorer twice; name each once")
+    if "prm" in names:
+        if pre.prm.kind not in PRM_KINDS:
+            raise ValueError(f"preprocessor.prm.kind={pre.prm.kind!r}; use one of {PRM_KINDS}")
+        if pre.prm.kind == "model" and not pre.prm.model:
+            raise ValueError("preprocessor.prm.kind=model needs preprocessor.prm.model=FOLDER|ID")
+        if not pre.prm.delimiter:
+            raise ValueError('preprocessor.prm.delimiter is empty; use "line" or a string')
+    if "teacher" in names and not pre.teacher.model:
+        raise ValueError(
+            "preprocessor.scorers has teacher but preprocessor.teacher.model is empty; "
+            "set it to a model folder, a hub id or tiny-teacher"
+        )
+    dense = {"prm": pre.prm.weight, "teacher": pre.teacher.weight}
+    for name, w in dense.items():
+        if not 0 <= w <= 1:
+            raise ValueError(f"preprocessor.{name}.weight={w} must lie in [0, 1]")
+    total = sum(w for name, w in dense.items() if name in names)
+    if total > 1 + 1e-9:
+        raise ValueError(
+            f"preprocessor.prm.weight + preprocessor.teacher.weight = {total:g} > 1; "
+            "the outcome advantage gets 1 minus their sum, so lower them"
+        )
 
 
 def load_config(path: str, overrides: list[str] | None = None) -> Any:
@@ -187,7 +258,13 @@ def load_config(path: str, overrides: list[str] | None = None) -> Any:
     if not os.path.exists(path):
         raise ValueError(f"config file {path} does not exist; pass --config RUN_DIR/config.yaml")
     try:
-        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
+        raw = OmegaConf.load(path)
+        if OmegaConf.select(raw, "preprocessor.reference") is not None:
+            raise ValueError(
+                f"{path}: preprocessor.reference was folded into preprocessor.scorers; "
+                "write preprocessor.scorers: [reference] (true) or [] (false) instead"
+            )
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), raw)
         if overrides:
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
     except OmegaConfBaseException as e:

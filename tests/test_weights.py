@@ -1,14 +1,21 @@
 """Weight transfer over a real redis-server and a gloo pair group."""
 
+import os
+import signal
+import subprocess
+import sys
 import time
 
+import pytest
 import torch
 
 from actor.engine import HFEngine
 from pipeline.messages import WeightAnnouncement, decode
 from pipeline.models import load_model, materialize_model
 from pipeline.streams import Names, wait_until
-from pipeline.weights import WeightPublisher, WeightReceiver, bucket_layout, checksum, flatten
+from pipeline.weight_publisher import WeightPublisher
+from pipeline.weight_receiver import WeightReceiver
+from pipeline.weights import bucket_layout, checksum, flatten
 
 
 def _models(tmp_path):
@@ -30,12 +37,13 @@ def test_layout_and_checksum_cover_every_parameter(tmp_path):
     assert checksum(flat)[0] != sums[0] and checksum(flat)[1:] == sums[1:]
 
 
-def test_published_version_reaches_the_actor_whole(tmp_path, rclient):
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "in-place"])
+def test_published_version_reaches_the_actor_whole(tmp_path, rclient, staged):
     trainer_model, actor_model, tok = _models(tmp_path)
-    names = Names("test", "weights")
+    names = Names("test", f"weights-{staged}")
     engine = HFEngine(actor_model, tok, temperature=1.0, top_p=1.0, top_k=0)
-    publisher = WeightPublisher(rclient, names, "127.0.0.1", bucket_mb=1, timeout_s=10)
-    receiver = WeightReceiver(rclient, names, "actor-0", engine.swap, timeout_s=10)
+    publisher = WeightPublisher(rclient, names, "127.0.0.1", bucket_mb=0.05, timeout_s=10)
+    receiver = WeightReceiver(rclient, names, "actor-0", engine, timeout_s=10, staged=staged)
     receiver.start()
     try:
         assert wait_until(lambda: rclient.xlen(names.stream("joins")) == 1, 10)
@@ -67,3 +75,160 @@ def test_publisher_goes_on_without_actors(tmp_path, rclient):
     publisher.submit(1, trainer_model)
     publisher.close(timeout_s=10)
     assert publisher.published == 1 and time.monotonic() - t0 < 10
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Peer:
+    """A weight-transfer peer in its own process (tests/weight_peers.py)."""
+
+    def __init__(self, role: str, url: str, model_dir: str, name: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.weight_peers", role, url, model_dir, name],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+
+    def expect(self, line: str, timeout_s: float = 30) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            got = self.proc.stdout.readline().strip()
+            if got == line:
+                return
+            if not got and self.proc.poll() is not None:
+                break
+        raise AssertionError(f"peer never said {line!r}")
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+
+def _generate_in_background(engine, tok):
+    done = {"n": 0}
+    stop = {"flag": False}
+
+    def loop():
+        while not stop["flag"]:
+            engine.generate([tok("1 + 1 =")["input_ids"]] * 2, max_new_tokens=8)
+            done["n"] += 1
+
+    import threading
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    return done, lambda: (stop.update(flag=True), t.join(timeout=10))
+
+
+def _actor_with_half_trainer(tmp_path, rclient, redis_server, staged):
+    from tests.weight_peers import NAMES, TIMEOUT_S
+
+    path = materialize_model("tiny", cache_dir=str(tmp_path))
+    model, tok = load_model(path)
+    engine = HFEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0)
+    receiver = WeightReceiver(rclient, NAMES, "actor-0", engine, timeout_s=TIMEOUT_S, staged=staged)
+    trainer = Peer("half_trainer", redis_server.url, path, "trainer")
+    receiver.start()
+    done, stop = _generate_in_background(engine, tok)
+    trainer.expect("half")
+    trainer.kill()
+    assert wait_until(lambda: receiver.failed >= 1, TIMEOUT_S + 10)
+    return model, engine, receiver, done, stop
+
+
+def test_trainer_killed_mid_transfer_leaves_old_weights_whole(tmp_path, rclient, redis_server):
+    path = materialize_model("tiny", cache_dir=str(tmp_path))
+    before = {n: p.detach().clone() for n, p in load_model(path)[0].named_parameters()}
+    model, engine, receiver, done, stop = _actor_with_half_trainer(
+        tmp_path, rclient, redis_server, staged=True
+    )
+    try:
+        generated = done["n"]
+        assert wait_until(lambda: done["n"] > generated + 2, 20), "generation stopped"
+    finally:
+        stop()
+        receiver.stop()
+    assert receiver.applied == 0 and engine.version == 0
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), before[n], msg=n)  # whole old weights, no mix
+
+
+def test_in_place_transfer_failure_pauses_generation_until_a_whole_version(
+    tmp_path, rclient, redis_server
+):
+    from tests.weight_peers import BUCKET_MB, NAMES, TIMEOUT_S
+
+    model, engine, receiver, done, stop = _actor_with_half_trainer(
+        tmp_path, rclient, redis_server, staged=False
+    )
+    publisher = None
+    try:
+        assert engine.version is None  # partial weights: no forward pass may run
+        paused_at = done["n"]
+        time.sleep(1.0)
+        assert done["n"] == paused_at, "generated on a mix of two versions"
+        new_model = load_model(materialize_model("tiny", cache_dir=str(tmp_path)))[0]
+        with torch.no_grad():
+            for p in new_model.parameters():
+                p.mul_(0.5)
+        publisher = WeightPublisher(rclient, NAMES, "127.0.0.1", BUCKET_MB, timeout_s=TIMEOUT_S)
+        assert wait_until(lambda: "actor-0" in publisher.groups, TIMEOUT_S * 4)
+        publisher.submit(2, new_model)
+        assert wait_until(lambda: engine.version == 2, TIMEOUT_S * 4)
+        assert wait_until(lambda: done["n"] > paused_at, 20), "generation did not resume"
+    finally:
+        stop()
+        receiver.stop()
+        if publisher:
+            publisher.close(timeout_s=5)
+    for (n, p), (_, q) in zip(model.named_parameters(), new_model.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, msg=n)
+
+
+def test_actor_killed_mid_transfer_does_not_stall_the_trainer(tmp_path, rclient, redis_server):
+    from tests.weight_peers import BUCKET_MB, NAMES, TIMEOUT_S
+
+    path = materialize_model("tiny", cache_dir=str(tmp_path))
+    model, _ = load_model(path)
+    publisher = WeightPublisher(rclient, NAMES, "127.0.0.1", BUCKET_MB, timeout_s=TIMEOUT_S)
+    actor = Peer("half_actor", redis_server.url, path, "actor-0")
+    try:
+        actor.expect("joined")
+        assert wait_until(lambda: "actor-0" in publisher.groups, 10)
+        t0 = time.monotonic()
+        publisher.submit(1, model)
+        actor.expect("half")
+        actor.kill()
+        assert wait_until(publisher.idle, TIMEOUT_S + 5)
+        assert time.monotonic() - t0 < TIMEOUT_S + 5
+        assert publisher.dropped == ["actor-0"] and "actor-0" not in publisher.groups
+        publisher.submit(2, model)  # the trainer goes on
+        assert wait_until(publisher.idle, 5) and publisher.published == 2
+    finally:
+        actor.kill()
+        publisher.close(timeout_s=5)
+
+
+def test_restarted_actor_reaches_the_current_version(tmp_path, rclient, redis_server):
+    from tests.weight_peers import BUCKET_MB, NAMES, TIMEOUT_S
+
+    path = materialize_model("tiny", cache_dir=str(tmp_path))
+    model, _ = load_model(path)
+    publisher = WeightPublisher(rclient, NAMES, "127.0.0.1", BUCKET_MB, timeout_s=TIMEOUT_S)
+    first = Peer("real_actor", redis_server.url, path, "actor-0")
+    try:
+        assert wait_until(lambda: "actor-0" in publisher.groups, 30)
+        publisher.submit(1, model)
+        first.expect("applied 1")
+        first.kill()
+        publisher.submit(2, model)  # sent while the actor is down: it is dropped
+        assert wait_until(lambda: publisher.idle() and publisher.published == 2, TIMEOUT_S + 5)
+        second = Peer("real_actor", redis_server.url, path, "actor-0")
+        second.expect("applied 2")  # caught up on joining, with no new trainer step
+        second.kill()
+    finally:
+        first.kill()
+        publisher.close(timeout_s=5)

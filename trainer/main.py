@@ -28,7 +28,7 @@ from pipeline.messages import Sample, TrainBatch, unpack_f32, unpack_i32
 from pipeline.models import load_model
 from pipeline.runtime import Pool, model_path, start_pool
 from pipeline.streams import Consumer, trim_consumed
-from pipeline.weights import WeightPublisher
+from pipeline.weight_publisher import WeightPublisher
 from trainer import checkpoint
 from trainer.loss import policy_loss
 
@@ -87,6 +87,16 @@ def per_token(samples: list[Sample], comp: torch.Tensor, attr: str) -> torch.Ten
     return out
 
 
+def advantages(samples: list[Sample], comp: torch.Tensor) -> torch.Tensor:
+    """Per-token advantages: ``token_advantages`` where the preprocessor set them
+    (step rewards, teacher), else the sample's scalar ``advantage`` on every token."""
+    out = torch.tensor([s.advantage for s in samples])[:, None].expand(comp.shape).clone()
+    for row, s in enumerate(samples):
+        if s.token_advantages:
+            out[row][comp[row]] = torch.from_numpy(unpack_f32(s.token_advantages).copy())
+    return out
+
+
 def train_step(model, optimizer, data: StepData, cfg, pad_id: int) -> dict:
     model.train()
     optimizer.zero_grad(set_to_none=True)
@@ -95,8 +105,11 @@ def train_step(model, optimizer, data: StepData, cfg, pad_id: int) -> dict:
     for b in data.batches:
         prompts = [unpack_i32(p) for p in b.prompt_ids]
         ids, attn, comp = pad_sequences(prompts, [s.tokens() for s in b.samples], pad_id)
-        new_lp = completion_logprobs(model, ids, attn, comp, b.temperature, b.top_p, b.top_k)
-        adv = torch.tensor([s.advantage for s in b.samples])[:, None].expand_as(new_lp)
+        masks = [s.sampling_mask() for s in b.samples]  # None unless keep_sampling_mask
+        new_lp = completion_logprobs(
+            model, ids, attn, comp, b.temperature, b.top_p, b.top_k, masks=masks
+        )
+        adv = advantages(b.samples, comp)
         ref = per_token(b.samples, comp, "ref_logprobs") if b.samples[0].ref_logprobs else None
         parts = policy_loss(
             new_lp,
