@@ -22,7 +22,7 @@ import zlib
 import numpy as np
 
 from actor.engine import Completion, HFEngine
-from actor.task import build_prompt_ids, make_task, reward
+from actor.task import DEFAULT_SYSTEM_PROMPT, build_prompt_ids, make_task, reward
 from pipeline.messages import (
     SCHEMA_VERSION,
     RolloutGroup,
@@ -100,7 +100,8 @@ def generate_step(pool: Pool, engine: HFEngine, task, tokenizer, rewards: Window
     cfg = pool.cfg
     g = cfg.task.group_size
     problems = [task.sample() for _ in range(cfg.engine.prompts_per_batch)]
-    prompts = [build_prompt_ids(tokenizer, p.question, cfg.task.system_prompt) for p in problems]
+    system = DEFAULT_SYSTEM_PROMPT if cfg.task.system_prompt is None else cfg.task.system_prompt
+    prompts = [build_prompt_ids(tokenizer, p.question, system) for p in problems]
     outs = engine.generate(
         [p for p in prompts for _ in range(g)],
         cfg.engine.max_new_tokens,

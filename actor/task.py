@@ -1,6 +1,6 @@
 """The math task: problems, prompts and the reward.
 
-- `ArithmeticTask`: built-in generator of arithmetic word-free problems, by difficulty.
+- `ArithmeticTask`: built-in generator of arithmetic problems, by difficulty (1-5).
 - `FileTask`: user problems from JSONL or parquet rows with `question` and `answer`
   (GSM8K style: an answer holding ``#### N`` has the reference answer N).
 - `build_prompt_ids`: system prompt + question through the model's chat template.
@@ -54,22 +54,27 @@ def _expression(rng: random.Random, difficulty: int) -> tuple[str, int]:
         return f"{a} + {b}", a + b
     if difficulty == 2:  # single-digit addition or subtraction
         return _plus_minus(rng, 0, 9)
-    if difficulty == 3:  # two-digit addition or subtraction
+    if difficulty == 3:  # one-digit times up to 19
+        a, b = rng.randint(2, 9), rng.randint(2, 19)
+        return f"{a} * {b}", a * b
+    if difficulty == 4:  # two-digit addition or subtraction
         return _plus_minus(rng, 10, 99)
-    if difficulty == 4:  # three two-digit operands, left to right
-        while True:
-            expr, value = _plus_minus(rng, 10, 99)
-            c = rng.randint(10, 99)
-            if rng.random() < 0.5:
-                return f"{expr} + {c}", value + c
-            if value >= c:
-                return f"{expr} - {c}", value - c
-    a, b = rng.randint(2, 9), rng.randint(2, 19)  # 5: multiplication
-    return f"{a} * {b}", a * b
+    while True:  # 5: three two-digit operands, left to right
+        expr, value = _plus_minus(rng, 10, 99)
+        c = rng.randint(10, 99)
+        if rng.random() < 0.5:
+            return f"{expr} + {c}", value + c
+        if value >= c:
+            return f"{expr} - {c}", value - c
 
 
 class ArithmeticTask:
-    """Generated arithmetic problems; difficulty 1 (easiest) to 5 (see `_expression`)."""
+    """Generated arithmetic problems, difficulty 1 (easiest) to 5.
+
+    1: a + b, single digits.    2: a + b or a - b, single digits, result >= 0.
+    3: a * b, 2..9 times 2..19.  4: a +/- b, two digits.  5: a +/- b +/- c, two digits.
+    Levels are ordered by SmolLM2-135M-Instruct's measured accuracy (see actor/measure_task).
+    """
 
     def __init__(
         self, difficulty: int = DEFAULT_DIFFICULTY, seed: int = 0, template: str = QUESTION_TEMPLATE

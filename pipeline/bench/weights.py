@@ -1,0 +1,187 @@
+"""``python -m pipeline.bench weights --out FILE``: what a weight update costs
+the generating engine.
+
+For random-weight models shaped like SmolLM2-135M and Qwen2.5-1.5B, a trainer
+process publishes ``--updates`` versions over the real transfer (Redis
+announcement + gloo buckets) to an hf engine that generates throughout, once
+with staging (the default) and once receiving in place under the lock (a
+pause-for-the-whole-transfer baseline). Per update: transfer time, swap time
+(lock held), generation stall (the gap between the two forward passes around
+the moment the new version took effect), and the floor: an in-memory copy of
+the same bytes on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import tempfile
+import threading
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from pipeline.bench.common import device_name, percentile, print_table, write_json
+from pipeline.redis_server import EmbeddedRedis
+from pipeline.streams import Names, connect, wait_until
+
+SHAPES = {
+    "smollm2-135m": (LlamaConfig, dict(hidden_size=576, intermediate_size=1536,
+                                       num_hidden_layers=30, num_attention_heads=9,
+                                       num_key_value_heads=3, vocab_size=49152,
+                                       tie_word_embeddings=True), "float32"),
+    "qwen2.5-1.5b": (Qwen2Config, dict(hidden_size=1536, intermediate_size=8960,
+                                       num_hidden_layers=28, num_attention_heads=12,
+                                       num_key_value_heads=2, vocab_size=151936,
+                                       tie_word_embeddings=True), "bfloat16"),
+}
+NAMES = Names("bench", "weights")
+
+
+def build(shape: str, seed: int):
+    cls, kwargs, dtype = SHAPES[shape]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cls(**kwargs), dtype=getattr(torch, dtype))
+    return model.eval()
+
+
+def trainer_proc(url: str, shape: str, updates: int, interval_s: float, timeout_s: float,
+                 bucket_mb: float, ready) -> None:
+    from pipeline.weight_publisher import WeightPublisher
+
+    torch.set_num_threads(1)
+    client = connect(url)
+    model = build(shape, seed=1)
+    publisher = WeightPublisher(client, NAMES, "127.0.0.1", bucket_mb, timeout_s)
+    ready.set()
+    wait_until(lambda: bool(publisher.groups), 120)
+    for version in range(1, updates + 1):
+        time.sleep(interval_s)
+        with torch.no_grad():
+            next(model.parameters()).add_(1e-3)
+        publisher.submit(version, model)
+        wait_until(publisher.idle, timeout_s + 5)
+    publisher.close(timeout_s=timeout_s)
+
+
+def stalls(timeline: list[tuple[float, float]], times: list[float]) -> tuple[list[float], float]:
+    """Per update, the gap between the forward passes around it; and the usual gap."""
+    gaps = [(end, nxt) for (_, end), (nxt, _) in zip(timeline, timeline[1:], strict=False)]
+    usual = percentile([b - a for a, b in gaps if b > a], 50) * 1000
+    out = []
+    for t in times:
+        around = [b - a for a, b in gaps if a <= t <= b]
+        out.append(1000 * around[0] if around else 0.0)
+    return out, usual
+
+
+def copy_floor_ms(model, repeats: int = 5) -> float:
+    total = sum(p.numel() for p in model.parameters())
+    dtype = next(model.parameters()).dtype
+    src, dst = torch.randn(total).to(dtype), torch.empty(total, dtype=dtype)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(1000 * (time.perf_counter() - t0))
+    return percentile(times, 50)
+
+
+def measure(shape: str, staged: bool, args) -> dict:
+    from actor.engine import HFEngine
+    from pipeline.weight_receiver import WeightReceiver
+
+    with tempfile.TemporaryDirectory() as tmp:
+        server = EmbeddedRedis(tmp)
+        server.start()
+        try:
+            client = connect(server.url)
+            model = build(shape, seed=0)
+            engine = HFEngine(model, _NoTokenizer(), temperature=1.0, top_p=1.0, top_k=0)
+            engine.stop_ids = set()
+            receiver = WeightReceiver(client, NAMES, "actor-0", engine, args.timeout_s,
+                                      staged=staged)
+            ctx = mp.get_context("spawn")
+            ready = ctx.Event()
+            trainer = ctx.Process(target=trainer_proc, args=(
+                server.url, shape, args.updates, args.interval_s, args.timeout_s,
+                args.bucket_mb, ready))
+            trainer.start()
+            ready.wait(300)
+            receiver.start()
+            stop = threading.Event()
+            gen = threading.Thread(target=_generate, args=(engine, stop, args), daemon=True)
+            gen.start()
+            trainer.join(timeout=args.updates * (args.interval_s + args.timeout_s) + 300)
+            stop.set()
+            gen.join(timeout=120)
+            receiver.stop()
+            per_update, usual = stalls(list(engine.stats.timeline),
+                                       list(engine.stats.version_times))
+            nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            return {
+                "device": device_name(), "model": shape, "mode": "staged" if staged
+                else "in-place", "dtype": SHAPES[shape][2], "bytes": nbytes,
+                "updates_applied": receiver.applied, "updates_failed": receiver.failed,
+                "transfer_ms_p50": percentile(receiver.transfer_ms, 50),
+                "swap_ms_p50": percentile(engine.stats.swap_ms, 50) if staged
+                else percentile(receiver.transfer_ms, 50),
+                "stall_ms_p50": percentile(per_update, 50), "stall_ms_max": max(per_update,
+                                                                                 default=0.0),
+                "usual_gap_ms_p50": usual, "forward_passes": engine.stats.forward_passes,
+                "copy_floor_ms": copy_floor_ms(model),
+            }
+        finally:
+            server.stop()
+
+
+class _NoTokenizer:
+    """The bench feeds token ids directly; the engine only needs these fields."""
+
+    eos_token_id = None
+    pad_token_id = 0
+    unk_token_id = None
+
+    def convert_tokens_to_ids(self, token):
+        return None
+
+
+def _generate(engine, stop: threading.Event, args) -> None:
+    prompt = list(range(10, 10 + args.prompt_len))
+    while not stop.is_set():
+        engine.generate([prompt] * args.batch, args.new_tokens, should_stop=stop.is_set)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipeline.bench weights")
+    p.add_argument("--out", default="outputs/bench-weights.json")
+    p.add_argument("--models", default=",".join(SHAPES), help="comma-separated shapes")
+    p.add_argument("--modes", default="staged,in-place")
+    p.add_argument("--updates", type=int, default=5)
+    p.add_argument("--interval-s", type=float, default=2.0)
+    p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--bucket-mb", type=float, default=64.0)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = []
+    for shape in args.models.split(","):
+        for mode in args.modes.split(","):
+            print(f"measuring {shape} ({mode}), {args.updates} updates ...", flush=True)
+            rows.append(measure(shape, mode == "staged", args))
+            print_table(rows[-1:], COLUMNS)
+    print()
+    print_table(rows, COLUMNS)
+    for r in rows:
+        r["stall_within_2x_copy_floor"] = r["stall_ms_p50"] <= 2 * r["copy_floor_ms"]
+    write_json(args.out, {"benchmark": "weights", "date": time.strftime("%Y-%m-%d"),
+                          "args": vars(args), "results": rows})
+    return 0
+
+
+COLUMNS = ["model", "mode", "bytes", "updates_applied", "transfer_ms_p50", "swap_ms_p50",
+           "stall_ms_p50", "stall_ms_max", "usual_gap_ms_p50", "copy_floor_ms"]
