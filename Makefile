@@ -9,14 +9,15 @@ TORCH_PIP_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 ARGS ?=
 
-.PHONY: setup run test test-fast lint format clean
+.PHONY: setup run test test-fast lint format clean slurm-setup
 
 setup: $(VENV)/.setup-done
 
 $(VENV)/.setup-done: pyproject.toml Makefile
-	@command -v redis-server >/dev/null || { \
-	  echo "installing redis-server (apt-get)"; \
-	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server >/dev/null; }
+	@pkgs=""; command -v redis-server >/dev/null || pkgs="$$pkgs redis-server"; \
+	 command -v systemd-analyze >/dev/null || pkgs="$$pkgs systemd"; \
+	 [ -z "$$pkgs" ] || { echo "installing$$pkgs (apt-get)"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $$pkgs >/dev/null; }
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)" $(TORCH_PIP_ARGS)
@@ -40,6 +41,14 @@ lint: setup
 format: setup
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
+
+# Debian's slurm-wlm and munge for the slow Slurm test (tests/test_deploy.py, which
+# calls this target) and deploy/slurm/local-cluster.sh.
+slurm-setup:
+	@command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null || { \
+	  echo "installing slurm-wlm munge (apt-get)"; \
+	  $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; }
 
 clean:
 	rm -rf outputs .pytest_cache

@@ -16,6 +16,7 @@ the same snapshot as one JSON object (one per line with ``--watch``).
 Where the run is::
 
     python -m pipeline.inspect --run-dir outputs/<timestamp>            # embedded redis
+    python -m pipeline.inspect --run-dir /shared/run                    # a deploy/slurm run
     python -m pipeline.inspect --url redis://:PASS@host:6379/0 --run math
     NONSTOP_REDIS_URL=... python -m pipeline.inspect --config /etc/nonstop-rl/config.yaml
 """
@@ -109,8 +110,11 @@ def resolve(args: argparse.Namespace) -> Target:
         rd = args.run_dir
         if not os.path.isdir(rd):
             raise ValueError(f"--run-dir {rd} is not a directory")
-        if url is None:
-            port_f, auth_f = os.path.join(rd, "redis", "port"), os.path.join(rd, "redis", "auth")
+        url_f = os.path.join(rd, "redis", "url")  # written by the Slurm scripts (deploy/slurm)
+        port_f, auth_f = os.path.join(rd, "redis", "port"), os.path.join(rd, "redis", "auth")
+        if url is None and os.path.exists(url_f):
+            url = _read(url_f)
+        elif url is None:
             if not os.path.exists(port_f):
                 raise ValueError(
                     f"{port_f} does not exist: {rd} has no embedded redis-server; "
@@ -416,7 +420,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m pipeline.inspect",
         description="Streams, consumer groups and pools of a live nonstop-rl run.",
     )
-    p.add_argument("--run-dir", help="a run directory (its redis/port, redis/auth, config.yaml)")
+    p.add_argument(
+        "--run-dir", help="a run directory (its redis/url or redis/port+auth, and config.yaml)"
+    )
     p.add_argument("--url", help="redis://[:PASS@]host:port/db (default: $NONSTOP_REDIS_URL)")
     p.add_argument("--config", help="a config.yaml to take redis.prefix and run.name from")
     p.add_argument("--prefix", help="redis.prefix of the run (default: from config, or found)")

@@ -1,0 +1,107 @@
+#!/bin/bash
+# A throwaway single-host Slurm cluster for trying the scripts here (and for the slow
+# test): slurmctld and NODES slurmd daemons (node names n1..nNODES, all on 127.0.0.1;
+# a heterogeneous job needs one node per component), munge auth, no cgroups
+# (proctrack/linuxproc, task/none), everything under STATE_DIR. Needs root and Debian's
+# slurm-wlm and munge (`make slurm-setup`).
+#   deploy/slurm/local-cluster.sh start STATE_DIR [NODES=3] [CPUS_PER_NODE=4]
+#   export SLURM_CONF=STATE_DIR/slurm.conf; sbatch ...
+#   deploy/slurm/local-cluster.sh stop STATE_DIR
+set -euo pipefail
+cmd=${1:?usage: local-cluster.sh start|stop STATE_DIR [NODES] [CPUS_PER_NODE]}
+dir=${2:?usage: local-cluster.sh start|stop STATE_DIR [NODES] [CPUS_PER_NODE]}
+nodes=${3:-3}
+cpus=${4:-8}
+mkdir -p "$dir"
+dir=$(cd "$dir" && pwd)
+conf=$dir/slurm.conf
+
+stop() {
+  local f
+  for f in "$dir"/slurmd-*.pid "$dir"/slurmctld.pid "$dir"/munged.pid; do
+    [ -f "$f" ] || continue
+    kill "$(cat "$f")" 2>/dev/null || true
+    rm -f "$f"
+  done
+}
+
+free_port() {
+  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+start_munge() {  # reuse a running munged; else start one (as the munge user) and remember it
+  if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then return 0; fi
+  [ -f /etc/munge/munge.key ] || { echo "no /etc/munge/munge.key (apt-get install munge)" >&2; return 1; }
+  mkdir -p /run/munge /var/log/munge /var/lib/munge
+  chown munge:munge /run/munge /var/log/munge /var/lib/munge
+  runuser -u munge -- munged --pid-file=/run/munge/munged.pid
+  cp /run/munge/munged.pid "$dir/munged.pid"
+  for _ in $(seq 50); do
+    if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then return 0; fi
+    sleep 0.1
+  done
+  echo "munged did not come up" >&2
+  return 1
+}
+
+write_conf() {
+  local ctl_port first last
+  ctl_port=$(free_port)
+  first=$(free_port)
+  last=$((first + nodes - 1))
+  mkdir -p "$dir/state" "$dir/log"
+  for i in $(seq "$nodes"); do mkdir -p "$dir/spool/n$i"; done
+  cat >"$conf" <<CONF
+ClusterName=nonstop-local
+SlurmctldHost=$(hostname -s)(127.0.0.1)
+SlurmctldPort=$ctl_port
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+SchedulerParameters=bf_interval=1
+ReturnToService=2
+MpiDefault=none
+SwitchType=switch/none
+KillWait=30
+StateSaveLocation=$dir/state
+SlurmdSpoolDir=$dir/spool/%n
+SlurmctldPidFile=$dir/slurmctld.pid
+SlurmdPidFile=$dir/slurmd-%n.pid
+SlurmctldLogFile=$dir/log/slurmctld.log
+SlurmdLogFile=$dir/log/slurmd-%n.log
+NodeName=n[1-$nodes] NodeHostname=$(hostname -s) NodeAddr=127.0.0.1 Port=[$first-$last] CPUs=$cpus State=UNKNOWN
+PartitionName=local Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+CONF
+}
+
+case $cmd in
+  start)
+    [ "$(id -u)" = 0 ] || { echo "slurmd must run as root" >&2; exit 1; }
+    stop
+    start_munge
+    write_conf
+    slurmctld -f "$conf"
+    for i in $(seq "$nodes"); do slurmd -f "$conf" -N "n$i"; done
+    for _ in $(seq 100); do
+      if SLURM_CONF=$conf sinfo -h -o '%T' 2>/dev/null | grep -qx idle &&
+        [ "$(SLURM_CONF=$conf sinfo -h -N -o '%T' | grep -cx idle)" = "$nodes" ]; then
+        echo "export SLURM_CONF=$conf"
+        exit 0
+      fi
+      sleep 0.2
+    done
+    echo "the nodes did not become idle; see $dir/log" >&2
+    SLURM_CONF=$conf sinfo -N >&2 || true
+    exit 1
+    ;;
+  stop) stop ;;
+  *) echo "usage: local-cluster.sh start|stop STATE_DIR [NODES] [CPUS_PER_NODE]" >&2; exit 2 ;;
+esac
