@@ -1,3 +1,4 @@
 from actor.main import main
+from pipeline.runtime import run_main
 
-main()
+run_main(main)

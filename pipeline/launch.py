@@ -12,8 +12,6 @@ Writes ``config.yaml``, ``logs/``, ``metrics.jsonl``, ``checkpoints/`` and
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 import time
 
@@ -23,8 +21,9 @@ from omegaconf import OmegaConf
 from pipeline.config import register, validate
 from pipeline.progress import Progress
 from pipeline.redis_server import EmbeddedRedis, check_no_eviction
-from pipeline.streams import Names, connect
+from pipeline.streams import Names, connect, mark_run
 from pipeline.summary import write_summary
+from pipeline.supervisor import Supervisor
 from pipeline.telemetry import read_statuses
 
 register()
@@ -43,52 +42,6 @@ def pool_commands(cfg, config_path: str) -> dict[str, list[str]]:
     return cmds
 
 
-def tail(path: str, lines: int = 20) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-class Supervisor:
-    def __init__(self, cfg, run_dir: str, env: dict[str, str]):
-        self.cfg, self.run_dir, self.env = cfg, run_dir, env
-        self.procs: dict[str, subprocess.Popen] = {}
-        os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
-
-    def log_path(self, name: str) -> str:
-        return os.path.join(self.run_dir, "logs", f"{name}.log")
-
-    def spawn(self, cmds: dict[str, list[str]]) -> None:
-        for name, argv in cmds.items():
-            with open(self.log_path(name), "ab") as log:
-                self.procs[name] = subprocess.Popen(
-                    argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
-                )
-
-    def failed(self) -> str | None:
-        for name, p in self.procs.items():
-            code = p.poll()
-            if code is not None and (code != 0 or name != "trainer"):
-                return name
-        return None
-
-    def stop(self, names=None) -> None:
-        names = list(names or self.procs)
-        for n in names:
-            if self.procs[n].poll() is None:
-                self.procs[n].send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.cfg.launch.stop_timeout_s
-        for n in names:
-            try:
-                self.procs[n].wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                print(f"{n} did not stop in {self.cfg.launch.stop_timeout_s}s; killing it")
-                self.procs[n].kill()
-                self.procs[n].wait()
-
-
 def wait_for_final_sync(client, names: Names, cfg, target: int) -> None:
     """Give actors a bounded time to apply the trainer's last version."""
     deadline = time.monotonic() + cfg.launch.final_sync_timeout_s
@@ -100,24 +53,16 @@ def wait_for_final_sync(client, names: Names, cfg, target: int) -> None:
 
 
 def supervise(cfg, sup: Supervisor, client, names: Names) -> tuple[str, int]:
-    """Run until the trainer finishes, a pool fails or Ctrl-C; return (outcome, code)."""
+    """Run until the trainer finishes, the run fails or Ctrl-C; return (outcome, code)."""
     progress = Progress(cfg.trainer.max_steps)
     try:
         while True:
-            bad = sup.failed()
-            if bad:
+            statuses = read_statuses(client, names)
+            done = sup.check(statuses)
+            progress.update(statuses)
+            if done:
                 progress.close()
-                code = sup.procs[bad].returncode
-                print(
-                    f"\npool {bad} exited with code {code}; stopping the run. "
-                    f"Last lines of {sup.log_path(bad)}:\n{tail(sup.log_path(bad))}"
-                )
-                return f"failed: {bad} exited with {code}", 1
-            if sup.procs["trainer"].poll() == 0:
-                progress.update(read_statuses(client, names))
-                progress.close()
-                return "finished", 0
-            progress.update(read_statuses(client, names))
+                return done
             time.sleep(cfg.launch.progress_interval_s)
     except KeyboardInterrupt:
         progress.close()
@@ -157,10 +102,11 @@ def run(cfg) -> int:
     client = connect(url)
     check_no_eviction(client)
     names = Names(cfg.redis.prefix, cfg.run.name)
+    mark_run(client, names, run_dir=run_dir)
     client.delete(names.key("rendezvous"))  # a previous trainer's address is stale now
-    sup = Supervisor(cfg, run_dir, env)
+    sup = Supervisor(cfg, run_dir, env, pool_commands(cfg, config_path), server)
     start = time.time()
-    sup.spawn(pool_commands(cfg, config_path))
+    sup.spawn_all()
     outcome, code = supervise(cfg, sup, client, names)
     try:
         if outcome == "finished":

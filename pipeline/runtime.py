@@ -1,6 +1,14 @@
 """What every pool process shares at start-up: arguments, config, logging,
-Redis, stop signals, metrics. ``python -m <pool> --config RUN_DIR/config.yaml
---name <pool>-<i> [key=value ...]``."""
+Redis, stop signals, metrics, and the heartbeat. ``python -m <pool> --config
+RUN_DIR/config.yaml --name <pool>-<i> [key=value ...]``.
+
+The heartbeat thread writes ``heartbeat`` (the process is alive) and
+``progress`` (the last time the main loop called :meth:`Pool.tick`) into the
+pool's status hash every second, so a watchdog can tell a stopped or hung
+pool from a busy one. It also checks that Redis still holds the run: if the
+server came back empty, the pool exits with code 3 (EXIT_DATA_LOST) and a
+message, rather than looping on missing streams.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +17,20 @@ import logging
 import os
 import signal
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 import torch
 
 from pipeline.config import load_config, redis_url
-from pipeline.streams import Names, connect
+from pipeline.redis_server import check_no_eviction
+from pipeline.streams import DataLost, Names, check_run, connect, mark_run
 from pipeline.telemetry import MetricsFile, PoolStatus
+
+log = logging.getLogger(__name__)
+EXIT_DATA_LOST = 3
 
 
 @dataclass
@@ -30,9 +43,33 @@ class Pool:
     stop: threading.Event
     status: PoolStatus
     metrics: MetricsFile
+    last_tick: float = field(default_factory=time.time)
 
     def record(self, **values) -> None:
         self.metrics.write(pool=self.name, role=self.role, **values)
+
+    def tick(self) -> bool:
+        """The main loop made progress; returns whether to stop (a handy callback)."""
+        self.last_tick = time.time()
+        return self.stop.is_set()
+
+
+def heartbeat(pool: Pool, every_s: float = 1.0) -> None:
+    """Runs in a daemon thread for the life of the process."""
+    while True:
+        try:
+            check_run(pool.client, pool.names)
+            pool.client.hset(
+                pool.status.key,
+                mapping={"heartbeat": time.time(), "progress": pool.last_tick, "pid": os.getpid()},
+            )
+        except DataLost as e:
+            log.error("%s", e)
+            logging.shutdown()
+            os._exit(EXIT_DATA_LOST)
+        except Exception as e:  # a Redis outage: the client retries; say so and go on
+            log.warning("heartbeat failed: %s", e)
+        time.sleep(every_s)
 
 
 def start_pool(role: str, argv: list[str] | None = None) -> Pool:
@@ -55,8 +92,10 @@ def start_pool(role: str, argv: list[str] | None = None) -> Pool:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    client = connect(redis_url(cfg))
+    client = connect(redis_url(cfg), reconnect_s=cfg.redis.reconnect_s)
+    check_no_eviction(client)
     names = Names(cfg.redis.prefix, cfg.run.name)
+    mark_run(client, names)
     run_dir = cfg.run_dir or "."
     pool = Pool(
         cfg=cfg,
@@ -68,8 +107,18 @@ def start_pool(role: str, argv: list[str] | None = None) -> Pool:
         status=PoolStatus(client, names, args.name, role),
         metrics=MetricsFile(os.path.join(run_dir, "metrics.jsonl")),
     )
+    threading.Thread(target=heartbeat, args=(pool,), name="heartbeat", daemon=True).start()
     logging.getLogger(role).info("%s started (pid %d)", args.name, os.getpid())
     return pool
+
+
+def run_main(main) -> None:
+    """Entry point of a pool: a lost run (empty Redis) exits with EXIT_DATA_LOST."""
+    try:
+        main()
+    except DataLost as e:
+        log.error("%s", e)
+        raise SystemExit(EXIT_DATA_LOST) from None
 
 
 def trainer_version(pool: Pool) -> int:

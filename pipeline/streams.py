@@ -16,6 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from pipeline.messages import BadEntry, decode
 
@@ -60,13 +62,26 @@ class Names:
         return self.key(f"status:{pool}")
 
 
-def connect(url: str, attempts: int = 20, delay_s: float = 0.25) -> redis.Redis:
-    """Connect with bounded, logged retries; every call has a socket deadline."""
+def connect(
+    url: str, attempts: int = 20, delay_s: float = 0.25, reconnect_s: float = 60.0
+) -> redis.Redis:
+    """Connect with bounded, logged retries; every call has a socket deadline.
+
+    Once connected, a command that meets a dropped connection (redis-server
+    restarting) is retried with exponential backoff for about ``reconnect_s``
+    seconds before the error reaches the caller.
+    """
     last: Exception | None = None
+    retry = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=max(1, int(reconnect_s / 2)))
     for i in range(attempts):
         try:
             client = redis.Redis.from_url(
-                url, socket_timeout=30, socket_connect_timeout=5, health_check_interval=30
+                url,
+                socket_timeout=30,
+                socket_connect_timeout=5,
+                health_check_interval=30,
+                retry=retry,
+                retry_on_error=[redis.ConnectionError, redis.TimeoutError],
             )
             client.ping()
             return client
@@ -99,8 +114,39 @@ def ensure_group(client: redis.Redis, stream: str, group: str, start: str = "0")
             raise
 
 
+class DataLost(RuntimeError):
+    """The run's Redis came back empty: streams and groups are gone."""
+
+
+def run_marker(names: Names) -> str:
+    return names.key("run")
+
+
+def mark_run(client: redis.Redis, names: Names, **info: Any) -> None:
+    """Set once per run; its absence later means Redis lost the run's data."""
+    client.hsetnx(run_marker(names), "created", str(time.time()))
+    if info:
+        client.hset(run_marker(names), mapping={k: str(v) for k, v in info.items()})
+
+
+def check_run(client: redis.Redis, names: Names) -> None:
+    if not client.exists(run_marker(names)):
+        raise DataLost(
+            f"redis has no {run_marker(names)}: the server restarted without the run's data "
+            "(AOF missing or a different server). Nothing can be resumed from it; start a "
+            "new run or point redis.url at the server that holds this run."
+        )
+
+
 class Consumer:
-    """XREADGROUP + XACK with typed decoding and a dead-letter path."""
+    """XREADGROUP + XACK with typed decoding and a dead-letter path.
+
+    Recovery: on the first read it re-reads this consumer's own pending
+    entries (a restarted process with the same name picks up where it died),
+    and every ``claim_every_s`` it XAUTOCLAIMs entries another consumer has
+    held for ``claim_idle_s`` (a dead peer). A missing group after a Redis
+    restart is recreated when the run's data survived, else DataLost.
+    """
 
     def __init__(
         self,
@@ -111,27 +157,70 @@ class Consumer:
         consumer: str,
         cls: type,
         block_ms: int = 1000,
+        recover_pending: bool = True,
+        claim_idle_s: float = 60.0,
+        claim_every_s: float = 10.0,
     ):
         self.client, self.names, self.stream = client, names, stream
         self.group, self.consumer, self.cls, self.block_ms = group, consumer, cls, block_ms
+        self.claim_idle_ms, self.claim_every_s = int(claim_idle_s * 1000), claim_every_s
         self.dead_lettered = 0
+        self.claimed = 0
+        self._own_pending = recover_pending
+        self._next_claim = time.monotonic() + claim_every_s if recover_pending else float("inf")
         ensure_group(client, stream, group)
 
     def read(self, count: int) -> list[tuple[str, Any]]:
-        """Up to ``count`` new entries as (entry id, decoded message)."""
+        """Up to ``count`` entries (recovered, claimed, then new) as (id, message)."""
+        try:
+            entries = self._recover(count) or self._fetch(count)
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            check_run(self.client, self.names)
+            log.warning("consumer group %s on %s is gone; recreating it", self.group, self.stream)
+            ensure_group(self.client, self.stream, self.group)
+            return []
+        return self._decode(entries)
+
+    def _fetch(self, count: int) -> list:
         reply = self.client.xreadgroup(
             self.group, self.consumer, {self.stream: ">"}, count=count, block=self.block_ms
         )
+        return [e for _stream, entries in reply or [] for e in entries]
+
+    def _recover(self, count: int) -> list:
+        if self._own_pending:
+            reply = self.client.xreadgroup(
+                self.group, self.consumer, {self.stream: "0"}, count=count
+            )
+            entries = [e for _s, es in reply or [] for e in es if e[1]]
+            if entries:
+                log.info("re-reading %d pending entries of %s", len(entries), self.consumer)
+                return entries
+            self._own_pending = False
+        if time.monotonic() >= self._next_claim:
+            self._next_claim = time.monotonic() + self.claim_every_s
+            reply = self.client.xautoclaim(
+                self.stream, self.group, self.consumer, self.claim_idle_ms, count=count
+            )
+            entries = [e for e in reply[1] if e[1]]
+            if entries:
+                self.claimed += len(entries)
+                log.warning("claimed %d entries a dead consumer left pending", len(entries))
+                return entries
+        return []
+
+    def _decode(self, entries: list) -> list[tuple[str, Any]]:
         out = []
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                entry_id = entry_id.decode()
-                try:
-                    if DATA not in fields:
-                        raise BadEntry("entry has no 'data' field")
-                    out.append((entry_id, decode(fields[DATA], self.cls)))
-                except BadEntry as e:
-                    self.dead_letter(entry_id, fields, str(e))
+        for entry_id, fields in entries:
+            entry_id = entry_id.decode()
+            try:
+                if DATA not in fields:
+                    raise BadEntry("entry has no 'data' field")
+                out.append((entry_id, decode(fields[DATA], self.cls)))
+            except BadEntry as e:
+                self.dead_letter(entry_id, fields, str(e))
         return out
 
     def dead_letter(self, entry_id: str, fields: dict, reason: str) -> None:

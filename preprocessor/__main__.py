@@ -1,3 +1,4 @@
+from pipeline.runtime import run_main
 from preprocessor.main import main
 
-main()
+run_main(main)

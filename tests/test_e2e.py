@@ -69,6 +69,8 @@ def test_pipeline_end_to_end(tmp_path):
 
 def test_failing_pool_stops_the_run_and_is_named(tmp_path):
     env = dict(os.environ, NONSTOP_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
+    bad = tmp_path / "problems.jsonl"
+    bad.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "no answer"}\n')
     proc = subprocess.run(
         [
             sys.executable,
@@ -77,7 +79,8 @@ def test_failing_pool_stops_the_run_and_is_named(tmp_path):
             "+exp=tiny",
             f"run_dir={tmp_path / 'r'}",
             "task.kind=file",
-            f"task.path={tmp_path / 'missing.jsonl'}",
+            f"task.path={bad}",
+            "launch.restart_policy=never",
         ],
         cwd=ROOT,
         env=env,
@@ -87,7 +90,7 @@ def test_failing_pool_stops_the_run_and_is_named(tmp_path):
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "pool actor-0 exited" in proc.stdout
-    assert "missing.jsonl" in proc.stdout  # the actor's own error, shown from its log
+    assert "problems.jsonl" in proc.stdout and "answer" in proc.stdout  # the actor's own error
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["outcome"].startswith("failed: actor-0")
 

@@ -1,0 +1,155 @@
+"""The launcher's supervisor: keeps the pools (and an embedded redis-server)
+running under a restart policy, with a watchdog for silent hangs.
+
+::
+
+    reads   each pool's exit status; its status hash (heartbeat, progress)
+    writes  launcher events (exit, watchdog, restart, redis-restart) to metrics.jsonl
+    acts    restarts a crashed pool (launch.restart_policy, launch.max_restarts),
+            SIGKILLs a pool silent for launch.watchdog_s (then the policy applies),
+            restarts a dead embedded redis-server on its port and AOF,
+            stops the run when a pool exits with EXIT_DATA_LOST or runs out of restarts
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections import Counter
+
+from pipeline.redis_server import EmbeddedRedis
+from pipeline.runtime import EXIT_DATA_LOST
+from pipeline.telemetry import MetricsFile
+
+
+def tail(path: str, lines: int = 20) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class Supervisor:
+    def __init__(
+        self,
+        cfg,
+        run_dir: str,
+        env: dict[str, str],
+        cmds: dict[str, list[str]],
+        server: EmbeddedRedis | None = None,
+    ):
+        self.cfg, self.run_dir, self.env, self.cmds, self.server = cfg, run_dir, env, cmds, server
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.spawned_at: dict[str, float] = {}
+        self.restarts: Counter = Counter()
+        self.events = MetricsFile(os.path.join(run_dir, "metrics.jsonl"))
+        os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+
+    def log_path(self, name: str) -> str:
+        return os.path.join(self.run_dir, "logs", f"{name}.log")
+
+    def event(self, kind: str, pool: str, **detail) -> None:
+        self.events.write(pool="launcher", event=kind, target=pool, **detail)
+
+    def spawn(self, name: str) -> None:
+        with open(self.log_path(name), "ab") as log:
+            self.procs[name] = subprocess.Popen(
+                self.cmds[name],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+            )
+        self.spawned_at[name] = time.time()
+
+    def spawn_all(self) -> None:
+        for name in self.cmds:
+            self.spawn(name)
+
+    def check(self, statuses: dict[str, dict[str, str]]) -> tuple[str, int] | None:
+        """One supervision round; returns (outcome, exit code) when the run is over."""
+        self._check_redis()
+        self._watchdog(statuses)
+        for name, proc in self.procs.items():
+            code = proc.poll()
+            if code is None:
+                continue
+            if name == "trainer" and code == 0:
+                return "finished", 0
+            if code == EXIT_DATA_LOST:
+                return self._fatal(name, code, "redis lost the run's data")
+            self.event("exit", name, code=code)
+            policy = self.cfg.launch.restart_policy
+            if policy == "never" or self.restarts[name] >= self.cfg.launch.max_restarts:
+                return self._fatal(
+                    name, code, f"restart policy {policy!r}, {self.restarts[name]} restarts used"
+                )
+            self.restarts[name] += 1
+            print(
+                f"\n{name} exited with code {code}; restarting it "
+                f"({self.restarts[name]}/{self.cfg.launch.max_restarts})",
+                flush=True,
+            )
+            self.spawn(name)
+            self.event("restart", name, attempt=self.restarts[name])
+        return None
+
+    def _fatal(self, name: str, code: int, why: str) -> tuple[str, int]:
+        print(
+            f"\npool {name} exited with code {code} ({why}); stopping the run. "
+            f"Last lines of {self.log_path(name)}:\n{tail(self.log_path(name))}",
+            flush=True,
+        )
+        return f"failed: {name} exited with {code}", 1
+
+    def _watchdog(self, statuses: dict[str, dict[str, str]]) -> None:
+        limit = self.cfg.launch.watchdog_s
+        if limit <= 0:
+            return
+        now = time.time()
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                continue
+            st = statuses.get(name, {})
+            beat = float(st.get("heartbeat", 0)) if st.get("pid") == str(proc.pid) else 0.0
+            progress = float(st.get("progress", 0)) if beat else 0.0
+            last = max(min(beat, progress) if progress else beat, self.spawned_at[name])
+            if now - last > limit:
+                print(
+                    f"\nwatchdog: {name} (pid {proc.pid}) made no progress for "
+                    f"{now - last:.0f}s > launch.watchdog_s={limit:g}; killing it",
+                    flush=True,
+                )
+                self.event("watchdog", name, silent_s=round(now - last, 1))
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+
+    def _check_redis(self) -> None:
+        if self.server is None or self.server.proc is None or self.server.proc.poll() is None:
+            return
+        code = self.server.proc.returncode
+        print(
+            f"\nembedded redis-server exited with {code}; restarting it on port "
+            f"{self.server.port} from its AOF",
+            flush=True,
+        )
+        self.event("exit", "redis", code=code)
+        self.server.start()
+        self.event("restart", "redis")
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.cfg.launch.stop_timeout_s
+        for n, p in self.procs.items():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"{n} did not stop in {self.cfg.launch.stop_timeout_s}s; killing it")
+                p.kill()
+                p.wait()
