@@ -1,5 +1,10 @@
 """Log-probs that mean the same thing in the actor, preprocessor and trainer:
-the distribution sampled from (temperature, then top-k, then top-p)."""
+the distribution sampled from (temperature, then top-k, then top-p).
+
+With ``engine.keep_sampling_mask`` the actor records, per token, the vocabulary
+ids top-k/top-p kept; :func:`completion_logprobs` then renormalises over that
+recorded support instead of recomputing the truncation from its own logits.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +29,28 @@ def sampling_logprobs(
     return torch.log_softmax(logits, dim=-1)
 
 
+def support_from_masks(
+    masks: list, comp: torch.Tensor, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[batch, width-1, vocab] bool support (True: allowed) and [batch] rows that have one.
+
+    ``masks[row]`` is None or a list with one array of kept ids per completion token;
+    position t-1 predicts the token at t, so a completion token's support goes there.
+    """
+    support = torch.ones((comp.shape[0], comp.shape[1] - 1, vocab), dtype=torch.bool)
+    has = torch.tensor([m is not None for m in masks], dtype=torch.bool)
+    for row, kept in enumerate(masks):
+        if kept is None:
+            continue
+        positions = torch.nonzero(comp[row]).flatten() - 1
+        assert len(positions) == len(kept), "one kept-id array per completion token"
+        counts = torch.tensor([len(k) for k in kept])
+        ids = torch.from_numpy(np.concatenate(kept).astype(np.int64))
+        support[row, positions] = False
+        support[row, positions.repeat_interleave(counts), ids] = True
+    return support, has
+
+
 def pad_sequences(prompts: list[np.ndarray], completions: list[np.ndarray], pad_id: int = 0):
     """Right-padded prompt+completion ids, attention mask and completion mask."""
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
@@ -46,13 +73,24 @@ def completion_logprobs(
     temperature: float,
     top_p: float = 1.0,
     top_k: int = 0,
+    masks: list | None = None,
 ) -> torch.Tensor:
     """[batch, width] log-probs of each token given its prefix; 0 outside completions.
 
     Position t holds log p(ids[t] | ids[:t]); differentiable when grad is enabled.
+    ``masks`` (one entry per row, None or per-token kept ids): rows with a recorded
+    sampling mask are renormalised over it, the others truncated by top-k/top-p.
     """
     logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1, :]
-    logp = sampling_logprobs(logits, temperature, top_p, top_k)
+    if masks is None or all(m is None for m in masks):
+        logp = sampling_logprobs(logits, temperature, top_p, top_k)
+    else:
+        support, has = support_from_masks(masks, comp, logits.shape[-1])
+        scaled = (logits.float() / temperature).masked_fill(~support, float("-inf"))
+        logp = torch.log_softmax(scaled, dim=-1)
+        if not has.all():
+            recomputed = sampling_logprobs(logits, temperature, top_p, top_k)
+            logp = torch.where(has[:, None, None], logp, recomputed)
     token_lp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
     out = torch.zeros(ids.shape, dtype=token_lp.dtype)
     out = torch.cat([out[:, :1], token_lp], dim=1)

@@ -63,8 +63,32 @@ def rle_decode(data: bytes) -> np.ndarray:
     return np.repeat(vals, counts).astype(np.int64)
 
 
-class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """One completion of a prompt, as the actor produced it."""
+def pack_mask(kept: list) -> tuple[bytes, bytes]:
+    """Per-token kept-id arrays -> (concatenated ids, per-token counts), both int32."""
+    if not kept:
+        return b"", b""
+    counts = [len(k) for k in kept]
+    return pack_i32(np.concatenate([np.asarray(k) for k in kept])), pack_i32(counts)
+
+
+def unpack_mask(ids: bytes, counts: bytes, n_tokens: int) -> list[np.ndarray] | None:
+    if not ids and not counts:
+        return None
+    flat, per_token = unpack_i32(ids), unpack_i32(counts)
+    if len(per_token) != n_tokens or (per_token <= 0).any() or per_token.sum() != len(flat):
+        raise BadEntry(
+            f"sampling mask has {len(per_token)} counts summing to {int(per_token.sum())} "
+            f"for {n_tokens} tokens and {len(flat)} ids"
+        )
+    return np.split(flat, np.cumsum(per_token)[:-1])
+
+
+class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """One completion of a prompt, as the actor produced it.
+
+    Fields left at their default are not encoded, so a sample without the
+    optional arrays below is the same payload an older build writes and reads.
+    """
 
     index: int  # position inside its group: (group_id, index) names a sample
     completion_ids: bytes  # int32
@@ -74,12 +98,23 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     finished: bool  # ended with EOS rather than the token limit
     advantage: float = 0.0  # set by the preprocessor
     ref_logprobs: bytes = b""  # float32, set by the preprocessor
+    # float32 per token, set by the preprocessor's dense scorers (steps, teacher);
+    # when present the trainer uses it instead of the scalar ``advantage``
+    token_advantages: bytes = b""
+    # engine.keep_sampling_mask: the vocabulary ids each token was sampled among
+    # (top-k/top-p support), concatenated int32, and how many belong to each token
+    mask_ids: bytes = b""
+    mask_counts: bytes = b""
 
     def tokens(self) -> np.ndarray:
         return unpack_i32(self.completion_ids)
 
     def token_versions(self) -> np.ndarray:
         return rle_decode(self.versions)
+
+    def sampling_mask(self) -> list[np.ndarray] | None:
+        """Per token, the kept vocabulary ids; None when no mask was recorded."""
+        return unpack_mask(self.mask_ids, self.mask_counts, len(self.tokens()))
 
 
 class RolloutGroup(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

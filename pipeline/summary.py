@@ -29,6 +29,7 @@ class Summary:
     groups_trained: int
     groups_dropped_no_signal: int
     dead_lettered: int
+    prm_scored_groups: int  # groups in which the step-reward scorer scored a step
     wall_seconds: float
     pools: dict[str, dict[str, str]] = field(default_factory=dict)
 
@@ -54,6 +55,7 @@ class Summary:
                 f"{_fmt(self.reward_mean_first_window)} -> {_fmt(self.reward_mean_last_window)}",
             ),
             ("dead-lettered entries", self.dead_lettered),
+            ("groups with PRM-scored steps", self.prm_scored_groups),
             ("wall seconds", f"{self.wall_seconds:.1f}"),
         ]
         width = max(len(k) for k, _ in rows)
@@ -97,6 +99,7 @@ def build_summary(
         groups_dropped_no_signal=sum(int(v.get("dropped", 0)) for v in preps.values()),
         dead_lettered=sum(int(v.get("dead_lettered", 0)) for v in preps.values())
         + int(trainer.get("dead_lettered", 0)),
+        prm_scored_groups=sum(int(v.get("prm_scored_groups", 0)) for v in preps.values()),
         wall_seconds=round(wall_s, 2),
         pools=statuses,
     )

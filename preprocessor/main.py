@@ -6,44 +6,65 @@
     writes  <run>:batches   (TrainBatch entries), <run>:dead (undecodable entries)
     blocks  on XREADGROUP when no rollouts wait
 
-Per group: advantages relative to the group, drop it when all rewards are
-equal (no learning signal), reference log-probs from a frozen copy of the
-initial model; then pack the kept samples into token-budget micro-batches.
-Rollouts are acknowledged only after their batches are written.
+Per read of up to ``read_count`` groups, batched across them::
+
+    dense scorers (prm, teacher)  ->  advantages: group-relative outcome advantage,
+    mixed per token with the dense parts  ->  drop groups with no signal  ->
+    other scorers (reference) on the kept groups  ->  pack into token-budget
+    micro-batches
+
+The scorers are ``preprocessor.scorers`` (preprocessor/scorers.py). Rollouts
+are acknowledged only after their batches are written.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
+from collections import Counter
 
 import numpy as np
-import torch
 
-from pipeline.logprobs import completion_logprobs, pad_sequences
-from pipeline.messages import SCHEMA_VERSION, RolloutGroup, TrainBatch, encode, pack_f32, unpack_i32
-from pipeline.models import load_model
-from pipeline.runtime import Pool, model_path, start_pool
-from pipeline.streams import Consumer, publish, trim_consumed
-from preprocessor.shaping import group_advantages, has_signal, pack
+from pipeline.messages import (
+    SCHEMA_VERSION,
+    BadEntry,
+    RolloutGroup,
+    TrainBatch,
+    encode,
+    unpack_f32,
+    unpack_i32,
+)
+from pipeline.runtime import Pool, start_pool
+from pipeline.streams import DATA, Consumer, publish, trim_consumed
+from preprocessor.scorers import ScoredGroup, Scorer, build_scorers
+from preprocessor.shaping import pack, set_advantages
 
 log = logging.getLogger("preprocessor")
 GROUP = "preprocessor"
 
 
-@torch.inference_mode()
-def add_reference(ref_model, groups: list[RolloutGroup], budget: int, pad_id: int) -> None:
-    """Fill each sample's ref_logprobs, in budget-sized forward passes."""
-    items = [(g, s) for g in groups for s in g.samples]
-    prompts = [unpack_i32(g.prompt_ids) for g, _ in items]
-    comps = [s.tokens() for _, s in items]
-    lengths = [len(p) + len(c) for p, c in zip(prompts, comps, strict=True)]
-    for idx in pack(lengths, budget):
-        ids, attn, comp = pad_sequences([prompts[i] for i in idx], [comps[i] for i in idx], pad_id)
-        g0 = items[idx[0]][0]
-        lp = completion_logprobs(ref_model, ids, attn, comp, g0.temperature, g0.top_p, g0.top_k)
-        for row, i in enumerate(idx):
-            items[i][1].ref_logprobs = pack_f32(lp[row][comp[row]].numpy())
+def check_group(group: RolloutGroup) -> None:
+    """Raise BadEntry when a sample's per-token arrays disagree with its token count."""
+    if not group.samples:
+        raise BadEntry("rollout group has no samples")
+    for s in group.samples:
+        n = len(s.tokens())
+        if n == 0 or len(unpack_f32(s.logprobs)) != n or len(s.token_versions()) != n:
+            raise BadEntry(f"sample {s.index}: token, log-prob and version counts differ")
+        s.sampling_mask()  # raises BadEntry when inconsistent
+
+
+def usable(consumer: Consumer, entries: list[tuple[str, RolloutGroup]]) -> list:
+    """The entries whose groups pass check_group; the others go to the dead-letter stream."""
+    good = []
+    for entry_id, group in entries:
+        try:
+            check_group(group)
+        except BadEntry as e:
+            consumer.dead_letter(entry_id, {DATA: encode(group)}, str(e))
+            continue
+        good.append((entry_id, group))
+    return good
 
 
 def to_batches(groups: list[RolloutGroup], budget: int) -> list[TrainBatch]:
@@ -68,20 +89,33 @@ def to_batches(groups: list[RolloutGroup], budget: int) -> list[TrainBatch]:
     return out
 
 
-def process(pool: Pool, ref_model, pad_id: int, entries: list[tuple[str, RolloutGroup]]) -> dict:
+def score_groups(
+    scorers: list[Scorer], groups: list[RolloutGroup], drop_no_signal: bool
+) -> tuple[list[RolloutGroup], list[RolloutGroup], Counter]:
+    """Run the scorers and set advantages; return (kept, dropped, scorer counters)."""
+    items = [ScoredGroup(g) for g in groups]
+    counts: Counter = Counter()
+    for scorer in scorers:
+        if scorer.dense:
+            counts.update(scorer.score(items))
+    weights = {s.name: s.weight for s in scorers if s.dense}
+    kept, dropped = [], []
+    for it in items:
+        signal = set_advantages(it.group.samples, it.dense, weights)
+        (kept if signal or not drop_no_signal else dropped).append(it)
+    for scorer in scorers:
+        if not scorer.dense and kept:
+            counts.update(scorer.score(kept))
+    return [it.group for it in kept], [it.group for it in dropped], counts
+
+
+def process(pool: Pool, scorers: list[Scorer], entries: list[tuple[str, RolloutGroup]]) -> dict:
     cfg = pool.cfg.preprocessor
-    kept, dropped = [], 0
-    for _id, group in entries:
-        rewards = [s.reward for s in group.samples]
-        if cfg.drop_no_signal and not has_signal(rewards):
-            dropped += 1
-            pool.client.incrby(pool.names.key("samples_retired"), len(group.samples))
-            continue
-        for s, a in zip(group.samples, group_advantages(rewards), strict=True):
-            s.advantage = float(a)
-        kept.append(group)
-    if kept and ref_model is not None:
-        add_reference(ref_model, kept, cfg.token_budget, pad_id)
+    groups = [group for _id, group in entries]
+    kept, dropped, counts = score_groups(scorers, groups, cfg.drop_no_signal)
+    retired = sum(len(g.samples) for g in dropped)
+    if retired:
+        pool.client.incrby(pool.names.key("samples_retired"), retired)
     batches = to_batches(kept, cfg.token_budget) if kept else []
     for b in batches:
         versions = np.concatenate([s.token_versions() for s in b.samples])
@@ -96,16 +130,16 @@ def process(pool: Pool, ref_model, pad_id: int, entries: list[tuple[str, Rollout
             versions=f"{versions.min()}-{versions.max()}",
             tokens=int(versions.size),
         )
-    return {"kept": len(kept), "dropped": dropped, "batches": len(batches)}
+    if kept:
+        pool.record(event="batched", groups=[g.group_id for g in kept])
+    return {"kept": len(kept), "dropped": len(dropped), "batches": len(batches), **counts}
 
 
 def main(argv: list[str] | None = None) -> None:
     pool = start_pool("preprocessor", argv)
     cfg = pool.cfg
-    ref_model, tokenizer = (None, None)
-    if cfg.preprocessor.reference:
-        ref_model, tokenizer = load_model(model_path(cfg), cfg.model.dtype)
-    pad_id = tokenizer.pad_token_id if tokenizer is not None else 0
+    scorers = build_scorers(cfg)
+    log.info("scorers: %s", ", ".join(s.name for s in scorers) or "none")
     consumer = Consumer(
         pool.client,
         pool.names,
@@ -114,18 +148,18 @@ def main(argv: list[str] | None = None) -> None:
         pool.name,
         RolloutGroup,
         block_ms=cfg.redis.block_ms,
+        claim_idle_s=cfg.redis.claim_idle_s,
     )
-    totals = {"kept": 0, "dropped": 0, "batches": 0}
-    while not pool.stop.is_set():
-        entries = consumer.read(cfg.preprocessor.read_count)
+    totals: Counter = Counter(kept=0, dropped=0, batches=0, prm_scored_groups=0)
+    while not pool.tick():
+        entries = usable(consumer, consumer.read(cfg.preprocessor.read_count))
         if not entries:
             pool.status.set(state="idle", **totals, dead_lettered=consumer.dead_lettered)
             continue
-        counts = process(pool, ref_model, pad_id, entries)
+        counts = process(pool, scorers, entries)
         consumer.ack([entry_id for entry_id, _ in entries])
         trim_consumed(pool.client, pool.names.rollouts)
-        for k, v in counts.items():
-            totals[k] += v
+        totals.update(counts)
         pool.record(event="preprocessed", **counts)
         pool.status.set(state="working", **totals, dead_lettered=consumer.dead_lettered)
     pool.status.set(state="stopped", **totals, dead_lettered=consumer.dead_lettered)

@@ -1,4 +1,5 @@
-"""Pure functions of the preprocessor: group-relative advantages and packing."""
+"""Pure functions of the preprocessor: group-relative advantages, their mix with the
+dense (per-token) parts of the scorers, the no-signal filter, and packing."""
 
 from __future__ import annotations
 
@@ -14,6 +15,55 @@ def group_advantages(rewards: list[float], eps: float = 1e-6) -> np.ndarray:
 def has_signal(rewards: list[float], tol: float = 1e-9) -> bool:
     """A group whose rewards are all equal teaches nothing (all advantages are 0)."""
     return bool(np.ptp(np.asarray(rewards, dtype=np.float64)) > tol)
+
+
+def mix_advantages(
+    outcome: np.ndarray,
+    lengths: list[int],
+    dense: dict[str, list[np.ndarray]],
+    weights: dict[str, float],
+) -> list[np.ndarray]:
+    """Per-token advantages of a group: (1 - sum of weights) * outcome + weighted dense parts.
+
+    ``outcome`` holds one (group-relative) advantage per sample, ``lengths`` their
+    token counts; ``dense[name]`` one per-token array per sample, weighted by
+    ``weights[name]``. Weight 0 leaves the outcome advantage alone; weight 1
+    replaces it.
+    """
+    total = sum(weights[name] for name in dense)
+    assert total <= 1 + 1e-9, "dense weights leave the outcome a non-negative share"
+    out = []
+    for i, (a, n) in enumerate(zip(outcome, lengths, strict=True)):
+        mixed = np.full(n, (1.0 - total) * float(a), dtype=np.float64)
+        for name, arrays in dense.items():
+            assert len(arrays[i]) == n, "every dense array covers the sample's tokens"
+            mixed += weights[name] * arrays[i]
+        out.append(mixed.astype(np.float32))
+    return out
+
+
+def set_advantages(
+    samples: list, dense: dict[str, list[np.ndarray]], weights: dict[str, float], tol: float = 1e-9
+) -> bool:
+    """Write each sample's ``advantage`` (and ``token_advantages`` when there are dense
+    parts); return whether the group carries a learning signal.
+
+    Without dense parts this is plain GRPO: one advantage per sample, and a group whose
+    rewards are all equal has no signal. With them, ``advantage`` keeps the outcome
+    advantage, ``token_advantages`` the mix, and the group has signal when some token's
+    mixed advantage is not 0 (step or teacher rewards can teach where outcomes tie).
+    """
+    rewards = [s.reward for s in samples]
+    outcome = group_advantages(rewards)
+    for s, a in zip(samples, outcome, strict=True):
+        s.advantage = float(a)
+    if not dense:
+        return has_signal(rewards, tol)
+    lengths = [len(s.tokens()) for s in samples]
+    mixed = mix_advantages(outcome, lengths, dense, weights)
+    for s, m in zip(samples, mixed, strict=True):
+        s.token_advantages = m.astype("<f4").tobytes()
+    return any(m.size and float(np.abs(m).max()) > tol for m in mixed)
 
 
 def pack(lengths: list[int], token_budget: int) -> list[list[int]]:

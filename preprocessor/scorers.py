@@ -1,0 +1,156 @@
+"""The scorers ``preprocessor.scorers`` names, and how they are built.
+
+::
+
+    reference  reads the rollout's tokens; writes Sample.ref_logprobs from a frozen copy
+               of the initial policy (under the rollout's sampling distribution)
+    prm        reads the completion text; writes ScoredGroup.dense["prm"], per-token
+               process advantages from step rewards (preprocessor/prm.py)
+    teacher    reads the rollout's tokens and the actor's log-probs; writes
+               ScoredGroup.dense["teacher"] = teacher_lp - student_lp per token (the
+               negative log-ratio: its expectation is minus the reverse KL)
+
+Each process of the preprocessor pool builds its own scorers; the rollouts
+stream's consumer group shares the groups among the processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from pipeline.config import SCORERS, validate_scorers
+from pipeline.messages import unpack_f32
+from pipeline.models import load_model, materialize_model
+from pipeline.runtime import model_path
+from preprocessor.prm import ArithmeticPRM, ModelPRM
+from preprocessor.scoring import (
+    ScoredGroup,
+    Scorer,
+    packed_logprobs,
+    samples_of,
+    split_per_group,
+)
+
+__all__ = ["ReferenceScorer", "TeacherScorer", "build_scorers", "Scorer", "ScoredGroup"]
+
+
+def pad_id_of(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
+class ReferenceScorer:
+    """Log-probs of the frozen initial policy, for the trainer's KL term."""
+
+    name, dense, weight = "reference", False, 0.0
+
+    def __init__(self, model, pad_id: int, budget: int):
+        self.model, self.pad_id, self.budget = model, pad_id, budget
+
+    def score(self, items: list[ScoredGroup]) -> dict[str, int]:
+        pairs = samples_of(items)
+        for (_, sample), lp in zip(
+            pairs, packed_logprobs(self.model, pairs, self.budget, self.pad_id), strict=True
+        ):
+            sample.ref_logprobs = lp.tobytes()
+        return {"reference_scored_groups": len(items)}
+
+
+class TeacherScorer:
+    """On-policy distillation: per-token reward teacher_lp - student_lp on the sampled tokens.
+
+    The student's log-prob is the one the actor recorded (the distribution it sampled
+    from); the teacher's is taken at the rollout's temperature without top-k/top-p, so
+    both sides see the same transformation and the teacher never assigns -inf.
+    """
+
+    name, dense = "teacher", True
+
+    def __init__(self, model, pad_id: int, budget: int, weight: float):
+        self.model, self.pad_id, self.budget, self.weight = model, pad_id, budget, weight
+
+    def rewards(self, items: list[ScoredGroup]) -> list[list[np.ndarray]]:
+        pairs = samples_of(items)
+        teacher = packed_logprobs(self.model, pairs, self.budget, self.pad_id, truncate=False)
+        flat = [t - unpack_f32(s.logprobs) for (_, s), t in zip(pairs, teacher, strict=True)]
+        return split_per_group(items, flat)
+
+    def score(self, items: list[ScoredGroup]) -> dict[str, float]:
+        """Counters: groups, tokens, and the summed log-ratio student - teacher
+        (divided by the tokens: a Monte Carlo estimate of the reverse KL per token)."""
+        tokens, kl_sum = 0, 0.0
+        for it, rewards in zip(items, self.rewards(items), strict=True):
+            it.dense[self.name] = [r.astype(np.float32) for r in rewards]
+            tokens += sum(len(r) for r in rewards)
+            kl_sum -= float(sum(r.sum() for r in rewards))
+        return {
+            "teacher_scored_groups": len(items),
+            "teacher_tokens": tokens,
+            "teacher_kl_sum": round(kl_sum, 4),
+        }
+
+
+# ---------------------------------------------------------------- building
+
+
+def _same_vocabulary(student_tok, teacher_tok) -> bool:
+    return len(student_tok) == len(teacher_tok) and student_tok.get_vocab() == (
+        teacher_tok.get_vocab()
+    )
+
+
+def _reference(cfg: Any, ctx: dict) -> Scorer:
+    model, tokenizer = load_model(ctx["policy_path"], cfg.model.dtype)
+    return ReferenceScorer(model, pad_id_of(tokenizer), cfg.preprocessor.token_budget)
+
+
+def _prm(cfg: Any, ctx: dict) -> Scorer:
+    pre = cfg.preprocessor
+    if pre.prm.kind == "arithmetic":
+        return ArithmeticPRM(ctx["tokenizer"](), pre.prm.delimiter, pre.prm.weight)
+    model, tokenizer = load_model(materialize_model(pre.prm.model), cfg.model.dtype)
+    return ModelPRM(ctx["tokenizer"](), model, tokenizer, pre.prm, pre.token_budget)
+
+
+def _teacher(cfg: Any, ctx: dict) -> Scorer:
+    pre = cfg.preprocessor
+    model, teacher_tok = load_model(materialize_model(pre.teacher.model), cfg.model.dtype)
+    student_tok = ctx["tokenizer"]()
+    if not _same_vocabulary(student_tok, teacher_tok):
+        raise ValueError(
+            f"preprocessor.teacher.model={pre.teacher.model!r} has another vocabulary than "
+            f"the student {cfg.model.name!r}; the teacher scores the student's token ids, "
+            "so pick a teacher with the same tokenizer"
+        )
+    return TeacherScorer(model, pad_id_of(student_tok), pre.token_budget, pre.teacher.weight)
+
+
+BUILDERS: dict[str, Callable[[Any, dict], Scorer]] = {
+    "reference": _reference,
+    "prm": _prm,
+    "teacher": _teacher,
+}
+assert tuple(BUILDERS) == SCORERS, "every allowed scorer name has a builder"
+
+
+def build_scorers(cfg: Any, policy_path: str | None = None) -> list[Scorer]:
+    """The scorers of ``cfg.preprocessor.scorers``, in the order listed.
+
+    Raises ValueError naming ``preprocessor.scorers`` (and the allowed names) for an
+    unknown scorer, or the offending key for a scorer's bad settings.
+    """
+    validate_scorers(cfg.preprocessor)
+    from transformers import AutoTokenizer
+
+    path = policy_path or model_path(cfg)
+    cache: dict[str, Any] = {}
+
+    def tokenizer():
+        if "tok" not in cache:
+            cache["tok"] = AutoTokenizer.from_pretrained(path)
+        return cache["tok"]
+
+    ctx = {"policy_path": path, "tokenizer": tokenizer}
+    return [BUILDERS[name](cfg, ctx) for name in cfg.preprocessor.scorers]

@@ -1,0 +1,177 @@
+"""The preprocessor's scorers as configured by ``preprocessor.scorers``: the config
+errors a user sees, teacher rewards, the model PRM, and what reaches the trainer."""
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from actor.engine import HFEngine
+from pipeline.config import Config, load_config, validate
+from pipeline.logprobs import completion_logprobs, pad_sequences
+from pipeline.messages import (
+    SCHEMA_VERSION,
+    RolloutGroup,
+    Sample,
+    pack_f32,
+    pack_i32,
+    pack_mask,
+    rle_encode,
+    unpack_f32,
+    unpack_i32,
+)
+from pipeline.models import load_model, materialize_model
+from preprocessor.main import score_groups
+from preprocessor.scorers import ScoredGroup, build_scorers
+
+PROMPTS = ["What is 2 + 3?", "Hi"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture
+def cfg(cache, monkeypatch):
+    monkeypatch.setenv("NONSTOP_CACHE", cache)
+    cfg = OmegaConf.structured(Config)
+    cfg.model.name = "tiny"
+    cfg.model.path = materialize_model("tiny", cache)
+    return cfg
+
+
+def rollouts(path, temperature=0.7, top_p=1.0, top_k=0, keep_mask=False, rewards=(1, 0, 1, 0)):
+    """Two real groups of 4 completions sampled by the tiny model."""
+    model, tok = load_model(path)
+    engine = HFEngine(model, tok, temperature, top_p, top_k, seed=3, keep_sampling_mask=keep_mask)
+    groups = []
+    for gi, text in enumerate(PROMPTS):
+        prompt = tok(text)["input_ids"]
+        outs = engine.generate([prompt] * 4, max_new_tokens=12)
+        samples = []
+        for k, (c, r) in enumerate(zip(outs, rewards, strict=True)):
+            mask_ids, mask_counts = pack_mask(c.kept)
+            samples.append(
+                Sample(
+                    index=k,
+                    completion_ids=pack_i32(c.tokens),
+                    logprobs=pack_f32(c.logprobs),
+                    versions=rle_encode(c.versions),
+                    reward=float(r),
+                    finished=c.finished,
+                    mask_ids=mask_ids,
+                    mask_counts=mask_counts,
+                )
+            )
+        groups.append(
+            RolloutGroup(
+                schema=SCHEMA_VERSION,
+                group_id=f"g{gi}",
+                actor="actor-0",
+                problem_id=f"p{gi}",
+                prompt_ids=pack_i32(prompt),
+                samples=samples,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+            )
+        )
+    return groups
+
+
+def test_unknown_scorer_is_a_value_error_naming_the_key_and_the_choices(cfg):
+    cfg.preprocessor.scorers = ["reference", "critic"]
+    for check in (validate, build_scorers):
+        with pytest.raises(ValueError, match="preprocessor.scorers") as err:
+            check(cfg)
+        assert "'critic'" in str(err.value)
+        assert "reference, prm, teacher" in str(err.value)
+
+
+def test_scorer_settings_errors_name_their_key(cfg, tmp_path):
+    cfg.preprocessor.scorers = ["teacher"]
+    with pytest.raises(ValueError, match="preprocessor.teacher.model"):
+        validate(cfg)
+    cfg.preprocessor.teacher.model = "tiny-teacher"
+    cfg.preprocessor.scorers = ["prm", "teacher"]
+    cfg.preprocessor.prm.weight = 0.6
+    with pytest.raises(ValueError, match="preprocessor.prm.weight"):
+        validate(cfg)
+    cfg.preprocessor.scorers = ["prm", "prm"]
+    with pytest.raises(ValueError, match="twice"):
+        validate(cfg)
+    cfg.preprocessor.scorers = ["prm"]
+    cfg.preprocessor.prm.kind = "model"
+    with pytest.raises(ValueError, match="preprocessor.prm.model"):
+        validate(cfg)
+    cfg.preprocessor.prm.model = "tiny"
+    cfg.preprocessor.prm.good_token = "good"  # five characters: five tiny tokens
+    with pytest.raises(ValueError, match="preprocessor.prm.good_token"):
+        build_scorers(cfg)
+    old = tmp_path / "old.yaml"
+    old.write_text("preprocessor:\n  reference: false\n")
+    with pytest.raises(ValueError, match=r"preprocessor.scorers: \[reference\]"):
+        load_config(str(old))
+
+
+def test_teacher_rewards_are_the_negative_log_ratio(cfg):
+    cfg.preprocessor.scorers = ["teacher"]
+    cfg.preprocessor.teacher.model = "tiny-teacher"
+    cfg.preprocessor.teacher.weight = 1.0
+    groups = rollouts(cfg.model.path, rewards=(1, 1, 1, 1))  # outcomes tie: no outcome signal
+    [teacher] = build_scorers(cfg)
+    kept, dropped, counts = score_groups([teacher], groups, drop_no_signal=True)
+    assert len(kept) == 2 and not dropped and counts["teacher_scored_groups"] == 2
+
+    t_model, _ = load_model(materialize_model("tiny-teacher"))
+    for g in kept:
+        prompts = [unpack_i32(g.prompt_ids)] * len(g.samples)
+        ids, attn, comp = pad_sequences(prompts, [s.tokens() for s in g.samples])
+        with torch.no_grad():
+            t_lp = completion_logprobs(t_model, ids, attn, comp, g.temperature)
+        for row, s in enumerate(g.samples):
+            expected = t_lp[row][comp[row]].numpy() - unpack_f32(s.logprobs)
+            got = unpack_f32(s.token_advantages)  # weight 1: the advantage is the reward
+            np.testing.assert_allclose(got, expected, atol=1e-5)
+            assert s.advantage == 0.0
+
+
+def test_teacher_identical_to_student_gives_zero_reward(cfg):
+    cfg.preprocessor.scorers = ["teacher"]
+    cfg.preprocessor.teacher.model = "tiny"  # the student itself: log-ratio 0
+    groups = rollouts(cfg.model.path)
+    [teacher] = build_scorers(cfg)
+    for per_group in teacher.rewards([ScoredGroup(g) for g in groups]):
+        for r in per_group:
+            np.testing.assert_allclose(r, 0.0, atol=2e-4)
+
+
+def test_reference_and_model_prm_fill_their_fields(cfg):
+    cfg.preprocessor.scorers = ["reference", "prm"]
+    cfg.preprocessor.prm.kind = "model"
+    cfg.preprocessor.prm.model = "tiny"
+    cfg.preprocessor.prm.delimiter = " "  # the random model writes few newlines
+    cfg.preprocessor.prm.weight = 0.5
+    groups = rollouts(cfg.model.path, top_p=0.9, top_k=20, keep_mask=True)
+    scorers = build_scorers(cfg)
+    prm = scorers[1]
+    kept, _, counts = score_groups(scorers, groups, drop_no_signal=True)
+    assert counts["prm_scored_groups"] == 2 and counts["prm_scored_steps"] > 0
+    assert counts["reference_scored_groups"] == 2
+    for g in kept:
+        for s in g.samples:
+            # reference = the initial policy, here the actor itself, under the same mask
+            np.testing.assert_allclose(
+                unpack_f32(s.ref_logprobs), unpack_f32(s.logprobs), atol=2e-4
+            )
+            assert len(unpack_f32(s.token_advantages)) == len(s.tokens())
+    # one step scored by hand: p(+) / (p(+) + p(-)) at the tag after the step
+    g, s = kept[0], kept[0].samples[0]
+    ids, positions, _ = prm.build(unpack_i32(g.prompt_ids), s.tokens())
+    with torch.no_grad():
+        logits = prm.model(input_ids=torch.tensor([ids])).logits[0, positions[0]]
+    p = torch.softmax(logits[[prm.good, prm.bad]], -1)[0]
+    [scores] = prm.step_scores([ids], [positions])
+    assert 0 < scores[0] < 1
+    np.testing.assert_allclose(scores[0], float(p), atol=1e-5)
