@@ -66,7 +66,7 @@ THROUGHPUT = {
         ("buffered_samples", "buffered"),
     ),
 }
-_IDENTITY = {"role", "state", "heartbeat", "version", "pid", "started", "last_error"}
+_IDENTITY = {"role", "state", "heartbeat", "progress", "version", "pid", "started", "last_error"}
 
 
 @dataclass
@@ -220,10 +220,16 @@ def _number(value: str) -> Any:
     return value
 
 
+def _age_of(fields: dict[str, str], key: str, now: float) -> float | None:
+    return round(max(now - float(fields[key]), 0.0), 3) if key in fields else None
+
+
 def pool_info(fields: dict[str, str], now: float, stale_after_s: float) -> dict:
-    beat = float(fields["heartbeat"]) if "heartbeat" in fields else None
-    age = None if beat is None else round(max(now - beat, 0.0), 3)
+    """One pool's status hash, with ages: ``heartbeat`` (the process is alive) and,
+    where the pool writes it, ``progress`` (its main loop last moved)."""
+    age, progress_age = _age_of(fields, "heartbeat", now), _age_of(fields, "progress", now)
     state = fields.get("state", "starting")
+    done = state in ("finished", "stopped")
     alive = age is not None and age <= stale_after_s
     role = fields.get("role", "?")
     labels = dict(THROUGHPUT.get(role, ()))
@@ -231,8 +237,10 @@ def pool_info(fields: dict[str, str], now: float, stale_after_s: float) -> dict:
     return {
         "role": role,
         "state": state,
-        "alive": alive or state in ("finished", "stopped"),
+        "alive": alive,
+        "stalled": alive and not done and (progress_age or 0.0) > stale_after_s,
         "heartbeat_age_s": age,
+        "progress_age_s": progress_age,
         "version": _number(fields["version"]) if "version" in fields else None,
         "pid": _number(fields["pid"]) if "pid" in fields else None,
         "throughput": {k: counters[k] for k in labels if k in counters},
@@ -380,7 +388,11 @@ def _pool_rows(pools: dict, rates: dict) -> list[list[str]]:
         labels = dict(THROUGHPUT.get(p["role"], ()))
         parts = [f"{labels[k]} {_fmt(v)}" for k, v in p["throughput"].items()]
         parts += [f"{labels.get(k, k)}/s {v:.2f}" for k, v in rates.get(name, {}).items()]
-        state = p["state"] if p["alive"] else f"{p['state']} (no heartbeat)"
+        state = p["state"]
+        if not p["alive"] and state not in ("finished", "stopped"):
+            state += " (no heartbeat)"
+        elif p["stalled"]:
+            state += f" (no progress for {_age(p['progress_age_s'])})"
         err = (p["last_error"] or "-").replace("\n", " ")[:60]
         age = _age(p["heartbeat_age_s"])
         rows.append([name, p["role"], state, age, _dash(p["version"]), ", ".join(parts), err])

@@ -180,3 +180,34 @@ def test_inspect_says_what_to_pass(tmp_path):
     proc = _inspect("--run-dir", str(tmp_path))
     assert proc.returncode == 2
     assert "no embedded redis-server" in proc.stderr and "--url" in proc.stderr
+
+
+def test_a_silent_or_stuck_pool_is_flagged():
+    from pipeline.inspect import pool_info, render
+
+    now = 1000.0
+    pools = {
+        "actor-0": pool_info({"role": "actor", "state": "generating", "heartbeat": "900"}, now, 30),
+        "actor-1": pool_info(
+            {"role": "actor", "state": "generating", "heartbeat": "999", "progress": "880"},
+            now,
+            30,
+        ),
+        "trainer": pool_info({"role": "trainer", "state": "finished", "heartbeat": "1"}, now, 30),
+    }
+    assert not pools["actor-0"]["alive"] and pools["actor-1"]["stalled"]
+    snap = {
+        "run": "nonstop:x",
+        "time": now,
+        "redis": {"version": "7", "used_memory": "1M", "maxmemory_policy": "noeviction"},
+        "trainer_version": None,
+        "published_version": None,
+        "samples_in_flight": None,
+        "streams": {},
+        "pools": pools,
+        "dead_letters": {"count": 0, "reported_by_pools": 0, "recent": []},
+    }
+    text = render(snap)
+    assert "generating (no heartbeat)" in text
+    assert "generating (no progress for 2.0m)" in text
+    assert "finished  " in text and "finished (no heartbeat)" not in text
