@@ -30,25 +30,47 @@ def sampling_logprobs(
 
 
 def support_from_masks(
-    masks: list, comp: torch.Tensor, vocab: int
+    masks: list, predicts: torch.Tensor, vocab: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[batch, width-1, vocab] bool support (True: allowed) and [batch] rows that have one.
+    """[batch, positions, vocab] bool support (True: allowed) and [batch] rows that have one.
 
     ``masks[row]`` is None or a list with one array of kept ids per completion token;
-    position t-1 predicts the token at t, so a completion token's support goes there.
+    ``predicts`` [batch, positions] marks the logit positions that predict completion
+    tokens, in order: each gets its token's recorded support.
     """
-    support = torch.ones((comp.shape[0], comp.shape[1] - 1, vocab), dtype=torch.bool)
+    support = torch.ones((*predicts.shape, vocab), dtype=torch.bool)
     has = torch.tensor([m is not None for m in masks], dtype=torch.bool)
     for row, kept in enumerate(masks):
         if kept is None:
             continue
-        positions = torch.nonzero(comp[row]).flatten() - 1
+        positions = torch.nonzero(predicts[row]).flatten()
         assert len(positions) == len(kept), "one kept-id array per completion token"
         counts = torch.tensor([len(k) for k in kept])
         ids = torch.from_numpy(np.concatenate(kept).astype(np.int64))
         support[row, positions] = False
         support[row, positions.repeat_interleave(counts), ids] = True
     return support, has
+
+
+def masked_logprobs(
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    masks: list | None,
+    predicts: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`sampling_logprobs`, except that rows with a recorded sampling mask are
+    renormalised over it (``predicts``: see :func:`support_from_masks`)."""
+    if masks is None or all(m is None for m in masks):
+        return sampling_logprobs(logits, temperature, top_p, top_k)
+    support, has = support_from_masks(masks, predicts, logits.shape[-1])
+    scaled = (logits.float() / temperature).masked_fill(~support, float("-inf"))
+    logp = torch.log_softmax(scaled, dim=-1)
+    if not has.all():
+        recomputed = sampling_logprobs(logits, temperature, top_p, top_k)
+        logp = torch.where(has[:, None, None], logp, recomputed)
+    return logp
 
 
 def pad_sequences(prompts: list[np.ndarray], completions: list[np.ndarray], pad_id: int = 0):
@@ -82,15 +104,7 @@ def completion_logprobs(
     sampling mask are renormalised over it, the others truncated by top-k/top-p.
     """
     logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1, :]
-    if masks is None or all(m is None for m in masks):
-        logp = sampling_logprobs(logits, temperature, top_p, top_k)
-    else:
-        support, has = support_from_masks(masks, comp, logits.shape[-1])
-        scaled = (logits.float() / temperature).masked_fill(~support, float("-inf"))
-        logp = torch.log_softmax(scaled, dim=-1)
-        if not has.all():
-            recomputed = sampling_logprobs(logits, temperature, top_p, top_k)
-            logp = torch.where(has[:, None, None], logp, recomputed)
+    logp = masked_logprobs(logits, temperature, top_p, top_k, masks, comp[:, 1:])
     token_lp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
     out = torch.zeros(ids.shape, dtype=token_lp.dtype)
     out = torch.cat([out[:, :1], token_lp], dim=1)

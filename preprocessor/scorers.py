@@ -26,13 +26,7 @@ from pipeline.messages import unpack_f32
 from pipeline.models import load_model, materialize_model
 from pipeline.runtime import model_path
 from preprocessor.prm import ArithmeticPRM, ModelPRM
-from preprocessor.scoring import (
-    ScoredGroup,
-    Scorer,
-    packed_logprobs,
-    samples_of,
-    split_per_group,
-)
+from preprocessor.scoring import ScoredGroup, Scorer, group_logprobs
 
 __all__ = ["ReferenceScorer", "TeacherScorer", "build_scorers", "Scorer", "ScoredGroup"]
 
@@ -49,12 +43,13 @@ class ReferenceScorer:
     def __init__(self, model, pad_id: int, budget: int):
         self.model, self.pad_id, self.budget = model, pad_id, budget
 
-    def score(self, items: list[ScoredGroup]) -> dict[str, int]:
-        pairs = samples_of(items)
-        for (_, sample), lp in zip(
-            pairs, packed_logprobs(self.model, pairs, self.budget, self.pad_id), strict=True
+    def score(self, items: list[ScoredGroup]) -> dict[str, float]:
+        groups = [it.group for it in items]
+        for g, lps in zip(
+            groups, group_logprobs(self.model, groups, self.budget, self.pad_id), strict=True
         ):
-            sample.ref_logprobs = lp.tobytes()
+            for sample, lp in zip(g.samples, lps, strict=True):
+                sample.ref_logprobs = lp.astype("<f4").tobytes()
         return {"reference_scored_groups": len(items)}
 
 
@@ -72,10 +67,12 @@ class TeacherScorer:
         self.model, self.pad_id, self.budget, self.weight = model, pad_id, budget, weight
 
     def rewards(self, items: list[ScoredGroup]) -> list[list[np.ndarray]]:
-        pairs = samples_of(items)
-        teacher = packed_logprobs(self.model, pairs, self.budget, self.pad_id, truncate=False)
-        flat = [t - unpack_f32(s.logprobs) for (_, s), t in zip(pairs, teacher, strict=True)]
-        return split_per_group(items, flat)
+        groups = [it.group for it in items]
+        teacher = group_logprobs(self.model, groups, self.budget, self.pad_id, truncate=False)
+        return [
+            [t - unpack_f32(s.logprobs) for s, t in zip(g.samples, lps, strict=True)]
+            for g, lps in zip(groups, teacher, strict=True)
+        ]
 
     def score(self, items: list[ScoredGroup]) -> dict[str, float]:
         """Counters: groups, tokens, and the summed log-ratio student - teacher

@@ -10,8 +10,8 @@ A scorer is *dense* when it adds a per-token advantage part (prm, teacher):
 those run on every group read, before the no-signal filter, since their
 signal can keep a group whose outcome rewards are all equal. The others
 (reference) run only on the groups kept. Forward passes are batched: the
-samples of all groups read at once are packed into ``token_budget``-sized
-micro-batches, per sampling setting.
+groups read at once are packed into ``token_budget``-sized passes, per sampling
+setting, and each group's prompt is computed once for all its completions.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Protocol
 
 import numpy as np
 import torch
+from transformers import DynamicCache
 
-from pipeline.logprobs import completion_logprobs, pad_sequences
-from pipeline.messages import RolloutGroup, Sample, unpack_i32
-from preprocessor.shaping import pack
+from pipeline.logprobs import masked_logprobs
+from pipeline.messages import RolloutGroup, unpack_i32
 
 
 @dataclass
@@ -50,52 +50,126 @@ class Scorer(Protocol):
         ...
 
 
-def packed_logprobs(
+def pack_groups(shapes: list[tuple[int, list[int]]], budget: int) -> list[list[int]]:
+    """Split groups, given as (prompt length, completion lengths), into forward passes.
+
+    A pass computes each prompt once and each completion after it, padded, so it costs
+    ``groups * longest prompt + samples * longest completion`` tokens; that stays within
+    ``budget`` (a group larger than the budget gets a pass of its own).
+    """
+    order = sorted(range(len(shapes)), key=lambda i: (shapes[i][0], max(shapes[i][1])))
+    parts: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        trial = current + [i]
+        lp = max(shapes[j][0] for j in trial)
+        lc = max(max(shapes[j][1]) for j in trial)
+        m = sum(len(shapes[j][1]) for j in trial)
+        if current and len(trial) * lp + m * lc > budget:
+            parts.append(current)
+            trial = [i]
+        current = trial
+    if current:
+        parts.append(current)
+    return parts
+
+
+def _left_padded(seqs: list[np.ndarray], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(x) for x in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, x in enumerate(seqs):
+        ids[i, width - len(x) :] = torch.from_numpy(x.astype(np.int64))
+        attn[i, width - len(x) :] = 1
+    return ids, attn
+
+
+@torch.inference_mode()
+def shared_prompt_forward(
+    model, prompts: list, completions: list[list], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits of several groups' completions, each prompt computed once for its group.
+
+    The prompts go through the model left-padded, their KV cache is repeated for every
+    completion of the group, and the completions follow right-padded, as the engine
+    decodes them. Returns, per completion in order, ``logits`` [n, longest + 1, vocab]
+    where position j predicts completion token j (the last: what would follow), its
+    right-padded ids and the bool mask of real tokens, both [n, longest].
+    """
+    p_ids, p_attn = _left_padded([np.asarray(p) for p in prompts], pad_id)
+    cache = DynamicCache()
+    first = model(
+        input_ids=p_ids,
+        attention_mask=p_attn,
+        position_ids=(p_attn.cumsum(-1) - 1).clamp(min=0),
+        past_key_values=cache,
+        use_cache=True,
+    ).logits[:, -1, :]
+    rows = torch.tensor([g for g, comps in enumerate(completions) for _ in comps])
+    flat = [np.asarray(c) for comps in completions for c in comps]
+    cache.batch_select_indices(rows)
+    width = max(len(c) for c in flat)
+    c_ids = torch.full((len(flat), width), pad_id, dtype=torch.long)
+    valid = torch.zeros((len(flat), width), dtype=torch.bool)
+    for i, c in enumerate(flat):
+        c_ids[i, : len(c)] = torch.from_numpy(c.astype(np.int64))
+        valid[i, : len(c)] = True
+    logits = model(
+        input_ids=c_ids,
+        attention_mask=torch.cat([p_attn[rows], valid.long()], dim=1),
+        position_ids=p_attn[rows].sum(-1, keepdim=True) + torch.arange(width),
+        past_key_values=cache,
+        use_cache=True,
+    ).logits
+    return torch.cat([first[rows][:, None, :], logits], dim=1), c_ids, valid
+
+
+def shared_prompt_logprobs(
     model,
-    items: list[tuple[RolloutGroup, Sample]],
-    budget: int,
+    prompts: list[np.ndarray],
+    completions: list[list[np.ndarray]],
+    sampling: tuple[float, float, int],
+    masks: list | None,
     pad_id: int,
-    truncate: bool = True,
 ) -> list[np.ndarray]:
-    """Each sample's completion log-probs under ``model``, in budget-sized forward passes.
+    """Each completion's token log-probs (see :func:`shared_prompt_forward`) under the
+    sampling transformation; ``masks``: one entry per completion, in order, or None."""
+    temperature, top_p, top_k = sampling
+    pred, c_ids, valid = shared_prompt_forward(model, prompts, completions, pad_id)
+    logp = masked_logprobs(pred[:, :-1], temperature, top_p, top_k, masks, valid)
+    token_lp = logp.gather(-1, c_ids[..., None]).squeeze(-1)
+    lengths = valid.sum(-1).tolist()
+    return [token_lp[i, :n].numpy().astype(np.float32) for i, n in enumerate(lengths)]
+
+
+def group_logprobs(
+    model, groups: list[RolloutGroup], budget: int, pad_id: int, truncate: bool = True
+) -> list[list[np.ndarray]]:
+    """Per group, each sample's completion log-probs under ``model``, batched.
 
     ``truncate``: the rollout's own sampling distribution (temperature, top-k/top-p or
     the recorded sampling mask); otherwise the temperature alone (a teacher's view).
+    Groups are batched per sampling setting into ``budget``-sized forward passes.
     """
-    out: list[np.ndarray | None] = [None] * len(items)
+    out: list[list[np.ndarray] | None] = [None] * len(groups)
     by_setting: dict[tuple, list[int]] = {}
-    for i, (g, _) in enumerate(items):
+    for i, g in enumerate(groups):
         key = (g.temperature, g.top_p, g.top_k) if truncate else (g.temperature, 1.0, 0)
         by_setting.setdefault(key, []).append(i)
-    for (temperature, top_p, top_k), indices in by_setting.items():
-        prompts = [unpack_i32(items[i][0].prompt_ids) for i in indices]
-        comps = [items[i][1].tokens() for i in indices]
-        lengths = [len(p) + len(c) for p, c in zip(prompts, comps, strict=True)]
-        for part in pack(lengths, budget):
-            ids, attn, comp = pad_sequences(
-                [prompts[j] for j in part], [comps[j] for j in part], pad_id
-            )
+    for sampling, indices in by_setting.items():
+        prompts = [unpack_i32(groups[i].prompt_ids) for i in indices]
+        comps = [[s.tokens() for s in groups[i].samples] for i in indices]
+        shapes = [(len(p), [len(c) for c in cs]) for p, cs in zip(prompts, comps, strict=True)]
+        for part in pack_groups(shapes, budget):
             masks = None
             if truncate:
-                masks = [items[indices[j]][1].sampling_mask() for j in part]
-            with torch.inference_mode():
-                lp = completion_logprobs(
-                    model, ids, attn, comp, temperature, top_p, top_k, masks=masks
-                )
-            for row, j in enumerate(part):
-                out[indices[j]] = lp[row][comp[row]].numpy().astype(np.float32)
+                masks = [s.sampling_mask() for j in part for s in groups[indices[j]].samples]
+            lps = shared_prompt_logprobs(
+                model, [prompts[j] for j in part], [comps[j] for j in part], sampling, masks, pad_id
+            )
+            k = 0
+            for j in part:
+                n = len(comps[j])
+                out[indices[j]] = lps[k : k + n]
+                k += n
     return out  # type: ignore[return-value]
-
-
-def samples_of(items: list[ScoredGroup]) -> list[tuple[RolloutGroup, Sample]]:
-    return [(it.group, s) for it in items for s in it.group.samples]
-
-
-def split_per_group(items: list[ScoredGroup], flat: list) -> list[list]:
-    """A flat per-sample list (in ``samples_of`` order) cut back into groups."""
-    out, k = [], 0
-    for it in items:
-        n = len(it.group.samples)
-        out.append(flat[k : k + n])
-        k += n
-    return out

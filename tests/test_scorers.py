@@ -23,6 +23,7 @@ from pipeline.messages import (
 from pipeline.models import load_model, materialize_model
 from preprocessor.main import score_groups
 from preprocessor.scorers import ScoredGroup, build_scorers
+from preprocessor.scoring import group_logprobs, pack_groups
 
 PROMPTS = ["What is 2 + 3?", "Hi"]
 
@@ -166,12 +167,64 @@ def test_reference_and_model_prm_fill_their_fields(cfg):
                 unpack_f32(s.ref_logprobs), unpack_f32(s.logprobs), atol=2e-4
             )
             assert len(unpack_f32(s.token_advantages)) == len(s.tokens())
-    # one step scored by hand: p(+) / (p(+) + p(-)) at the tag after the step
-    g, s = kept[0], kept[0].samples[0]
-    ids, positions, _ = prm.build(unpack_i32(g.prompt_ids), s.tokens())
-    with torch.no_grad():
-        logits = prm.model(input_ids=torch.tensor([ids])).logits[0, positions[0]]
-    p = torch.softmax(logits[[prm.good, prm.bad]], -1)[0]
-    [scores] = prm.step_scores([ids], [positions])
-    assert 0 < scores[0] < 1
-    np.testing.assert_allclose(scores[0], float(p), atol=1e-5)
+    # every step scored by hand on the whole sequence: p(+) / (p(+) + p(-)) at its tag
+    g = kept[0]
+    prompt = prm.prompt(unpack_i32(g.prompt_ids))
+    built = [prm.build(s.tokens()) for s in g.samples]
+    [scores] = prm.step_scores([prompt], [built])
+    assert sum(len(x) for x in scores) == sum(len(b[1]) for b in built) > 0
+    for (body, positions, _), got in zip(built, scores, strict=True):
+        if not positions:
+            continue
+        with torch.no_grad():
+            logits = prm.model(input_ids=torch.tensor([prompt + body])).logits[0]
+        read = logits[[len(prompt) + p for p in positions]][:, [prm.good, prm.bad]]
+        expected = torch.softmax(read, -1)[:, 0].numpy()
+        assert ((got > 0) & (got < 1)).all()
+        np.testing.assert_allclose(got, expected, atol=2e-5)
+
+
+@pytest.mark.parametrize("budget", [4096, 60], ids=["one-pass", "a-pass-per-group"])
+@pytest.mark.parametrize("masked", [False, True], ids=["truncated", "recorded-mask"])
+def test_shared_prompt_forward_equals_a_full_forward(cfg, budget, masked):
+    groups = rollouts(cfg.model.path, top_p=0.9, top_k=20, keep_mask=masked)
+    model, tok = load_model(cfg.model.path)
+    shared = group_logprobs(model, groups, budget, tok.pad_token_id)
+    for g, lps in zip(groups, shared, strict=True):
+        prompts = [unpack_i32(g.prompt_ids)] * len(g.samples)
+        ids, attn, comp = pad_sequences(prompts, [s.tokens() for s in g.samples])
+        masks = [s.sampling_mask() for s in g.samples]
+        with torch.no_grad():
+            full = completion_logprobs(
+                model, ids, attn, comp, g.temperature, g.top_p, g.top_k, masks=masks
+            )
+        for row, lp in enumerate(lps):
+            np.testing.assert_allclose(lp, full[row][comp[row]].numpy(), atol=2e-5)
+
+
+def test_group_packing_respects_the_budget():
+    shapes = [(30, [10, 12, 9, 11]), (5, [40, 2]), (30, [1, 1, 1, 1]), (200, [300])]
+    parts = pack_groups(shapes, budget=150)
+    assert sorted(i for p in parts for i in p) == [0, 1, 2, 3]
+    for p in parts:
+        cost = len(p) * max(shapes[i][0] for i in p)
+        cost += sum(len(shapes[i][1]) for i in p) * max(max(shapes[i][1]) for i in p)
+        assert cost <= 150 or len(p) == 1
+
+
+def test_model_prm_keeps_within_its_context(cfg):
+    cfg.preprocessor.scorers = ["prm"]
+    cfg.preprocessor.prm.kind = "model"
+    cfg.preprocessor.prm.model = "tiny"
+    cfg.preprocessor.prm.delimiter = " "
+    groups = rollouts(cfg.model.path)
+    [prm] = build_scorers(cfg)
+    prm.max_len = 24  # shorter than prompt + completion: the prompt's start goes first
+    prompt, fitted = prm.fit(
+        prm.prompt(unpack_i32(groups[0].prompt_ids)),
+        [prm.build(s.tokens()) for s in groups[0].samples],
+    )
+    assert all(len(prompt) + len(body) <= 24 for body, _, _ in fitted)
+    assert all(p < len(body) for body, positions, _ in fitted for p in positions)
+    counts = prm.score([ScoredGroup(g) for g in groups])
+    assert counts["prm_scored_groups"] >= 1

@@ -7,10 +7,9 @@ import pytest
 from pipeline.messages import Sample, pack_f32, pack_i32, rle_encode, unpack_f32
 from pipeline.models import load_model, materialize_model
 from preprocessor.equations import check_equations, step_reward
-from preprocessor.prm import ArithmeticPRM
+from preprocessor.prm import ArithmeticPRM, process_advantages, segment
 from preprocessor.scoring import ScoredGroup
 from preprocessor.shaping import mix_advantages, set_advantages
-from preprocessor.steps import process_advantages, segment
 
 CORRECT = "We add first.\n3 + 4 = 7\n7 * 2 = 14\n14 - 5 = 9\nThe answer is 9."
 WRONG = "We add first.\n3 + 4 = 7\n12 - 5 = 8\n8 + 1 = 9\nThe answer is 9."

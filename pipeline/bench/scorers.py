@@ -5,10 +5,11 @@ rollout groups like the math experiment's (chat-template arithmetic prompts,
 G completions of a few reasoning lines each, some with a wrong step), then runs each
 scorer through the preprocessor's own code path (``build_scorers`` + ``score_groups``)
 on ``--read-count`` groups at a time, as one preprocessor process does, and reports
-groups/s, samples/s and completion tokens/s. Scorers: ``reference``,
-``prm-arithmetic``, ``prm-model`` (the same model as PRM), ``teacher`` (``tiny-teacher``
-for ``tiny``; for other models the model itself, the only teacher with its tokenizer
-offline). Prints a table and writes JSON with the machine, date and load.
+groups/s, samples/s and completion tokens/s (median of ``--repeats`` timed passes).
+Scorers: ``reference``, ``prm-arithmetic``, ``prm-model`` (the same model as PRM),
+``teacher`` (``tiny-teacher`` for ``tiny``; for other models the model itself, the
+only teacher with its tokenizer offline). Prints a table and writes JSON with the
+machine, date and load.
 """
 
 from __future__ import annotations
@@ -83,17 +84,20 @@ def make_groups(tokenizer, n_groups: int, group_size: int, seed: int = 0) -> lis
     return groups
 
 
-def bench_scorer(cfg, path: str, groups, read_count: int) -> float:
-    """Seconds to score ``groups`` in reads of ``read_count`` (after one warm-up read)."""
+def bench_scorer(cfg, path: str, groups, read_count: int, repeats: int) -> list[float]:
+    """Seconds to score ``groups`` in reads of ``read_count``, per repeat (after a warm-up)."""
     from preprocessor.main import score_groups  # the pool's own code path
     from preprocessor.scorers import build_scorers
 
     scorers = build_scorers(cfg, path)
     score_groups(scorers, groups[:read_count], drop_no_signal=False)
-    t0 = time.perf_counter()
-    for i in range(0, len(groups), read_count):
-        score_groups(scorers, groups[i : i + read_count], drop_no_signal=False)
-    return time.perf_counter() - t0
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for i in range(0, len(groups), read_count):
+            score_groups(scorers, groups[i : i + read_count], drop_no_signal=False)
+        runs.append(time.perf_counter() - t0)
+    return runs
 
 
 def config_for(model: str, path: str, scorer: str, budget: int):
@@ -116,6 +120,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--read-count", type=int, default=4, help="groups per scoring call")
     parser.add_argument("--token-budget", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (pool default 1)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed passes; the median counts")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
@@ -127,7 +132,8 @@ def main(argv: list[str]) -> int:
         tokens = sum(len(s.tokens()) for g in groups for s in g.samples)
         for scorer in args.scorers.split(","):
             cfg = config_for(model, path, scorer, args.token_budget)
-            seconds = bench_scorer(cfg, path, groups, args.read_count)
+            runs = bench_scorer(cfg, path, groups, args.read_count, args.repeats)
+            seconds = float(np.median(runs))
             rows.append(
                 {
                     "model": model,
@@ -136,6 +142,7 @@ def main(argv: list[str]) -> int:
                     "samples_per_s": samples / seconds,
                     "tokens_per_s": tokens / seconds,
                     "seconds": seconds,
+                    "seconds_runs": [round(r, 4) for r in runs],
                     "completion_tokens_mean": tokens / samples,
                 }
             )
