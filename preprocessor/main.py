@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         consumer.ack([entry_id for entry_id, _ in entries])
         trim_consumed(pool.client, pool.names.rollouts)
         totals.update(counts)
+        totals = Counter({k: round(v, 4) for k, v in totals.items()})  # float sums stay readable
         pool.record(event="preprocessed", **counts)
         pool.status.set(state="working", **totals, dead_lettered=consumer.dead_lettered)
     pool.status.set(state="stopped", **totals, dead_lettered=consumer.dead_lettered)
