@@ -38,10 +38,10 @@ class EngineStats:
     swap_ms: list[float] = field(default_factory=list)
     forward_passes: int = 0
     tokens: int = 0
-    # (start, end) perf_counter times of recent forward passes, and of swaps: the
-    # stall a weight update causes is the gap between two passes around a swap
+    # (start, end) perf_counter times of recent forward passes, and the times new
+    # versions took effect: an update's stall is the gap between the passes around it
     timeline: deque = field(default_factory=lambda: deque(maxlen=4096))
-    swap_times: deque = field(default_factory=lambda: deque(maxlen=4096))
+    version_times: deque = field(default_factory=lambda: deque(maxlen=4096))
 
 
 class HFEngine:
@@ -87,16 +87,15 @@ class HFEngine:
         """Install ``buckets`` as the weights; return the buffers released for reuse."""
         views = list(self._views(layout, buckets))
         same_dtype = all(v.dtype == param.dtype for param, v in views)
-        t0 = time.perf_counter()
         with self.lock:
+            t0 = time.perf_counter()  # the swap's cost: time holding the lock
             for param, v in views:
                 if same_dtype:
                     param.data = v  # pointer swap: the staging copy becomes the weights
                 else:
                     param.data.copy_(v)
             self.set_version(version)
-        self.stats.swap_ms.append(1000 * (time.perf_counter() - t0))
-        self.stats.swap_times.append(time.perf_counter())
+            self.stats.swap_ms.append(1000 * (time.perf_counter() - t0))
         self.stats.swaps += 1
         if not same_dtype:
             return buckets
@@ -111,6 +110,7 @@ class HFEngine:
         """Caller holds the lock. None marks the weights partial: no forward pass runs."""
         self.version = version
         if version is not None:
+            self.stats.version_times.append(time.perf_counter())
             self.lock.notify_all()
 
     def _forward(self, **inputs) -> tuple[torch.Tensor, int]:

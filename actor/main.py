@@ -23,6 +23,7 @@ import numpy as np
 
 from actor.engine import Completion, HFEngine
 from actor.task import DEFAULT_SYSTEM_PROMPT, build_prompt_ids, make_task, reward
+from pipeline.config import run_secret
 from pipeline.messages import (
     SCHEMA_VERSION,
     RolloutGroup,
@@ -59,6 +60,7 @@ def wait_for_room(pool: Pool, engine: HFEngine) -> None:
         if behind <= cfg.max_lag and backlog < cfg.max_queue_groups:
             return
         pool.status.set(state="waiting", version=engine.version, behind=behind, backlog=backlog)
+        pool.tick()
         time.sleep(0.1)
 
 
@@ -105,7 +107,7 @@ def generate_step(pool: Pool, engine: HFEngine, task, tokenizer, rewards: Window
     outs = engine.generate(
         [p for p in prompts for _ in range(g)],
         cfg.engine.max_new_tokens,
-        should_stop=pool.stop.is_set,
+        should_stop=pool.tick,
     )
     if pool.stop.is_set():
         return 0  # a half-finished batch is not published
@@ -170,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         pool.name,
         engine,
         cfg.trainer.transfer_timeout_s,
+        run_secret(),
         staged=cfg.engine.weight_staging,
         on_error=lambda msg: pool.status.set(last_error=msg),
     )

@@ -222,8 +222,10 @@ def validate(cfg: Any) -> None:
         if not path:
             raise ValueError("task.kind=file needs task.path=/path/to/problems.jsonl")
         if not os.path.exists(path):
-            raise ValueError(f"task.path={path} does not exist; give a JSONL or parquet file "
-                             "with question/answer fields")
+            raise ValueError(
+                f"task.path={path} does not exist; give a JSONL or parquet file "
+                "with question/answer fields"
+            )
     if _get(cfg, "actor.max_lag") < 0 or _get(cfg, "trainer.max_lag") < 0:
         raise ValueError("actor.max_lag and trainer.max_lag must be >= 0")
     validate_scorers(_get(cfg, "preprocessor"))
@@ -282,6 +284,18 @@ def load_config(path: str, overrides: list[str] | None = None) -> Any:
         raise ValueError(f"bad config {path}: {e}") from None
     validate(cfg)
     return cfg
+
+
+def run_secret() -> str:
+    """The run's shared secret (weight-transfer joins are signed with it)."""
+    secret = os.environ.get("NONSTOP_RUN_SECRET")
+    if not secret:
+        raise ValueError(
+            "NONSTOP_RUN_SECRET is not set: the launcher sets it for its pools; for pools "
+            "started alone, put the same random value in every pool's environment "
+            "(deploy/env.example)"
+        )
+    return secret
 
 
 def redis_url(cfg: Any) -> str:

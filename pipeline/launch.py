@@ -12,10 +12,13 @@ Writes ``config.yaml``, ``logs/``, ``metrics.jsonl``, ``checkpoints/`` and
 from __future__ import annotations
 
 import os
+import secrets
+import signal
 import sys
 import time
 
 import hydra
+import redis
 from omegaconf import OmegaConf
 
 from pipeline.config import register, validate
@@ -57,7 +60,12 @@ def supervise(cfg, sup: Supervisor, client, names: Names) -> tuple[str, int]:
     progress = Progress(cfg.trainer.max_steps)
     try:
         while True:
-            statuses = read_statuses(client, names)
+            sup.check_redis()  # first: only the launcher can bring it back
+            try:
+                statuses = read_statuses(client, names)
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                print(f"\nredis unreachable from the launcher ({e}); retrying", flush=True)
+                statuses = {}
             done = sup.check(statuses)
             progress.update(statuses)
             if done:
@@ -70,8 +78,16 @@ def supervise(cfg, sup: Supervisor, client, names: Names) -> tuple[str, int]:
         return "interrupted", 130
 
 
+def _interrupt(signum, _frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def run(cfg) -> int:
     validate(cfg)
+    # Ctrl-C and a service manager's SIGTERM both stop the run cleanly, even when
+    # this process inherited an ignored SIGINT (started in the background)
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     from pipeline.models import materialize_model
 
     run_dir = os.path.abspath(cfg.run_dir or time.strftime("outputs/%Y-%m-%d_%H-%M-%S"))
@@ -99,7 +115,8 @@ def run(cfg) -> int:
         with open(os.path.join(run_dir, "redis", "port"), "w") as f:
             f.write(f"{server.port}\n")
     env["NONSTOP_REDIS_URL"] = url
-    client = connect(url)
+    env.setdefault("NONSTOP_RUN_SECRET", secrets.token_hex(16))
+    client = connect(url, reconnect_s=2.0)
     check_no_eviction(client)
     names = Names(cfg.redis.prefix, cfg.run.name)
     mark_run(client, names, run_dir=run_dir)

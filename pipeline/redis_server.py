@@ -61,6 +61,8 @@ class EmbeddedRedis:
             "",
             "--maxmemory-policy",
             "noeviction",
+            "--pidfile",
+            os.path.join(os.path.abspath(self.data_dir), "redis.pid"),
             "--logfile",
             os.path.join(os.path.abspath(self.data_dir), "redis.log"),
         ]

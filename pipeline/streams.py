@@ -99,11 +99,17 @@ def _redact(url: str) -> str:
     return url
 
 
-def publish(client: redis.Redis, stream: str, payload: bytes, **fields: Any) -> str:
-    """XADD ``payload`` with readable plain ``fields`` beside it."""
+def publish(
+    client: redis.Redis, stream: str, payload: bytes, maxlen: int | None = None, **fields: Any
+) -> str:
+    """XADD ``payload`` with readable plain ``fields`` beside it.
+
+    ``maxlen`` caps streams whose old entries nobody needs (weight announcements:
+    a receiver only acts on the newest); work streams are trimmed by consumption.
+    """
     entry = {k: str(v) for k, v in fields.items()}
     entry["data"] = payload
-    return client.xadd(stream, entry).decode()
+    return client.xadd(stream, entry, maxlen=maxlen, approximate=maxlen is not None).decode()
 
 
 def ensure_group(client: redis.Redis, stream: str, group: str, start: str = "0") -> None:

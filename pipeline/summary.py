@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import redis
 
+from pipeline.messages import BadEntry, TrainBatch, decode
 from pipeline.streams import Names
 from pipeline.telemetry import read_jsonl, read_statuses
 
@@ -31,6 +33,8 @@ class Summary:
     dead_lettered: int
     prm_scored_groups: int  # groups in which the step-reward scorer scored a step
     wall_seconds: float
+    restarts: dict[str, int] = field(default_factory=dict)
+    in_flight_group_ids: list[str] = field(default_factory=list)
     pools: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def render(self) -> str:
@@ -38,6 +42,10 @@ class Summary:
             ("outcome", self.outcome),
             ("trainer steps", self.trainer_steps),
             ("samples trained", self.samples_trained),
+            (
+                "pool restarts",
+                ", ".join(f"{k}={v}" for k, v in sorted(self.restarts.items())) or "none",
+            ),
             (
                 "groups produced / trained / no-signal",
                 f"{self.groups_produced} / {self.groups_trained} / {self.groups_dropped_no_signal}",
@@ -94,15 +102,48 @@ def build_summary(
         reward_mean_first_window=_mean(rewards[:window]),
         reward_mean_last_window=_mean(rewards[-window:]),
         reward_window_steps=window,
-        groups_produced=sum(int(v.get("groups_produced", 0)) for v in actors.values()),
+        groups_produced=len({r["group"] for r in records if r.get("event") == "group"}),
         groups_trained=len({g for r in steps for g in r.get("groups", [])}),
         groups_dropped_no_signal=sum(int(v.get("dropped", 0)) for v in preps.values()),
         dead_lettered=sum(int(v.get("dead_lettered", 0)) for v in preps.values())
         + int(trainer.get("dead_lettered", 0)),
         prm_scored_groups=sum(int(v.get("prm_scored_groups", 0)) for v in preps.values()),
         wall_seconds=round(wall_s, 2),
+        restarts=dict(
+            Counter(
+                r["target"]
+                for r in records
+                if r.get("pool") == "launcher" and r.get("event") == "restart"
+            )
+        ),
+        in_flight_group_ids=groups_in_flight(client, names),
         pools=statuses,
     )
+
+
+def groups_in_flight(client: redis.Redis, names: Names) -> list[str]:
+    """Groups in ``batches`` entries the trainer has not acknowledged (unread or pending)."""
+    try:
+        group = next(g for g in client.xinfo_groups(names.batches) if g["name"] == b"trainer")
+    except (redis.ResponseError, StopIteration):
+        return []
+    last = group["last-delivered-id"].decode()
+    pending = {
+        p["message_id"].decode()
+        for p in client.xpending_range(names.batches, "trainer", "-", "+", 100000)
+    }
+    out: set[str] = set()
+    for entry_id, fields in client.xrange(names.batches):
+        if _newer(entry_id.decode(), last) or entry_id.decode() in pending:
+            try:
+                out.update(decode(fields[b"data"], TrainBatch).group_ids)
+            except (BadEntry, KeyError):
+                continue
+    return sorted(out)
+
+
+def _newer(a: str, b: str) -> bool:
+    return tuple(map(int, a.split("-"))) > tuple(map(int, b.split("-")))
 
 
 def write_summary(

@@ -71,7 +71,7 @@ class Supervisor:
 
     def check(self, statuses: dict[str, dict[str, str]]) -> tuple[str, int] | None:
         """One supervision round; returns (outcome, exit code) when the run is over."""
-        self._check_redis()
+        self.check_redis()
         self._watchdog(statuses)
         for name, proc in self.procs.items():
             code = proc.poll()
@@ -127,7 +127,7 @@ class Supervisor:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
 
-    def _check_redis(self) -> None:
+    def check_redis(self) -> None:
         if self.server is None or self.server.proc is None or self.server.proc.poll() is None:
             return
         code = self.server.proc.returncode

@@ -17,6 +17,7 @@ current version at once.
 from __future__ import annotations
 
 import datetime
+import hmac
 import logging
 import secrets
 import threading
@@ -29,7 +30,14 @@ import torch.distributed as dist
 from pipeline.messages import SCHEMA_VERSION, BucketSpec, WeightAnnouncement, encode
 from pipeline.redis_server import free_port
 from pipeline.streams import Names, publish
-from pipeline.weights import broadcast_buckets, bucket_layout, checksum, flatten, pair_group
+from pipeline.weights import (
+    broadcast_buckets,
+    bucket_layout,
+    checksum,
+    flatten,
+    join_mac,
+    pair_group,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +46,13 @@ Snapshot = tuple[int, list[BucketSpec], list[torch.Tensor]]
 
 class WeightPublisher:
     def __init__(
-        self, client: redis.Redis, names: Names, host: str, bucket_mb: float, timeout_s: float
+        self,
+        client: redis.Redis,
+        names: Names,
+        host: str,
+        bucket_mb: float,
+        timeout_s: float,
+        secret: str,
     ):
         self.client, self.names, self.host = client, names, host
         self.bucket_bytes, self.timeout_s = int(bucket_mb * 1024 * 1024), timeout_s
@@ -50,12 +64,16 @@ class WeightPublisher:
             wait_for_workers=False,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+        self.secret, self.epoch = secret, secrets.token_hex(8)
+        # an epoch per trainer process: actors that joined an earlier trainer see it
+        # change and join again; joins addressed to earlier trainers are skipped
+        last_join = client.xrevrange(names.stream("joins"), count=1)
+        self.joins_id = last_join[0][0].decode() if last_join else "0"
         client.hset(
             names.key("rendezvous"),
-            mapping={"host": host, "port": port, "secret": secrets.token_hex(8)},
+            mapping={"host": host, "port": port, "epoch": self.epoch},
         )
         self.groups: dict[str, object] = {}
-        self.joins_id = "0"
         self.published = 0
         self.failures = 0
         self.dropped: list[str] = []
@@ -121,7 +139,13 @@ class WeightPublisher:
         for _s, entries in reply or []:
             for entry_id, fields in entries:
                 self.joins_id = entry_id.decode()
-                actor, nonce = fields[b"actor"].decode(), fields[b"nonce"].decode()
+                f = {k.decode(): v.decode() for k, v in fields.items()}
+                actor, nonce = f.get("actor", "?"), f.get("nonce", "")
+                if f.get("epoch") != self.epoch:
+                    continue  # addressed to an earlier trainer
+                if not hmac.compare_digest(f.get("mac", ""), join_mac(self.secret, f)):
+                    log.error("rejected a join as %r: bad or missing run secret", actor)
+                    continue
                 try:
                     self.groups[actor] = pair_group(self.store, nonce, 0, self.host, self.timeout_s)
                     joined.append(actor)
@@ -145,6 +169,7 @@ class WeightPublisher:
             self.client,
             self.names.weights,
             encode(ann),
+            maxlen=100,
             version=version,
             targets=",".join(targets),
             buckets=len(layout),

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from pipeline.messages import BucketSpec, WeightAnnouncement, decode
 from pipeline.streams import Names
-from pipeline.weights import broadcast_buckets, checksum, pair_group
+from pipeline.weights import broadcast_buckets, checksum, join_mac, pair_group
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class WeightReceiver:
         actor: str,
         target: SwapTarget,
         timeout_s: float,
+        secret: str,
         staged: bool = True,
         on_error: Callable[[str], None] | None = None,
     ):
@@ -69,6 +70,7 @@ class WeightReceiver:
         self.failed = 0
         self.transfer_ms: list[float] = []
         self.group = None
+        self.secret, self.epoch = secret, ""
         self._spare: list[torch.Tensor] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
@@ -94,17 +96,24 @@ class WeightReceiver:
         )
         last = self.client.xrevrange(self.names.weights, count=1)
         after = last[0][0].decode() if last else "0"
-        nonce = f"{self.actor}:{secrets.token_hex(6)}"
-        self.client.xadd(self.names.stream("joins"), {"actor": self.actor, "nonce": nonce})
-        self.group = pair_group(store, nonce, 1, info["host"], self.timeout_s)
-        log.info("joined the weight transfer as %s", self.actor)
+        join = {"actor": self.actor, "nonce": secrets.token_hex(8), "epoch": info.get("epoch", "")}
+        join["mac"] = join_mac(self.secret, join)
+        self.client.xadd(self.names.stream("joins"), join)
+        self.group = pair_group(store, join["nonce"], 1, info["host"], self.timeout_s)
+        self.epoch = join["epoch"]
+        log.info("joined the weight transfer as %s (trainer epoch %s)", self.actor, self.epoch)
         return after
+
+    def _trainer_changed(self) -> bool:
+        """A new trainer process (restart) published a new epoch: join it."""
+        epoch = self.client.hget(self.names.key("rendezvous"), "epoch")
+        return epoch is not None and epoch.decode() != self.epoch
 
     def _run(self) -> None:
         after = None
         while not self._stop.is_set():
             try:
-                if self.group is None:
+                if self.group is None or self._trainer_changed():
                     after = self._join()
                 reply = self.client.xread({self.names.weights: after}, count=1, block=500)
                 for _s, entries in reply or []:

@@ -19,6 +19,8 @@ is sent the current version at once.
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import time
 
 import torch
@@ -68,3 +70,9 @@ def broadcast_buckets(group, buckets: list[torch.Tensor], deadline: float) -> No
         if remaining <= 0:
             raise TimeoutError("weight transfer passed its deadline")
         group.broadcast(bucket, 0, datetime.timedelta(seconds=remaining)).wait()
+
+
+def join_mac(secret: str, join: dict[str, str]) -> str:
+    """HMAC of a join request: only holders of the run's secret get a transfer group."""
+    msg = f"{join.get('epoch')}:{join.get('actor')}:{join.get('nonce')}".encode()
+    return hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()

@@ -22,7 +22,7 @@ def test_pipeline_end_to_end(tmp_path):
             "pipeline.launch",
             "+exp=tiny",
             f"run_dir={run_dir}",
-            "trainer.max_steps=4",
+            "trainer.max_steps=6",
         ],
         cwd=ROOT,
         env=env,
@@ -35,9 +35,9 @@ def test_pipeline_end_to_end(tmp_path):
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["outcome"] == "finished"
-    assert summary["trainer_steps"] == 4
-    assert summary["samples_trained"] >= 4 * 8
-    assert summary["weight_updates_published"] == 4
+    assert summary["trainer_steps"] == 6
+    assert summary["samples_trained"] >= 6 * 8
+    assert summary["weight_updates_published"] == 6
     assert summary["weight_updates_applied"]["actor-0"] >= 2
     assert summary["sequences_spanning_versions"] >= 1, "no sequence continued across a swap"
     for key in (
@@ -61,10 +61,10 @@ def test_pipeline_end_to_end(tmp_path):
         assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0
     assert (run_dir / "config.yaml").exists()
     ckpt = run_dir / "checkpoints"
-    assert (ckpt / "latest").read_text().strip() == "step-000004"
-    assert (ckpt / "step-000004" / "model.safetensors").exists()
-    state = json.loads((ckpt / "step-000004" / "trainer_state.json").read_text())
-    assert state["version"] == 4 and state["samples_trained"] == summary["samples_trained"]
+    assert (ckpt / "latest").read_text().strip() == "step-000006"
+    assert (ckpt / "step-000006" / "model.safetensors").exists()
+    state = json.loads((ckpt / "step-000006" / "trainer_state.json").read_text())
+    assert state["version"] == 6 and state["samples_trained"] == summary["samples_trained"]
 
 
 def test_failing_pool_stops_the_run_and_is_named(tmp_path):
@@ -121,7 +121,7 @@ def test_relaunch_resumes_from_checkpoint_and_stream_position(tmp_path):
     assert steps == [1, 2, 3, 4]  # no step redone, none skipped
     trained = [sid for r in records if r.get("event") == "step" for sid in r["sample_ids"]]
     assert len(trained) == len(set(trained)), "a sample was trained in both launches"
-    state = json.loads((run_dir / "checkpoints" / "step-000004" / "trainer_state.json").read_text())
+    state = json.loads((run_dir / "checkpoints" / "step-000006" / "trainer_state.json").read_text())
     assert state["samples_trained"] == len(trained)
 
 

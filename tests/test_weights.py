@@ -16,6 +16,7 @@ from pipeline.streams import Names, wait_until
 from pipeline.weight_publisher import WeightPublisher
 from pipeline.weight_receiver import WeightReceiver
 from pipeline.weights import bucket_layout, checksum, flatten
+from tests.weight_peers import SECRET
 
 
 def _models(tmp_path):
@@ -42,8 +43,12 @@ def test_published_version_reaches_the_actor_whole(tmp_path, rclient, staged):
     trainer_model, actor_model, tok = _models(tmp_path)
     names = Names("test", f"weights-{staged}")
     engine = HFEngine(actor_model, tok, temperature=1.0, top_p=1.0, top_k=0)
-    publisher = WeightPublisher(rclient, names, "127.0.0.1", bucket_mb=0.05, timeout_s=10)
-    receiver = WeightReceiver(rclient, names, "actor-0", engine, timeout_s=10, staged=staged)
+    publisher = WeightPublisher(
+        rclient, names, "127.0.0.1", bucket_mb=0.05, timeout_s=10, secret=SECRET
+    )
+    receiver = WeightReceiver(
+        rclient, names, "actor-0", engine, timeout_s=10, secret=SECRET, staged=staged
+    )
     receiver.start()
     try:
         assert wait_until(lambda: rclient.xlen(names.stream("joins")) == 1, 10)
@@ -70,7 +75,9 @@ def test_published_version_reaches_the_actor_whole(tmp_path, rclient, staged):
 def test_publisher_goes_on_without_actors(tmp_path, rclient):
     trainer_model, _, _ = _models(tmp_path)
     names = Names("test", "alone")
-    publisher = WeightPublisher(rclient, names, "127.0.0.1", bucket_mb=1, timeout_s=5)
+    publisher = WeightPublisher(
+        rclient, names, "127.0.0.1", bucket_mb=1, timeout_s=5, secret=SECRET
+    )
     t0 = time.monotonic()
     publisher.submit(1, trainer_model)
     publisher.close(timeout_s=10)
@@ -129,7 +136,9 @@ def _actor_with_half_trainer(tmp_path, rclient, redis_server, staged):
     path = materialize_model("tiny", cache_dir=str(tmp_path))
     model, tok = load_model(path)
     engine = HFEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0)
-    receiver = WeightReceiver(rclient, NAMES, "actor-0", engine, timeout_s=TIMEOUT_S, staged=staged)
+    receiver = WeightReceiver(
+        rclient, NAMES, "actor-0", engine, timeout_s=TIMEOUT_S, secret=SECRET, staged=staged
+    )
     trainer = Peer("half_trainer", redis_server.url, path, "trainer")
     receiver.start()
     done, stop = _generate_in_background(engine, tok)
@@ -174,7 +183,9 @@ def test_in_place_transfer_failure_pauses_generation_until_a_whole_version(
         with torch.no_grad():
             for p in new_model.parameters():
                 p.mul_(0.5)
-        publisher = WeightPublisher(rclient, NAMES, "127.0.0.1", BUCKET_MB, timeout_s=TIMEOUT_S)
+        publisher = WeightPublisher(
+            rclient, NAMES, "127.0.0.1", BUCKET_MB, timeout_s=TIMEOUT_S, secret=SECRET
+        )
         assert wait_until(lambda: "actor-0" in publisher.groups, TIMEOUT_S * 4)
         publisher.submit(2, new_model)
         assert wait_until(lambda: engine.version == 2, TIMEOUT_S * 4)
@@ -193,7 +204,9 @@ def test_actor_killed_mid_transfer_does_not_stall_the_trainer(tmp_path, rclient,
 
     path = materialize_model("tiny", cache_dir=str(tmp_path))
     model, _ = load_model(path)
-    publisher = WeightPublisher(rclient, NAMES, "127.0.0.1", BUCKET_MB, timeout_s=TIMEOUT_S)
+    publisher = WeightPublisher(
+        rclient, NAMES, "127.0.0.1", BUCKET_MB, timeout_s=TIMEOUT_S, secret=SECRET
+    )
     actor = Peer("half_actor", redis_server.url, path, "actor-0")
     try:
         actor.expect("joined")
@@ -217,7 +230,9 @@ def test_restarted_actor_reaches_the_current_version(tmp_path, rclient, redis_se
 
     path = materialize_model("tiny", cache_dir=str(tmp_path))
     model, _ = load_model(path)
-    publisher = WeightPublisher(rclient, NAMES, "127.0.0.1", BUCKET_MB, timeout_s=TIMEOUT_S)
+    publisher = WeightPublisher(
+        rclient, NAMES, "127.0.0.1", BUCKET_MB, timeout_s=TIMEOUT_S, secret=SECRET
+    )
     first = Peer("real_actor", redis_server.url, path, "actor-0")
     try:
         assert wait_until(lambda: "actor-0" in publisher.groups, 30)
@@ -232,3 +247,42 @@ def test_restarted_actor_reaches_the_current_version(tmp_path, rclient, redis_se
     finally:
         first.kill()
         publisher.close(timeout_s=5)
+
+
+def test_join_without_the_run_secret_is_refused(tmp_path, rclient):
+    trainer_model, actor_model, tok = _models(tmp_path)
+    names = Names("test", "secret")
+    engine = HFEngine(actor_model, tok, temperature=1.0, top_p=1.0, top_k=0)
+    publisher = WeightPublisher(rclient, names, "127.0.0.1", 1, timeout_s=3, secret=SECRET)
+    intruder = WeightReceiver(rclient, names, "actor-x", engine, timeout_s=3, secret="guess")
+    intruder.start()
+    try:
+        assert wait_until(lambda: rclient.xlen(names.stream("joins")) >= 1, 10)
+        time.sleep(1.5)  # the publisher has read the join by now
+        publisher.submit(1, trainer_model)
+        assert wait_until(publisher.idle, 10)
+        assert publisher.groups == {} and engine.version == 0
+    finally:
+        intruder.stop()
+        publisher.close(timeout_s=5)
+
+
+def test_actor_follows_a_restarted_trainer(tmp_path, rclient):
+    trainer_model, actor_model, tok = _models(tmp_path)
+    names = Names("test", "epochs")
+    engine = HFEngine(actor_model, tok, temperature=1.0, top_p=1.0, top_k=0)
+    receiver = WeightReceiver(rclient, names, "actor-0", engine, timeout_s=5, secret=SECRET)
+    first = WeightPublisher(rclient, names, "127.0.0.1", 1, timeout_s=5, secret=SECRET)
+    receiver.start()
+    try:
+        assert wait_until(lambda: "actor-0" in first.groups, 10)
+        first.submit(1, trainer_model)
+        assert wait_until(lambda: engine.version == 1, 10)
+        first.close(timeout_s=5)  # the trainer process goes away ...
+        second = WeightPublisher(rclient, names, "127.0.0.1", 1, timeout_s=5, secret=SECRET)
+        assert wait_until(lambda: "actor-0" in second.groups, 15), "actor did not rejoin"
+        second.submit(7, trainer_model)  # ... and its successor resumes at another version
+        assert wait_until(lambda: engine.version == 7, 10)
+        second.close(timeout_s=5)
+    finally:
+        receiver.stop()

@@ -20,6 +20,7 @@ from pipeline.weights import broadcast_buckets, bucket_layout, checksum, flatten
 NAMES = Names("test", "faults")
 BUCKET_MB = 0.05
 TIMEOUT_S = 3.0
+SECRET = "test-run-secret"
 
 
 def say(msg: str) -> None:
@@ -29,7 +30,7 @@ def say(msg: str) -> None:
 def real_actor(client, model_dir: str, name: str) -> None:
     model, tok = load_model(model_dir)
     engine = HFEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0)
-    receiver = WeightReceiver(client, NAMES, name, engine, timeout_s=TIMEOUT_S)
+    receiver = WeightReceiver(client, NAMES, name, engine, timeout_s=TIMEOUT_S, secret=SECRET)
     receiver.start()
     seen = 0
     while True:
@@ -41,7 +42,7 @@ def real_actor(client, model_dir: str, name: str) -> None:
 
 def half_actor(client, model_dir: str, name: str) -> None:
     """Joins, takes the first bucket of the first announcement, then hangs."""
-    receiver = WeightReceiver(client, NAMES, name, target=None, timeout_s=TIMEOUT_S)
+    receiver = WeightReceiver(client, NAMES, name, target=None, timeout_s=TIMEOUT_S, secret=SECRET)
     after = receiver._join()
     say("joined")
     while True:
@@ -58,7 +59,7 @@ def half_actor(client, model_dir: str, name: str) -> None:
 def half_trainer(client, model_dir: str, name: str) -> None:
     """Waits for one actor, announces a version, sends half its buckets, then hangs."""
     model, _ = load_model(model_dir)
-    publisher = WeightPublisher(client, NAMES, "127.0.0.1", BUCKET_MB, timeout_s=30)
+    publisher = WeightPublisher(client, NAMES, "127.0.0.1", BUCKET_MB, timeout_s=30, secret=SECRET)
     publisher.close(timeout_s=0)  # drive it by hand below
     while not publisher.groups:
         publisher._accept_joins()

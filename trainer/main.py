@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pipeline.config import run_secret
 from pipeline.logprobs import completion_logprobs, pad_sequences
 from pipeline.messages import Sample, TrainBatch, unpack_f32, unpack_i32
 from pipeline.models import load_model
@@ -42,36 +43,56 @@ class StepData:
     batches: list[TrainBatch] = field(default_factory=list)
     samples: int = 0
     stale: int = 0
+    duplicates: int = 0
     retired: int = 0  # samples read, trained or rejected
+    stale_ids: list[str] = field(default_factory=list)
+    sample_ids: set[str] = field(default_factory=set)
 
 
-def fresh_only(batch: TrainBatch, version: int, max_lag: int) -> tuple[TrainBatch | None, int]:
-    """Drop samples whose oldest token is more than ``max_lag`` versions old."""
-    keep = [
-        i for i, s in enumerate(batch.samples) if version - int(s.token_versions().min()) <= max_lag
-    ]
-    stale = len(batch.samples) - len(keep)
+def sample_ids(batch: TrainBatch) -> list[str]:
+    """(group id, index) names a sample across every pool and every retry."""
+    return [f"{g}/{s.index}" for g, s in zip(batch.group_ids, batch.samples, strict=True)]
+
+
+def keep_only(batch: TrainBatch, keep: list[int]) -> TrainBatch | None:
     if not keep:
-        return None, stale
-    if stale:
+        return None
+    if len(keep) < len(batch.samples):
         batch.samples = [batch.samples[i] for i in keep]
         batch.group_ids = [batch.group_ids[i] for i in keep]
         batch.prompt_ids = [batch.prompt_ids[i] for i in keep]
-    return batch, stale
+    return batch
 
 
-def collect(pool: Pool, consumer: Consumer, version: int) -> StepData | None:
+def admit(
+    data: StepData, batch: TrainBatch, version: int, max_lag: int, seen: dict[str, int]
+) -> TrainBatch | None:
+    """Drop samples older than ``max_lag`` versions and samples already trained
+    (a batch delivered twice after a crash); record both in ``data``."""
+    ids, keep = sample_ids(batch), []
+    for i, s in enumerate(batch.samples):
+        if ids[i] in seen or ids[i] in data.sample_ids:
+            data.duplicates += 1
+        elif version - int(s.token_versions().min()) > max_lag:
+            data.stale += 1
+            data.stale_ids.append(ids[i])
+        else:
+            keep.append(i)
+            data.sample_ids.add(ids[i])
+    data.retired += len(batch.samples)
+    return keep_only(batch, keep)
+
+
+def collect(pool: Pool, consumer: Consumer, version: int, seen: dict[str, int]) -> StepData | None:
     """Read micro-batches until a step's worth of fresh samples; None when stopping."""
     cfg, data = pool.cfg.trainer, StepData()
     while data.samples < cfg.samples_per_step:
         if pool.stop.is_set():
             return None
+        pool.tick()
         for entry_id, batch in consumer.read(count=4):
             data.entry_ids.append(entry_id)
-            total = len(batch.samples)
-            batch, stale = fresh_only(batch, version, cfg.max_lag)
-            data.stale += stale
-            data.retired += total
+            batch = admit(data, batch, version, cfg.max_lag, seen)
             if batch is not None:
                 data.batches.append(batch)
                 data.samples += len(batch.samples)
@@ -123,7 +144,7 @@ def train_step(model, optimizer, data: StepData, cfg, pad_id: int) -> dict:
             cfg.kl_coef,
         )
         (parts.loss / total_tokens).backward()
-        agg["loss"] += float(parts.loss) / total_tokens
+        agg["loss"] += float(parts.loss.detach()) / total_tokens
         agg["clipped"] += parts.clipped
         agg["ratio_sum"] += parts.ratio_sum
         agg["kl_sum"] += parts.kl_sum
@@ -143,11 +164,7 @@ def train_step(model, optimizer, data: StepData, cfg, pad_id: int) -> dict:
         "spanning": sum(len(np.unique(s.token_versions())) > 1 for s in samples),
         "oldest_version": int(min(s.token_versions().min() for s in samples)),
         "groups": sorted({g for b in data.batches for g in b.group_ids}),
-        "sample_ids": [
-            f"{g}/{s.index}"
-            for b in data.batches
-            for g, s in zip(b.group_ids, b.samples, strict=True)
-        ],
+        "sample_ids": [sid for b in data.batches for sid in sample_ids(b)],
     }
 
 
@@ -165,7 +182,9 @@ class Trainer:
             "samples_trained": 0,
             "stale_samples_dropped": 0,
             "sequences_spanning_versions": 0,
+            "duplicates_dropped": 0,
             "entry_id": "0-0",
+            "recent_samples": {},  # sample id -> version that trained it (dedupe window)
         }
         self.consumer = Consumer(
             pool.client,
@@ -175,11 +194,15 @@ class Trainer:
             pool.name,
             TrainBatch,
             block_ms=cfg.redis.block_ms,
+            recover_pending=False,  # resume re-reads from the checkpoint's position instead
         )
         if resume_from:
             self.state = checkpoint.load_state(resume_from, self.optimizer)
             pool.client.xgroup_setid(pool.names.batches, GROUP, self.state["entry_id"])
+            self.state.setdefault("recent_samples", {})
+            self.state.setdefault("duplicates_dropped", 0)
             log.info("resumed from %s at version %d", resume_from, self.state["version"])
+            pool.record(event="resume", version=self.state["version"])
         self.checkpoint_id = self.state["entry_id"]
         pool.client.set(pool.names.key("trainer_version"), self.state["version"])
         self.publisher = WeightPublisher(
@@ -188,6 +211,7 @@ class Trainer:
             cfg.trainer.transfer_host,
             cfg.trainer.bucket_mb,
             cfg.trainer.transfer_timeout_s,
+            run_secret(),
         )
         if resume_from:
             self.publisher.submit(self.state["version"], self.model)
@@ -200,6 +224,10 @@ class Trainer:
         s["version"] += 1
         s["samples_trained"] += metrics["samples"]
         s["stale_samples_dropped"] += data.stale
+        s["duplicates_dropped"] += data.duplicates
+        horizon = s["version"] - cfg.max_lag - 2  # older duplicates would be rejected as stale
+        recent = {k: v for k, v in s["recent_samples"].items() if v >= horizon}
+        s["recent_samples"] = recent | dict.fromkeys(data.sample_ids, s["version"])
         s["sequences_spanning_versions"] += metrics["spanning"]
         s["entry_id"] = data.entry_ids[-1]
         self.pool.client.set(self.pool.names.key("trainer_version"), s["version"])
@@ -214,7 +242,13 @@ class Trainer:
             self.checkpoint_id = s["entry_id"]
         ms, seq = self.checkpoint_id.split("-")
         trim_consumed(self.pool.client, self.pool.names.batches, keep_from=f"{ms}-{int(seq) + 1}")
-        metrics.update(step_s=time.monotonic() - t0, stale=data.stale, version=s["version"])
+        metrics.update(
+            step_s=time.monotonic() - t0,
+            stale=data.stale,
+            version=s["version"],
+            duplicates=data.duplicates,
+            stale_ids=data.stale_ids,
+        )
         return metrics
 
     def report(self, metrics: dict) -> None:
@@ -226,6 +260,7 @@ class Trainer:
             version=s["version"],
             samples_trained=s["samples_trained"],
             stale_samples_dropped=s["stale_samples_dropped"],
+            duplicates_dropped=s["duplicates_dropped"],
             sequences_spanning_versions=s["sequences_spanning_versions"],
             weight_updates_published=self.publisher.published,
             reward_mean=metrics["reward_mean"],
@@ -248,7 +283,9 @@ def main(argv: list[str] | None = None) -> None:
     trainer = Trainer(pool)
     max_steps = pool.cfg.trainer.max_steps
     while trainer.state["version"] < max_steps and not pool.stop.is_set():
-        data = collect(pool, trainer.consumer, trainer.state["version"])
+        data = collect(
+            pool, trainer.consumer, trainer.state["version"], trainer.state["recent_samples"]
+        )
         if data is None:
             break
         trainer.report(trainer.step(data))

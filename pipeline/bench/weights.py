@@ -27,16 +27,35 @@ from pipeline.redis_server import EmbeddedRedis
 from pipeline.streams import Names, connect, wait_until
 
 SHAPES = {
-    "smollm2-135m": (LlamaConfig, dict(hidden_size=576, intermediate_size=1536,
-                                       num_hidden_layers=30, num_attention_heads=9,
-                                       num_key_value_heads=3, vocab_size=49152,
-                                       tie_word_embeddings=True), "float32"),
-    "qwen2.5-1.5b": (Qwen2Config, dict(hidden_size=1536, intermediate_size=8960,
-                                       num_hidden_layers=28, num_attention_heads=12,
-                                       num_key_value_heads=2, vocab_size=151936,
-                                       tie_word_embeddings=True), "bfloat16"),
+    "smollm2-135m": (
+        LlamaConfig,
+        dict(
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            vocab_size=49152,
+            tie_word_embeddings=True,
+        ),
+        "float32",
+    ),
+    "qwen2.5-1.5b": (
+        Qwen2Config,
+        dict(
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+        ),
+        "bfloat16",
+    ),
 }
 NAMES = Names("bench", "weights")
+SECRET = "bench-weights-run-secret"  # both processes of this local benchmark
 
 
 def build(shape: str, seed: int):
@@ -46,14 +65,15 @@ def build(shape: str, seed: int):
     return model.eval()
 
 
-def trainer_proc(url: str, shape: str, updates: int, interval_s: float, timeout_s: float,
-                 bucket_mb: float, ready) -> None:
+def trainer_proc(
+    url: str, shape: str, updates: int, interval_s: float, timeout_s: float, bucket_mb: float, ready
+) -> None:
     from pipeline.weight_publisher import WeightPublisher
 
     torch.set_num_threads(1)
     client = connect(url)
     model = build(shape, seed=1)
-    publisher = WeightPublisher(client, NAMES, "127.0.0.1", bucket_mb, timeout_s)
+    publisher = WeightPublisher(client, NAMES, "127.0.0.1", bucket_mb, timeout_s, SECRET)
     ready.set()
     wait_until(lambda: bool(publisher.groups), 120)
     for version in range(1, updates + 1):
@@ -100,13 +120,23 @@ def measure(shape: str, staged: bool, args) -> dict:
             model = build(shape, seed=0)
             engine = HFEngine(model, _NoTokenizer(), temperature=1.0, top_p=1.0, top_k=0)
             engine.stop_ids = set()
-            receiver = WeightReceiver(client, NAMES, "actor-0", engine, args.timeout_s,
-                                      staged=staged)
+            receiver = WeightReceiver(
+                client, NAMES, "actor-0", engine, args.timeout_s, SECRET, staged=staged
+            )
             ctx = mp.get_context("spawn")
             ready = ctx.Event()
-            trainer = ctx.Process(target=trainer_proc, args=(
-                server.url, shape, args.updates, args.interval_s, args.timeout_s,
-                args.bucket_mb, ready))
+            trainer = ctx.Process(
+                target=trainer_proc,
+                args=(
+                    server.url,
+                    shape,
+                    args.updates,
+                    args.interval_s,
+                    args.timeout_s,
+                    args.bucket_mb,
+                    ready,
+                ),
+            )
             trainer.start()
             ready.wait(300)
             receiver.start()
@@ -117,19 +147,26 @@ def measure(shape: str, staged: bool, args) -> dict:
             stop.set()
             gen.join(timeout=120)
             receiver.stop()
-            per_update, usual = stalls(list(engine.stats.timeline),
-                                       list(engine.stats.version_times))
+            per_update, usual = stalls(
+                list(engine.stats.timeline), list(engine.stats.version_times)
+            )
             nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
             return {
-                "device": device_name(), "model": shape, "mode": "staged" if staged
-                else "in-place", "dtype": SHAPES[shape][2], "bytes": nbytes,
-                "updates_applied": receiver.applied, "updates_failed": receiver.failed,
+                "device": device_name(),
+                "model": shape,
+                "mode": "staged" if staged else "in-place",
+                "dtype": SHAPES[shape][2],
+                "bytes": nbytes,
+                "updates_applied": receiver.applied,
+                "updates_failed": receiver.failed,
                 "transfer_ms_p50": percentile(receiver.transfer_ms, 50),
-                "swap_ms_p50": percentile(engine.stats.swap_ms, 50) if staged
+                "swap_ms_p50": percentile(engine.stats.swap_ms, 50)
+                if staged
                 else percentile(receiver.transfer_ms, 50),
-                "stall_ms_p50": percentile(per_update, 50), "stall_ms_max": max(per_update,
-                                                                                 default=0.0),
-                "usual_gap_ms_p50": usual, "forward_passes": engine.stats.forward_passes,
+                "stall_ms_p50": percentile(per_update, 50),
+                "stall_ms_max": max(per_update, default=0.0),
+                "usual_gap_ms_p50": usual,
+                "forward_passes": engine.stats.forward_passes,
                 "copy_floor_ms": copy_floor_ms(model),
             }
         finally:
@@ -178,10 +215,27 @@ def main(argv: list[str]) -> int:
     print_table(rows, COLUMNS)
     for r in rows:
         r["stall_within_2x_copy_floor"] = r["stall_ms_p50"] <= 2 * r["copy_floor_ms"]
-    write_json(args.out, {"benchmark": "weights", "date": time.strftime("%Y-%m-%d"),
-                          "args": vars(args), "results": rows})
+    write_json(
+        args.out,
+        {
+            "benchmark": "weights",
+            "date": time.strftime("%Y-%m-%d"),
+            "args": vars(args),
+            "results": rows,
+        },
+    )
     return 0
 
 
-COLUMNS = ["model", "mode", "bytes", "updates_applied", "transfer_ms_p50", "swap_ms_p50",
-           "stall_ms_p50", "stall_ms_max", "usual_gap_ms_p50", "copy_floor_ms"]
+COLUMNS = [
+    "model",
+    "mode",
+    "bytes",
+    "updates_applied",
+    "transfer_ms_p50",
+    "swap_ms_p50",
+    "stall_ms_p50",
+    "stall_ms_max",
+    "usual_gap_ms_p50",
+    "copy_floor_ms",
+]
