@@ -140,6 +140,7 @@ class LaunchConfig:
     restart_policy: str = "on-failure"  # on-failure: restart a crashed pool; never: stop the run
     max_restarts: int = 5  # per pool, over the whole run
     watchdog_s: float = 120.0  # a pool without heartbeat/progress this long is killed (0: off)
+    startup_timeout_s: float = 300.0  # ... or without a first heartbeat this long after start
     progress_interval_s: float = 1.0
     final_sync_timeout_s: float = 60.0  # wait for actors to apply the last version
     stop_timeout_s: float = 15.0
@@ -298,13 +299,16 @@ def run_secret() -> str:
     return secret
 
 
-def redis_url(cfg: Any) -> str:
-    """The run's Redis URL: the environment wins over the config file.
+def redis_url(cfg: Any, role: str | None = None) -> str:
+    """The run's Redis URL: the environment wins over the config file, and a
+    role's own user (``NONSTOP_REDIS_URL_ACTOR``, ...; see deploy/redis/users.acl)
+    wins over the shared one.
 
     The embedded server's password is passed only in the environment, never
     written to disk in config.yaml.
     """
-    url = os.environ.get("NONSTOP_REDIS_URL") or cfg.redis.url
+    own = os.environ.get(f"NONSTOP_REDIS_URL_{role.upper()}") if role else None
+    url = own or os.environ.get("NONSTOP_REDIS_URL") or cfg.redis.url
     if not url:
         raise ValueError(
             "no Redis to talk to: set redis.url=redis://host:port/0 or NONSTOP_REDIS_URL"

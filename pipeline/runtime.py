@@ -92,7 +92,7 @@ def start_pool(role: str, argv: list[str] | None = None) -> Pool:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    client = connect(redis_url(cfg), reconnect_s=cfg.redis.reconnect_s)
+    client = connect(redis_url(cfg, role), reconnect_s=cfg.redis.reconnect_s)
     check_no_eviction(client)
     names = Names(cfg.redis.prefix, cfg.run.name)
     mark_run(client, names)

@@ -115,12 +115,14 @@ class Supervisor:
                 continue
             st = statuses.get(name, {})
             beat = float(st.get("heartbeat", 0)) if st.get("pid") == str(proc.pid) else 0.0
-            progress = float(st.get("progress", 0)) if beat else 0.0
-            last = max(min(beat, progress) if progress else beat, self.spawned_at[name])
-            if now - last > limit:
+            if not beat:  # still importing and loading: a separate, longer deadline
+                last, allowed = self.spawned_at[name], self.cfg.launch.startup_timeout_s
+            else:
+                last, allowed = min(beat, float(st.get("progress", beat))), limit
+            if now - last > allowed:
                 print(
                     f"\nwatchdog: {name} (pid {proc.pid}) made no progress for "
-                    f"{now - last:.0f}s > launch.watchdog_s={limit:g}; killing it",
+                    f"{now - last:.0f}s (limit {allowed:g}s); killing it",
                     flush=True,
                 )
                 self.event("watchdog", name, silent_s=round(now - last, 1))

@@ -72,6 +72,9 @@ cfg = load_config(os.environ["NONSTOP_CONFIG"])
 names = Names(cfg.redis.prefix, os.environ.get("NONSTOP_RUN") or cfg.run.name)
 connect(os.environ["NONSTOP_REDIS_URL"]).delete(names.key("rendezvous"))
 PY
+  # the run's secret signs weight-transfer joins; written before the URL, which signals
+  export NONSTOP_RUN_SECRET=${NONSTOP_RUN_SECRET:-$("$NONSTOP_PYTHON" -c 'import secrets; print(secrets.token_hex(16))')}
+  (umask 077 && echo "$NONSTOP_RUN_SECRET" >"$NONSTOP_RUN_DIR/redis/secret")
   (umask 077 && echo "$NONSTOP_REDIS_URL" >"$NONSTOP_RUN_DIR/redis/url.tmp")
   mv "$NONSTOP_RUN_DIR/redis/url.tmp" "$NONSTOP_RUN_DIR/redis/url"
   echo "redis-server on $addr:$port (URL in $NONSTOP_RUN_DIR/redis/url)"
@@ -80,7 +83,7 @@ PY
 # NONSTOP_REDIS_URL from the environment, or from the Redis job's file (waits for it).
 nonstop_find_redis() {
   local file="$NONSTOP_RUN_DIR/redis/url" waited=0
-  if [ -n "${NONSTOP_REDIS_URL:-}" ]; then return 0; fi
+  if [ -n "${NONSTOP_REDIS_URL:-}" ] && [ -n "${NONSTOP_RUN_SECRET:-}" ]; then return 0; fi
   while [ ! -s "$file" ]; do
     if [ "$waited" -ge "${NONSTOP_REDIS_WAIT_S:-600}" ]; then
       echo "no $file after ${waited}s: is the Redis job (redis.sbatch) running?" >&2
@@ -89,8 +92,9 @@ nonstop_find_redis() {
     sleep 2
     waited=$((waited + 2))
   done
-  NONSTOP_REDIS_URL=$(cat "$file")
-  export NONSTOP_REDIS_URL
+  NONSTOP_REDIS_URL=${NONSTOP_REDIS_URL:-$(cat "$file")}
+  NONSTOP_RUN_SECRET=${NONSTOP_RUN_SECRET:-$(cat "$NONSTOP_RUN_DIR/redis/secret")}
+  export NONSTOP_REDIS_URL NONSTOP_RUN_SECRET
 }
 
 # Stop the pools started with `srun ... &` (their srun PIDs in $1): SIGTERM to the

@@ -152,7 +152,7 @@ def main(argv: list[str]) -> int:
         default=10,
         help="trainer steps to wait for after the last fault, then Ctrl-C the run",
     )
-    p.add_argument("--watchdog-s", type=float, default=8.0)
+    p.add_argument("--watchdog-s", type=float, default=15.0)
     p.add_argument("--run-dir", default=None)
     p.add_argument("--timeout-s", type=float, default=900)
     args = p.parse_args(argv)
