@@ -121,7 +121,7 @@ def test_relaunch_resumes_from_checkpoint_and_stream_position(tmp_path):
     assert steps == [1, 2, 3, 4]  # no step redone, none skipped
     trained = [sid for r in records if r.get("event") == "step" for sid in r["sample_ids"]]
     assert len(trained) == len(set(trained)), "a sample was trained in both launches"
-    state = json.loads((run_dir / "checkpoints" / "step-000006" / "trainer_state.json").read_text())
+    state = json.loads((run_dir / "checkpoints" / "step-000004" / "trainer_state.json").read_text())
     assert state["samples_trained"] == len(trained)
 
 
