@@ -2,36 +2,19 @@
 preprocessor and trainer, on a tiny random-weight model."""
 
 import json
-import os
+import signal
 import subprocess
-import sys
 from collections import Counter
 
 from pipeline.telemetry import read_jsonl
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.launching import launch_tiny, run_tiny, wait_for_step
 
 
 def test_pipeline_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
-    env = dict(os.environ, NONSTOP_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.launch",
-            "+exp=tiny",
-            f"run_dir={run_dir}",
-            "trainer.max_steps=6",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "run summary" in proc.stdout
+    code, out = run_tiny(tmp_path, run_dir, "trainer.max_steps=6")
+    assert code == 0, out
+    assert "run summary" in out
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["outcome"] == "finished"
@@ -68,51 +51,29 @@ def test_pipeline_end_to_end(tmp_path):
 
 
 def test_failing_pool_stops_the_run_and_is_named(tmp_path):
-    env = dict(os.environ, NONSTOP_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
     bad = tmp_path / "problems.jsonl"
     bad.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "no answer"}\n')
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.launch",
-            "+exp=tiny",
-            f"run_dir={tmp_path / 'r'}",
-            "task.kind=file",
-            f"task.path={bad}",
-            "launch.restart_policy=never",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
+    code, out = run_tiny(
+        tmp_path,
+        tmp_path / "r",
+        "task.kind=file",
+        f"task.path={bad}",
+        "launch.restart_policy=never",
         timeout=120,
     )
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "pool actor-0 exited" in proc.stdout
-    assert "problems.jsonl" in proc.stdout and "answer" in proc.stdout  # the actor's own error
+    assert code == 1, out
+    assert "pool actor-0 exited" in out
+    assert "problems.jsonl" in out and "answer" in out  # the actor's own error, from its log
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["outcome"].startswith("failed: actor-0")
 
 
-def _launch(run_dir, tmp_path, *overrides, timeout=300):
-    env = dict(os.environ, NONSTOP_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline.launch", "+exp=tiny", f"run_dir={run_dir}", *overrides],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 def test_relaunch_resumes_from_checkpoint_and_stream_position(tmp_path):
     run_dir = tmp_path / "run"
-    first = _launch(run_dir, tmp_path, "trainer.max_steps=2")
-    assert first.returncode == 0, first.stdout + first.stderr
-    second = _launch(run_dir, tmp_path, "trainer.max_steps=4")
-    assert second.returncode == 0, second.stdout + second.stderr
+    code, out = run_tiny(tmp_path, run_dir, "trainer.max_steps=2")
+    assert code == 0, out
+    code, out = run_tiny(tmp_path, run_dir, "trainer.max_steps=4")
+    assert code == 0, out
     assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["trainer_steps"] == 4
@@ -126,32 +87,9 @@ def test_relaunch_resumes_from_checkpoint_and_stream_position(tmp_path):
 
 
 def test_ctrl_c_stops_every_pool_and_writes_a_summary(tmp_path):
-    import signal
-    import time
-
     run_dir = tmp_path / "run"
-    env = dict(os.environ, NONSTOP_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.launch",
-            "+exp=tiny",
-            f"run_dir={run_dir}",
-            "trainer.max_steps=100000",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and '"event": "step"' not in (
-        metrics.read_text() if metrics.exists() else ""
-    ):
-        time.sleep(0.2)
+    proc = launch_tiny(tmp_path, run_dir, "trainer.max_steps=100000")
+    wait_for_step(run_dir, proc)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, out

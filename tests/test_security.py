@@ -2,45 +2,17 @@
 
 import ast
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import redis
 
 from pipeline.redis_server import free_port
-from pipeline.telemetry import read_jsonl
+from tests.launching import ROOT, launch_tiny, run_tiny, wait_for_step
 
-ROOT = Path(__file__).resolve().parent.parent
 ROLES = ("actor", "preprocessor", "trainer", "operator")
-
-
-def _launch(tmp_path, run_dir, url, *overrides, env_extra=None, **popen):
-    env = dict(
-        os.environ, NONSTOP_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1", **(env_extra or {})
-    )
-    argv = [
-        sys.executable,
-        "-m",
-        "pipeline.launch",
-        "+exp=tiny",
-        f"run_dir={run_dir}",
-        f"redis.url={url}",
-        *overrides,
-    ]
-    return subprocess.Popen(
-        argv,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        **popen,
-    )
 
 
 @pytest.fixture
@@ -86,11 +58,14 @@ def acl_redis(tmp_path):
 
 def test_pools_run_as_their_own_restricted_redis_users(tmp_path, acl_redis):
     env = {f"NONSTOP_REDIS_URL_{r.upper()}": acl_redis[r] for r in ROLES[:3]}
-    proc = _launch(
-        tmp_path, tmp_path / "run", acl_redis["operator"], "trainer.max_steps=2", env_extra=env
+    code, out = run_tiny(
+        tmp_path,
+        tmp_path / "run",
+        f"redis.url={acl_redis['operator']}",
+        "trainer.max_steps=2",
+        env_extra=env,
     )
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
+    assert code == 0, out
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["trainer_steps"] == 2 and summary["weight_updates_applied"]["actor-0"] >= 1
 
@@ -110,11 +85,10 @@ def test_pools_run_as_their_own_restricted_redis_users(tmp_path, acl_redis):
 
 def test_an_empty_redis_stops_the_run_with_a_clear_message(tmp_path, redis_server):
     run_dir = tmp_path / "run"
-    proc = _launch(tmp_path, run_dir, redis_server.url, "trainer.max_steps=100000")
-    deadline = time.monotonic() + 120
-    while not any(r.get("event") == "step" for r in read_jsonl(str(run_dir / "metrics.jsonl"))):
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.2)
+    proc = launch_tiny(
+        tmp_path, run_dir, f"redis.url={redis_server.url}", "trainer.max_steps=100000"
+    )
+    wait_for_step(run_dir, proc)
     redis.Redis.from_url(redis_server.url).flushall()  # as if it restarted without its AOF
     try:
         out, _ = proc.communicate(timeout=120)
