@@ -13,6 +13,8 @@ import time
 import pytest
 import redis
 
+from tests.launching import launch_tiny, wait_for_step
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STREAMS = ("rollouts", "batches", "weights", "joins", "dead")
 POOLS = ("trainer", "preprocessor-0", "actor-0")
@@ -50,29 +52,9 @@ def live_run(tmp_path_factory):
     """A tiny run that keeps going until the module is done, then gets Ctrl-C."""
     tmp = tmp_path_factory.mktemp("inspect")
     run_dir = tmp / "run"
-    env = dict(os.environ, NONSTOP_CACHE=str(tmp / "cache"), HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.launch",
-            "+exp=tiny",
-            f"run_dir={run_dir}",
-            "trainer.max_steps=1000000",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = launch_tiny(tmp, run_dir, "trainer.max_steps=1000000")
     try:
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.monotonic() + 120
-        while '"event": "step"' not in (metrics.read_text() if metrics.exists() else ""):
-            assert proc.poll() is None, proc.communicate()[0]
-            assert time.monotonic() < deadline, "no trainer step within 120 s"
-            time.sleep(0.2)
+        wait_for_step(run_dir, proc)
         yield run_dir
     finally:
         proc.send_signal(signal.SIGINT)

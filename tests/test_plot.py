@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from pipeline.telemetry import MetricsFile
+from tests.launching import run_tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNGS = ("reward", "policy_lag", "throughput", "stalls")
@@ -25,23 +26,8 @@ C0, C1, C3, C4 = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E), (0xD6, 0x27, 0x28), (0x
 def finished_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("plot")
     run_dir = tmp / "run"
-    env = dict(os.environ, NONSTOP_CACHE=str(tmp / "cache"), HF_HUB_OFFLINE="1")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.launch",
-            "+exp=tiny",
-            f"run_dir={run_dir}",
-            "trainer.max_steps=12",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    code, out = run_tiny(tmp, run_dir, "trainer.max_steps=12")
+    assert code == 0, out
     return run_dir
 
 
