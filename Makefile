@@ -9,7 +9,7 @@ TORCH_PIP_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 ARGS ?=
 
-.PHONY: setup run test test-fast lint format clean slurm-setup
+.PHONY: setup run test test-fast lint format bench clean slurm-setup
 
 setup: $(VENV)/.setup-done
 
@@ -34,6 +34,11 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(ARGS)
+
+# the CPU benchmarks (tables printed, JSON in outputs/bench/); BENCH=weights for one
+BENCH ?= weights scorers faults
+bench: setup
+	@for b in $(BENCH); do $(PY) -m pipeline.bench $$b --out outputs/bench/$$b.json || exit 1; done
 
 lint: setup
 	$(VENV)/bin/ruff check .
