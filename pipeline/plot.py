@@ -27,6 +27,8 @@ import sys
 from collections import defaultdict
 from typing import Any
 
+from pipeline.telemetry import surviving_steps
+
 PLOTS = ("reward", "policy_lag", "throughput", "stalls")
 
 
@@ -80,7 +82,8 @@ class Series:
 
     @property
     def steps(self) -> list[dict]:
-        return self.by_event["step"]
+        events = self.by_event["step"] + self.by_event["resume"]
+        return surviving_steps(sorted(events, key=lambda r: r["time"]))
 
     @property
     def xlabel(self) -> str:

@@ -166,10 +166,12 @@ class Consumer:
         recover_pending: bool = True,
         claim_idle_s: float = 60.0,
         claim_every_s: float = 10.0,
+        dead_maxlen: int = 10000,
     ):
         self.client, self.names, self.stream = client, names, stream
         self.group, self.consumer, self.cls, self.block_ms = group, consumer, cls, block_ms
         self.claim_idle_ms, self.claim_every_s = int(claim_idle_s * 1000), claim_every_s
+        self.dead_maxlen = dead_maxlen
         self.dead_lettered = 0
         self.claimed = 0
         self._own_pending = recover_pending
@@ -240,7 +242,7 @@ class Consumer:
                 "reason": reason,
                 "data": fields.get(DATA, b""),
             },
-            maxlen=10000,
+            maxlen=self.dead_maxlen,
             approximate=True,
         )
         self.ack([entry_id])

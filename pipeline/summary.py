@@ -12,7 +12,7 @@ import redis
 
 from pipeline.messages import BadEntry, TrainBatch, decode
 from pipeline.streams import Names
-from pipeline.telemetry import read_jsonl, read_statuses
+from pipeline.telemetry import read_jsonl, read_statuses, surviving_steps
 
 
 @dataclass
@@ -83,7 +83,7 @@ def build_summary(
 ) -> Summary:
     statuses = read_statuses(client, names)
     records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    steps = [r for r in records if r.get("event") == "step"]
+    steps = surviving_steps(records)
     window = max(1, min(5, len(steps) // 2))
     rewards = [r["reward_mean"] for r in steps]
     trainer = statuses.get("trainer", {})

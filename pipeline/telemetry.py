@@ -160,6 +160,18 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def surviving_steps(records: list[dict]) -> list[dict]:
+    """Trainer step records, without the steps a trainer restart undid: a
+    ``resume`` at version v discards earlier records of steps after v."""
+    steps: list[dict] = []
+    for r in records:
+        if r.get("event") == "resume":
+            steps = [s for s in steps if s["step"] <= r["version"]]
+        elif r.get("event") == "step":
+            steps.append(r)
+    return steps
+
+
 class PoolStatus:
     """A pool's status hash ``<prefix>:<run>:status:<name>``: heartbeat and counters."""
 

@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         RolloutGroup,
         block_ms=cfg.redis.block_ms,
         claim_idle_s=cfg.redis.claim_idle_s,
+        dead_maxlen=cfg.redis.dead_letter_maxlen,
     )
     totals: Counter = Counter(kept=0, dropped=0, batches=0, prm_scored_groups=0)
     while not pool.tick():

@@ -195,6 +195,7 @@ class Trainer:
             TrainBatch,
             block_ms=cfg.redis.block_ms,
             recover_pending=False,  # resume re-reads from the checkpoint's position instead
+            dead_maxlen=cfg.redis.dead_letter_maxlen,
         )
         if resume_from:
             self.state = checkpoint.load_state(resume_from, self.optimizer)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pipeline.bench.common import device_name, print_table, write_json
 from pipeline.streams import Names, connect
-from pipeline.telemetry import read_jsonl, read_statuses
+from pipeline.telemetry import read_jsonl, read_statuses, surviving_steps
 
 DEFAULT_SCHEDULE = (
     "5:kill:actor-0,15:kill:preprocessor-0,25:kill:trainer,40:stop:preprocessor-0,60:restart:redis"
@@ -111,12 +111,7 @@ def account(run_dir: str) -> dict:
     summary = json.loads(Path(run_dir, "summary.json").read_text())
     produced = {r["group"] for r in records if r.get("event") == "group"}
     batched = {g for r in records if r.get("event") == "batched" for g in r["groups"]}
-    steps: list[dict] = []
-    for r in records:
-        if r.get("event") == "resume":  # steps after the restored checkpoint were undone
-            steps = [s for s in steps if s["step"] <= r["version"]]
-        elif r.get("event") == "step":
-            steps.append(r)
+    steps = surviving_steps(records)  # steps a trainer restart undid do not count
     trained = Counter(sid for s in steps for sid in s["sample_ids"])
     stale = {sid.rsplit("/", 1)[0] for s in steps for sid in s.get("stale_ids", [])}
     trained_groups = {sid.rsplit("/", 1)[0] for sid in trained}
