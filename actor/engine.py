@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from pipeline.logprobs import sampling_logprobs
-from pipeline.messages import BucketSpec
+from pipeline.messages import BucketSpec, Sample, pack_f32, pack_i32, pack_mask, rle_encode
 
 
 @dataclass
@@ -30,6 +30,20 @@ class Completion:
     versions: list[int]
     finished: bool
     kept: list = field(default_factory=list)  # keep_sampling_mask: kept vocab ids per token
+
+    def to_sample(self, index: int, reward: float) -> Sample:
+        """The wire form: packed arrays, run-length versions, the mask if recorded."""
+        mask_ids, mask_counts = pack_mask(self.kept)  # b"", b"" unless keep_sampling_mask
+        return Sample(
+            index=index,
+            completion_ids=pack_i32(self.tokens),
+            logprobs=pack_f32(self.logprobs),
+            versions=rle_encode(self.versions),
+            reward=float(reward),
+            finished=self.finished,
+            mask_ids=mask_ids,
+            mask_counts=mask_counts,
+        )
 
 
 @dataclass

@@ -27,12 +27,8 @@ from pipeline.config import run_secret
 from pipeline.messages import (
     SCHEMA_VERSION,
     RolloutGroup,
-    Sample,
     encode,
-    pack_f32,
     pack_i32,
-    pack_mask,
-    rle_encode,
 )
 from pipeline.models import load_model
 from pipeline.runtime import Pool, model_path, start_pool, trainer_version
@@ -68,21 +64,7 @@ def to_group(
     pool: Pool, problem, prompt: list[int], outs: list[Completion], rewards: list[float]
 ) -> RolloutGroup:
     e = pool.cfg.engine
-    samples = []
-    for k, (c, r) in enumerate(zip(outs, rewards, strict=True)):
-        mask_ids, mask_counts = pack_mask(c.kept)  # b"", b"" unless keep_sampling_mask
-        samples.append(
-            Sample(
-                index=k,
-                completion_ids=pack_i32(c.tokens),
-                logprobs=pack_f32(c.logprobs),
-                versions=rle_encode(c.versions),
-                reward=r,
-                finished=c.finished,
-                mask_ids=mask_ids,
-                mask_counts=mask_counts,
-            )
-        )
+    samples = [c.to_sample(k, r) for k, (c, r) in enumerate(zip(outs, rewards, strict=True))]
     return RolloutGroup(
         schema=SCHEMA_VERSION,
         group_id=f"{pool.name}:{uuid.uuid4().hex[:16]}",

@@ -20,7 +20,6 @@ from pipeline.messages import (
     encode,
     pack_f32,
     pack_i32,
-    pack_mask,
     rle_encode,
     unpack_f32,
 )
@@ -41,21 +40,7 @@ def _sample_batch(path, **sampling):
     engine.stop_ids = set()
     prompts = [tok(t)["input_ids"] for t in PROMPTS]
     outs = engine.generate(prompts, max_new_tokens=16)
-    samples = []
-    for k, o in enumerate(outs):
-        mask_ids, mask_counts = pack_mask(o.kept)
-        samples.append(
-            Sample(
-                index=k,
-                completion_ids=pack_i32(o.tokens),
-                logprobs=pack_f32(o.logprobs),
-                versions=rle_encode(o.versions),
-                reward=float(k % 2),
-                finished=o.finished,
-                mask_ids=mask_ids,
-                mask_counts=mask_counts,
-            )
-        )
+    samples = [o.to_sample(k, k % 2) for k, o in enumerate(outs)]
     batch = TrainBatch(
         schema=SCHEMA_VERSION,
         batch_id="b",

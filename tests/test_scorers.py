@@ -12,11 +12,7 @@ from pipeline.logprobs import completion_logprobs, pad_sequences
 from pipeline.messages import (
     SCHEMA_VERSION,
     RolloutGroup,
-    Sample,
-    pack_f32,
     pack_i32,
-    pack_mask,
-    rle_encode,
     unpack_f32,
     unpack_i32,
 )
@@ -50,21 +46,7 @@ def rollouts(path, temperature=0.7, top_p=1.0, top_k=0, keep_mask=False, rewards
     for gi, text in enumerate(PROMPTS):
         prompt = tok(text)["input_ids"]
         outs = engine.generate([prompt] * 4, max_new_tokens=12)
-        samples = []
-        for k, (c, r) in enumerate(zip(outs, rewards, strict=True)):
-            mask_ids, mask_counts = pack_mask(c.kept)
-            samples.append(
-                Sample(
-                    index=k,
-                    completion_ids=pack_i32(c.tokens),
-                    logprobs=pack_f32(c.logprobs),
-                    versions=rle_encode(c.versions),
-                    reward=float(r),
-                    finished=c.finished,
-                    mask_ids=mask_ids,
-                    mask_counts=mask_counts,
-                )
-            )
+        samples = [c.to_sample(k, r) for k, (c, r) in enumerate(zip(outs, rewards, strict=True))]
         groups.append(
             RolloutGroup(
                 schema=SCHEMA_VERSION,

@@ -16,7 +16,7 @@ from pipeline.streams import Names, wait_until
 from pipeline.weight_publisher import WeightPublisher
 from pipeline.weight_receiver import WeightReceiver
 from pipeline.weights import bucket_layout, checksum, flatten
-from tests.weight_peers import SECRET
+from tests.weight_peers import BUCKET_MB, NAMES, SECRET, TIMEOUT_S
 
 
 def _models(tmp_path):
@@ -131,8 +131,6 @@ def _generate_in_background(engine, tok):
 
 
 def _actor_with_half_trainer(tmp_path, rclient, redis_server, staged):
-    from tests.weight_peers import NAMES, TIMEOUT_S
-
     path = materialize_model("tiny", cache_dir=str(tmp_path))
     model, tok = load_model(path)
     engine = HFEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0)
@@ -168,8 +166,6 @@ def test_trainer_killed_mid_transfer_leaves_old_weights_whole(tmp_path, rclient,
 def test_in_place_transfer_failure_pauses_generation_until_a_whole_version(
     tmp_path, rclient, redis_server
 ):
-    from tests.weight_peers import BUCKET_MB, NAMES, TIMEOUT_S
-
     model, engine, receiver, done, stop = _actor_with_half_trainer(
         tmp_path, rclient, redis_server, staged=False
     )
@@ -199,14 +195,16 @@ def test_in_place_transfer_failure_pauses_generation_until_a_whole_version(
         torch.testing.assert_close(p, q, msg=n)
 
 
-def test_actor_killed_mid_transfer_does_not_stall_the_trainer(tmp_path, rclient, redis_server):
-    from tests.weight_peers import BUCKET_MB, NAMES, TIMEOUT_S
-
+def _peer_trainer(tmp_path, rclient):
+    """A tiny model and a publisher on the names the peer processes use."""
     path = materialize_model("tiny", cache_dir=str(tmp_path))
     model, _ = load_model(path)
-    publisher = WeightPublisher(
-        rclient, NAMES, "127.0.0.1", BUCKET_MB, timeout_s=TIMEOUT_S, secret=SECRET
-    )
+    publisher = WeightPublisher(rclient, NAMES, "127.0.0.1", BUCKET_MB, TIMEOUT_S, SECRET)
+    return path, model, publisher
+
+
+def test_actor_killed_mid_transfer_does_not_stall_the_trainer(tmp_path, rclient, redis_server):
+    path, model, publisher = _peer_trainer(tmp_path, rclient)
     actor = Peer("half_actor", redis_server.url, path, "actor-0")
     try:
         actor.expect("joined")
@@ -226,13 +224,7 @@ def test_actor_killed_mid_transfer_does_not_stall_the_trainer(tmp_path, rclient,
 
 
 def test_restarted_actor_reaches_the_current_version(tmp_path, rclient, redis_server):
-    from tests.weight_peers import BUCKET_MB, NAMES, TIMEOUT_S
-
-    path = materialize_model("tiny", cache_dir=str(tmp_path))
-    model, _ = load_model(path)
-    publisher = WeightPublisher(
-        rclient, NAMES, "127.0.0.1", BUCKET_MB, timeout_s=TIMEOUT_S, secret=SECRET
-    )
+    path, model, publisher = _peer_trainer(tmp_path, rclient)
     first = Peer("real_actor", redis_server.url, path, "actor-0")
     try:
         assert wait_until(lambda: "actor-0" in publisher.groups, 30)
