@@ -1,0 +1,313 @@
+"""The vLLM worker extension: a per-forward-pass lock, a staged receive while the
+engine generates, and the swap between two forward passes.
+
+Loaded by vLLM 0.24 in its engine-core process through
+``worker_extension_cls="actor.vllm_worker.NonstopWorkerExtension"``, which makes
+this class a base of vLLM's GPU ``Worker`` (``self`` is the Worker; our method
+names start with ``nonstop_`` so they never clash with its own)::
+
+    actor process (client)                    engine core (this module)
+    collective_rpc("nonstop_install")   -->   wrap execute_model / sample_tokens with the
+                                              lock; staging = copy of the live parameters
+    collective_rpc("nonstop_update",    -->   a background thread receives the buckets on
+                   announcement, source)      a side stream, one bucket in flight at a time,
+                                              checks each bucket's sum, scatters it into
+                                              staging (actor/vllm_layout.py), then takes
+                                              the lock (with a deadline) and enqueues
+                                              staging -> parameters on the engine's stream
+    collective_rpc("nonstop_poll", ids) -->   live version, swaps, errors, and per request
+                                              the versions of the steps that sampled it
+
+The lock is taken on entry of ``execute_model`` and released on exit of the
+matching ``sample_tokens`` (model runner V2 computes the logits there), so no
+swap falls between a forward pass and the logits computed from it. The copy is
+only enqueued under the lock; pointers never change, so CUDA graphs read the new
+weights. A failed, partial or mis-summed receive never touches the parameters; a
+lock not had within ``lock_timeout_s`` fails the update with an error and the
+engine keeps generating on the old version. The recipe and its H100 numbers:
+``device/VLLM_LOCK.md`` in the project's shared notes.
+
+Everything except the vLLM Worker it is mixed into is plain torch, so the lock,
+staging, scatter and swap are tested on the CPU with a fake worker.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any, Protocol
+
+import torch
+
+from actor.vllm_layout import Plan, build_plan
+from pipeline.messages import WeightAnnouncement, decode
+from pipeline.weights import checksum
+
+log = logging.getLogger(__name__)
+ALIGN = 256  # bytes: staging views start on 256-byte boundaries
+
+
+class BucketSource(Protocol):
+    """Fills bucket ``i`` of an announced version (a transport's receiving end)."""
+
+    def fetch(self, index: int, out: torch.Tensor, deadline: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def external_id(internal: str) -> str:
+    """vLLM appends ``-<8 random chars>`` to the client's request id."""
+    head, _, tail = internal.rpartition("-")
+    return head if head and len(tail) == 8 else internal
+
+
+class StepVersions:
+    """Per request, run-length versions of the engine steps that sampled a token for it.
+
+    A step samples for a request unless it is a prefill chunk that does not reach
+    the end of the request's known tokens (prompt + tokens sampled so far). No
+    speculative decoding: the vLLM engine refuses it (one token per decode step).
+    """
+
+    def __init__(self, keep_finished: int = 65536):
+        self.known: dict[str, int] = {}
+        self.rle: dict[str, list[list[int]]] = {}
+        self.finished: OrderedDict[str, list[list[int]]] = OrderedDict()
+        self.keep_finished, self.evicted = keep_finished, 0
+
+    def record(self, so: Any, version: int) -> None:
+        computed: dict[str, int] = {}
+        for new in so.scheduled_new_reqs:
+            self.known[new.req_id] = len(new.prompt_token_ids or ())
+            computed[new.req_id] = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        for rid, done in zip(cached.req_ids, cached.num_computed_tokens, strict=False):
+            computed[rid] = done
+        for rid, n in so.num_scheduled_tokens.items():
+            known = self.known.get(rid)
+            if n == 1 or known is None or computed.get(rid, 0) + n >= known:
+                self.known[rid] = (known or 0) + 1
+                runs = self.rle.setdefault(rid, [])
+                if runs and runs[-1][0] == version:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([version, 1])
+        for rid in so.finished_req_ids:
+            self.known.pop(rid, None)
+            self.finished[external_id(rid)] = self.rle.pop(rid, [])
+        while len(self.finished) > self.keep_finished:
+            self.finished.popitem(last=False)
+            self.evicted += 1
+
+    def take(self, ids: list[str]) -> dict[str, list[list[int]]]:
+        """Finished requests' runs (removed), or a running request's runs so far."""
+        out = {}
+        for ext in ids:
+            if ext in self.finished:
+                out[ext] = self.finished.pop(ext)
+                continue
+            for rid, runs in self.rle.items():
+                if external_id(rid) == ext:
+                    out[ext] = [list(r) for r in runs]
+        return out
+
+
+class LockedWeights:
+    """The live parameters, a staging copy in the same layout, and the forward lock."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], lock_timeout_s: float):
+        self.names = [n for n, _ in named]
+        self.params = [p.data for _, p in named]
+        self.device = self.params[0].device
+        self.cuda = self.device.type == "cuda"
+        self.compute = torch.cuda.current_stream() if self.cuda else None  # the engine's
+        self.side = torch.cuda.Stream() if self.cuda else None
+        self.lock = threading.Lock()
+        self.lock_timeout_s = lock_timeout_s
+        self.live_version = 0
+        self.steps = StepVersions()
+        self.swaps: deque[dict] = deque(maxlen=1024)
+        self.failed, self.last_error, self.orphans = 0, "", 0
+        self._pending = False
+        offsets, total = [], 0
+        for p in self.params:
+            if not p.is_contiguous():
+                raise ValueError("vLLM parameters must be contiguous to be staged")
+            offsets.append(total)
+            total += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
+        self.staging = torch.empty(total, dtype=torch.uint8, device=self.device)
+        self.views = [
+            self.staging[o : o + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+            for o, p in zip(offsets, self.params, strict=True)
+        ]
+        with torch.no_grad():
+            torch._foreach_copy_(self.views, self.params)  # padding rows keep their values
+        self.by_name = dict(zip(self.names, self.views, strict=True))
+        self.plan: Plan | None = None
+
+    # -- the per-forward-pass lock ------------------------------------------------
+    def wrap(self, worker: Any) -> None:
+        """Shadow the worker's execute_model / sample_tokens with locked versions."""
+        run, sample = worker.execute_model, worker.sample_tokens
+
+        def execute_model(scheduler_output, *args, **kwargs):
+            if self._pending:  # the last step's sample_tokens never came: end its hold
+                self._pending = False
+                self.orphans += 1
+                self.lock.release()
+            self.lock.acquire()
+            try:
+                if scheduler_output.total_num_scheduled_tokens > 0:
+                    self.steps.record(scheduler_output, self.live_version)
+                out = run(scheduler_output, *args, **kwargs)
+            except BaseException:
+                self.lock.release()
+                raise
+            if out is None and scheduler_output.total_num_scheduled_tokens > 0:
+                self._pending = True  # sample_tokens of this step releases it
+            else:
+                self.lock.release()
+            return out
+
+        def sample_tokens(grammar_output, *args, **kwargs):
+            try:
+                return sample(grammar_output, *args, **kwargs)
+            finally:
+                if self._pending:
+                    self._pending = False
+                    self.lock.release()
+
+        worker.execute_model = execute_model
+        worker.sample_tokens = sample_tokens
+
+    # -- receive and swap ---------------------------------------------------------
+    def stage(self, ann: WeightAnnouncement, source: BucketSource, deadline: float) -> None:
+        """Receive every bucket of ``ann`` into staging; raise on any failure."""
+        if self.plan is None:
+            hf = {p.name: tuple(p.shape) for b in ann.buckets for p in b.params}
+            self.plan = build_plan(
+                {n: tuple(p.shape) for n, p in zip(self.names, self.params, strict=True)}, hf
+            )
+        dtype = getattr(torch, ann.dtype)
+        buf = torch.empty(max(b.numel for b in ann.buckets), dtype=dtype, device=self.device)
+        side = torch.cuda.stream(self.side) if self.cuda else nullcontext()
+        for i, spec in enumerate(ann.buckets):
+            part = buf[: spec.numel]
+            with side:
+                source.fetch(i, part, deadline)
+                if checksum([part])[0] != ann.checksums[i]:
+                    raise RuntimeError(f"version {ann.version} bucket {i} failed its checksum")
+                for p in spec.params:
+                    n = 1
+                    for d in p.shape:
+                        n *= d
+                    self.plan.scatter(
+                        p.name, part[p.offset : p.offset + n].view(p.shape), self.by_name
+                    )
+            if self.cuda:
+                self.side.synchronize()  # paced: one bucket in flight, buf reused next
+
+    def swap(self, version: int) -> dict:
+        """Enqueue staging -> parameters under the lock; the next step runs ``version``."""
+        t0 = time.perf_counter()
+        if not self.lock.acquire(timeout=self.lock_timeout_s):
+            raise TimeoutError(
+                f"the per-forward-pass lock was not free within {self.lock_timeout_s:g} s; "
+                f"version {version} not applied, generation goes on with version "
+                f"{self.live_version} (raise actor.vllm.lock_timeout_s if steps are that long)"
+            )
+        t1 = time.perf_counter()
+        end = torch.cuda.Event() if self.cuda else None
+        try:
+            with torch.cuda.stream(self.compute) if self.cuda else nullcontext(), torch.no_grad():
+                torch._foreach_copy_(self.params, self.views)
+                if end is not None:
+                    end.record()
+            self.live_version = version
+        finally:
+            self.lock.release()
+        t2 = time.perf_counter()
+        if end is not None:
+            end.synchronize()  # staging must not be overwritten before the copy read it
+        rec = {
+            "version": version,
+            "lock_wait_ms": 1e3 * (t1 - t0),
+            "hold_ms": 1e3 * (t2 - t1),
+            "done_ms": 1e3 * (time.perf_counter() - t1),
+        }
+        self.swaps.append(rec)
+        return rec
+
+
+def load_source(spec: dict) -> BucketSource:
+    """``spec["factory"]`` is ``module:function``; it gets the rest of ``spec``."""
+    module, _, name = spec["factory"].partition(":")
+    factory: Callable[..., BucketSource] = getattr(importlib.import_module(module), name)
+    return factory(**{k: v for k, v in spec.items() if k != "factory"})
+
+
+class NonstopWorkerExtension:
+    """Mixed into vLLM's Worker; driven by the actor through ``collective_rpc``."""
+
+    def nonstop_install(
+        self, lock_timeout_s: float = 10.0, transfer_timeout_s: float = 60.0
+    ) -> dict:
+        if getattr(self, "_nonstop", None) is not None:
+            return self._nonstop_info
+        named = list(self.get_model().named_parameters())
+        w = LockedWeights(named, lock_timeout_s)
+        w.wrap(self)
+        self._nonstop, self._nonstop_timeout = w, transfer_timeout_s
+        self._nonstop_jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._nonstop_loop, name="nonstop-receiver", daemon=True).start()
+        self._nonstop_info = {
+            "params": len(named),
+            "bytes": int(w.staging.numel()),
+            "device": str(w.device),
+            "compute_stream": str(w.compute),
+        }
+        return self._nonstop_info
+
+    def nonstop_update(self, announcement: bytes, source: dict) -> None:
+        """Queue one version: receive into staging while generating, then swap."""
+        self._nonstop_jobs.put((decode(announcement, WeightAnnouncement), source))
+
+    def nonstop_poll(self, request_ids: list[str] | None = None) -> dict:
+        w = self._nonstop
+        swaps = list(w.swaps)
+        w.swaps.clear()
+        return {
+            "live_version": w.live_version,
+            "swaps": swaps,
+            "failed": w.failed,
+            "last_error": w.last_error,
+            "busy": self._nonstop_jobs.unfinished_tasks,
+            "orphan_holds": w.orphans,
+            "versions": w.steps.take(request_ids or []),
+        }
+
+    def _nonstop_loop(self) -> None:
+        w = self._nonstop
+        if w.cuda:
+            torch.cuda.set_device(w.device)
+        while True:
+            ann, spec = self._nonstop_jobs.get()
+            try:
+                source = load_source(spec)
+                try:
+                    w.stage(ann, source, time.monotonic() + self._nonstop_timeout)
+                finally:
+                    source.close()
+                w.swap(ann.version)
+            except Exception as e:  # the old weights stay whole; the client sees the error
+                w.failed += 1
+                w.last_error = f"version {ann.version}: {e}"
+                log.error("weight update failed, keeping version %d: %s", w.live_version, e)
+            finally:
+                self._nonstop_jobs.task_done()

@@ -1,0 +1,291 @@
+"""The vLLM worker extension's CPU-testable parts, with a fake vLLM Worker: the
+HF -> fused-layout plan, the per-forward-pass lock, staged receive with checksums,
+the swap between two steps, lock deadlines, and per-request step versions.
+What is not run here: vLLM itself, CUDA streams and events (see the gpu tests)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from actor.vllm_layout import build_plan, token_versions
+from actor.vllm_worker import LockedWeights, NonstopWorkerExtension, StepVersions
+from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement, encode
+from pipeline.weights import bucket_layout, checksum, flatten
+
+VOCAB, PAD_TO = 100, 64
+
+
+def hf_model(seed: int, tie: bool = False) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tie,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def vllm_layout(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What vLLM's Llama holds for these HF weights (TP=1): fused qkv / gate_up,
+    vocabulary padded to a multiple of 64 rows (padding rows zero)."""
+    out = {}
+    for name, t in hf.items():
+        if ".k_proj." in name or ".v_proj." in name or ".up_proj." in name:
+            continue
+        if ".q_proj." in name:
+            k, v = name.replace(".q_proj.", ".k_proj."), name.replace(".q_proj.", ".v_proj.")
+            out[name.replace(".q_proj.", ".qkv_proj.")] = torch.cat([t, hf[k], hf[v]])
+        elif ".gate_proj." in name:
+            out[name.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat(
+                [t, hf[name.replace(".gate_proj.", ".up_proj.")]]
+            )
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            rows = -(-t.shape[0] // PAD_TO) * PAD_TO
+            padded = torch.zeros(rows, t.shape[1])
+            padded[: t.shape[0]] = t
+            out[name] = padded
+        else:
+            out[name] = t.clone()
+    return out
+
+
+class FakeVllmModel(torch.nn.Module):
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        super().__init__()
+        self.names = list(tensors)
+        self.flat = torch.nn.ParameterList(
+            [torch.nn.Parameter(t.clone(), requires_grad=False) for t in tensors.values()]
+        )
+
+    def named_parameters(self, *args, **kwargs):
+        return iter(zip(self.names, self.flat, strict=True))
+
+
+class FakeWorker(NonstopWorkerExtension):
+    """Like vLLM's Worker: execute_model (forward, returns None: sampling follows)
+    then sample_tokens; each step reads every parameter (a checksum of the weights)."""
+
+    def __init__(self, model: FakeVllmModel, step_s: float = 0.0):
+        self.model, self.step_s, self.seen = model, step_s, []
+
+    def get_model(self):
+        return self.model
+
+    def execute_model(self, scheduler_output):
+        self._weights = sum(float(p.sum()) for p in self.model.flat)
+        time.sleep(self.step_s)
+        return None
+
+    def sample_tokens(self, grammar_output):
+        time.sleep(self.step_s)
+        self.seen.append(self._weights)  # the weights the forward of this step used
+        return self._weights
+
+
+def sched(new=(), cached=(), scheduled=None, finished=()):
+    """A minimal SchedulerOutput: new=[(id, prompt_len, computed)], cached=[(id, computed)]."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r, prompt_token_ids=[0] * n, num_computed_tokens=c)
+            for r, n, c in new
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _ in cached], num_computed_tokens=[c for _, c in cached]
+        ),
+        num_scheduled_tokens=dict(scheduled or {}),
+        total_num_scheduled_tokens=sum((scheduled or {}).values()),
+        finished_req_ids=set(finished),
+    )
+
+
+def announcement(version: int, hf: dict[str, torch.Tensor], bucket_bytes: int = 4096):
+    named = list(hf.items())
+    layout = bucket_layout(named, bucket_bytes)
+    flat = flatten(hf, layout)
+    ann = WeightAnnouncement(
+        schema=SCHEMA_VERSION,
+        version=version,
+        dtype="float32",
+        buckets=layout,
+        checksums=checksum(flat),
+        targets=["actor-0"],
+        created=time.time(),
+    )
+    return ann, flat
+
+
+class MemorySource:
+    def __init__(self, flat, corrupt: int | None = None):
+        self.flat, self.corrupt = flat, corrupt
+
+    def fetch(self, index, out, deadline):
+        out.copy_(self.flat[index])
+        if index == self.corrupt:
+            out[0] += 1.0
+
+    def close(self):
+        pass
+
+
+def file_source(path: str, corrupt: int = -1) -> MemorySource:
+    """A BucketSource factory named by module path, as the extension loads transports."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(path)
+    flat = [tensors[f"b{i}"] for i in range(len(tensors))]
+    return MemorySource(flat, corrupt if corrupt >= 0 else None)
+
+
+def hf_state(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_plan_puts_every_hf_tensor_in_the_fused_layout(tie):
+    old, new = hf_state(hf_model(0, tie)), hf_state(hf_model(1, tie))
+    live = vllm_layout(old)
+    if tie:  # vLLM keeps lm_head.weight; the tied HF model has only the embedding
+        live["lm_head.weight"] = live["model.embed_tokens.weight"].clone()
+    plan = build_plan(
+        {k: tuple(v.shape) for k, v in live.items()}, {k: tuple(v.shape) for k, v in new.items()}
+    )
+    for name, t in new.items():
+        plan.scatter(name, t, live)
+    want = vllm_layout(new)
+    if tie:
+        want["lm_head.weight"] = want["model.embed_tokens.weight"]
+    for name in want:
+        assert torch.equal(live[name], want[name]), name
+
+
+def test_plan_refuses_a_model_it_cannot_map():
+    hf = {k: tuple(v.shape) for k, v in hf_state(hf_model(0)).items()}
+    live = {k: tuple(v.shape) for k, v in vllm_layout(hf_state(hf_model(0))).items()}
+    live["model.layers.0.self_attn.qkv_proj.weight"] = (999, 32)
+    with pytest.raises(ValueError, match="qkv_proj"):
+        build_plan(live, hf)
+    live = {k: tuple(v.shape) for k, v in vllm_layout(hf_state(hf_model(0))).items()}
+    live["model.extra.weight"] = (4, 4)
+    with pytest.raises(ValueError, match="model.extra.weight"):
+        build_plan(live, hf)
+
+
+def test_plan_shards_for_tensor_parallel_ranks():
+    hf = hf_state(hf_model(0))
+    full = vllm_layout(hf)
+    for rank in range(2):
+        shapes = {}
+        for k, v in full.items():
+            if k.endswith((".o_proj.weight", ".down_proj.weight")):
+                shapes[k] = (v.shape[0], v.shape[1] // 2)
+            elif v.dim() == 2 and not k.endswith(("norm.weight",)):
+                shapes[k] = (v.shape[0] // 2, v.shape[1])
+            else:
+                shapes[k] = tuple(v.shape)
+        plan = build_plan(shapes, {k: tuple(v.shape) for k, v in hf.items()}, rank, 2)
+        dest = {k: torch.zeros(s) for k, s in shapes.items()}
+        for name, t in hf.items():
+            plan.scatter(name, t, dest)
+        q = hf["model.layers.0.self_attn.q_proj.weight"]
+        qkv = dest["model.layers.0.self_attn.qkv_proj.weight"]
+        assert torch.equal(qkv[: q.shape[0] // 2], q.chunk(2)[rank])
+        o = hf["model.layers.1.self_attn.o_proj.weight"]
+        assert torch.equal(dest["model.layers.1.self_attn.o_proj.weight"], o.chunk(2, dim=1)[rank])
+
+
+def test_swap_lands_between_steps_and_every_step_sees_one_whole_version():
+    old, new = hf_state(hf_model(0)), hf_state(hf_model(1))
+    worker = FakeWorker(FakeVllmModel(vllm_layout(old)), step_s=0.01)
+    worker.nonstop_install(lock_timeout_s=5.0)
+    weights = worker._nonstop
+    totals = {sum(float(t.sum()) for t in vllm_layout(s).values()) for s in (old, new)}
+    stop = threading.Event()
+
+    def engine():
+        while not stop.is_set():
+            so = sched(cached=[("r-abcdefgh", 5)], scheduled={"r-abcdefgh": 1})
+            worker.execute_model(so)
+            worker.sample_tokens(None)
+
+    t = threading.Thread(target=engine)
+    t.start()
+    ann, flat = announcement(1, new)
+    weights.stage(ann, MemorySource(flat), time.monotonic() + 10)
+    rec = weights.swap(1)
+    time.sleep(0.1)
+    stop.set()
+    t.join()
+    assert rec["hold_ms"] >= 0 and weights.live_version == 1
+    assert all(min(abs(s - x) for x in totals) < 1e-3 for s in worker.seen), "a mixed step"
+    versions = weights.steps.take(["r"])["r"]
+    assert [v for v, _ in versions] == [0, 1]
+    for name, t in vllm_layout(new).items():
+        assert torch.equal(dict(worker.model.named_parameters())[name], t), name
+
+
+def test_bad_checksum_or_a_held_lock_leaves_the_old_weights_whole(tmp_path):
+    old, new = hf_state(hf_model(0)), hf_state(hf_model(1))
+    worker = FakeWorker(FakeVllmModel(vllm_layout(old)))
+    worker.nonstop_install(lock_timeout_s=0.2)
+    ann, flat = announcement(1, new)
+    path = str(tmp_path / "buckets.safetensors")
+    save_file({f"b{i}": b for i, b in enumerate(flat)}, path)
+    source = {"factory": "tests.test_vllm_worker:file_source", "path": path, "corrupt": 1}
+    worker.nonstop_update(encode(ann), source)
+    worker._nonstop_jobs.join()
+    status = worker.nonstop_poll()
+    assert status["failed"] == 1 and "checksum" in status["last_error"]
+    assert status["live_version"] == 0 and status["swaps"] == []
+    live = dict(worker.model.named_parameters())
+    for name, t in vllm_layout(old).items():
+        assert torch.equal(live[name], t), name
+
+    # a forward pass that holds the lock past the deadline: the update fails, clearly
+    worker._nonstop.lock.acquire()
+    try:
+        worker.nonstop_update(encode(ann), dict(source, corrupt=-1))
+        worker._nonstop_jobs.join()
+    finally:
+        worker._nonstop.lock.release()
+    status = worker.nonstop_poll()
+    assert status["failed"] == 2 and "lock was not free" in status["last_error"]
+    assert status["live_version"] == 0
+    for name, t in vllm_layout(old).items():
+        assert torch.equal(live[name], t), name
+
+    worker.nonstop_update(encode(ann), dict(source, corrupt=-1))  # a good one goes through
+    worker._nonstop_jobs.join()
+    status = worker.nonstop_poll()
+    assert status["live_version"] == 1 and len(status["swaps"]) == 1
+    for name, t in vllm_layout(new).items():
+        assert torch.equal(live[name], t), name
+
+
+def test_step_versions_count_sampling_steps_only():
+    steps = StepVersions()
+    rid = "req7-0123abcd"
+    steps.record(sched(new=[(rid, 10, 0)], scheduled={rid: 6}), 3)  # first prefill chunk
+    steps.record(sched(cached=[(rid, 6)], scheduled={rid: 4}), 3)  # last chunk: samples
+    steps.record(sched(cached=[(rid, 10)], scheduled={rid: 1}), 4)
+    steps.record(sched(cached=[(rid, 11)], scheduled={rid: 1}, finished=[rid]), 4)
+    runs = steps.take(["req7"])["req7"]
+    assert runs == [[3, 1], [4, 2]]
+    assert token_versions(runs, 3) == ([3, 4, 4], True)
+    assert token_versions(runs, 4) == ([3, 3, 4, 4], False)
+    assert steps.take(["req7"]) == {}
+
+
+def test_locked_weights_refuse_non_contiguous_parameters():
+    with pytest.raises(ValueError, match="contiguous"):
+        LockedWeights([("w", torch.zeros(4, 4).t())], 1.0)
