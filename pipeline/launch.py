@@ -22,6 +22,7 @@ import redis
 from omegaconf import OmegaConf
 
 from pipeline.config import register, validate
+from pipeline.evaluator import wait_for_final_eval
 from pipeline.progress import Progress
 from pipeline.redis_server import EmbeddedRedis, check_no_eviction
 from pipeline.streams import Names, connect, mark_run
@@ -32,16 +33,26 @@ from pipeline.telemetry import read_statuses
 register()
 
 
+def trainer_names(cfg) -> list[str]:
+    """The trainer's ranks in order: ``trainer``, ``trainer-1``, ... (contract 2)."""
+    return ["trainer"] + [f"trainer-{r}" for r in range(1, cfg.trainer.world_size)]
+
+
 def pool_commands(cfg, config_path: str) -> dict[str, list[str]]:
-    """name -> argv for every process of the run, trainer first."""
+    """name -> argv for every process of the run, the trainer's ranks first."""
     py = [sys.executable, "-m"]
-    cmds = {"trainer": py + ["trainer", "--config", config_path, "--name", "trainer"]}
+    cmds = {
+        name: py + ["trainer", "--config", config_path, "--name", name]
+        for name in trainer_names(cfg)
+    }
     for i in range(cfg.preprocessor.num_workers):
         name = f"preprocessor-{i}"
         cmds[name] = py + ["preprocessor", "--config", config_path, "--name", name]
     for i in range(cfg.actor.num_actors):
         name = f"actor-{i}"
         cmds[name] = py + ["actor", "--config", config_path, "--name", name]
+    if cfg.eval.every_steps or cfg.eval.every_s:  # periodic held-out evaluation
+        cmds["evaluator"] = py + ["pipeline.evaluator", "--config", config_path]
     return cmds
 
 
@@ -121,13 +132,15 @@ def run(cfg) -> int:
     names = Names(cfg.redis.prefix, cfg.run.name)
     mark_run(client, names, run_dir=run_dir)
     client.delete(names.key("rendezvous"))  # a previous trainer's address is stale now
-    sup = Supervisor(cfg, run_dir, env, pool_commands(cfg, config_path), server)
+    cmds = pool_commands(cfg, config_path)
+    sup = Supervisor(cfg, run_dir, env, cmds, server, groups={"trainer": trainer_names(cfg)})
     start = time.time()
     sup.spawn_all()
     outcome, code = supervise(cfg, sup, client, names)
     try:
         if outcome == "finished":
             wait_for_final_sync(client, names, cfg, cfg.trainer.max_steps)
+            wait_for_final_eval(client, names, cfg)
         sup.stop()
         summary = write_summary(run_dir, client, names, outcome, time.time() - start)
         print(summary.render())

@@ -9,12 +9,20 @@ running under a restart policy, with a watchdog for silent hangs.
             SIGKILLs a pool silent for launch.watchdog_s (then the policy applies),
             restarts a dead embedded redis-server on its port and AOF,
             stops the run when a pool exits with EXIT_DATA_LOST or runs out of restarts
+
+A group (the trainer's ranks ``trainer``, ``trainer-1``, ...) lives and dies
+together: when one member exits or is killed, the others are killed too and
+the whole group is started again (one restart of the group), with a fresh
+``MASTER_PORT`` and ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` per member; it then
+resumes from its last checkpoint. The group is finished when its first member
+(rank 0) exits with 0.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections import Counter
@@ -40,8 +48,13 @@ class Supervisor:
         env: dict[str, str],
         cmds: dict[str, list[str]],
         server: EmbeddedRedis | None = None,
+        groups: dict[str, list[str]] | None = None,
     ):
         self.cfg, self.run_dir, self.env, self.cmds, self.server = cfg, run_dir, env, cmds, server
+        # group -> members in rank order; a process outside every group is its own group
+        self.groups = groups or {}
+        self.group_of = {m: g for g, members in self.groups.items() for m in members}
+        self.rank_env: dict[str, dict[str, str]] = {}
         self.procs: dict[str, subprocess.Popen] = {}
         self.spawned_at: dict[str, float] = {}
         self.restarts: Counter = Counter()
@@ -60,41 +73,74 @@ class Supervisor:
                 self.cmds[name],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=self.env,
+                env=self.env | self.rank_env.get(name, {}),
                 start_new_session=True,
             )
         self.spawned_at[name] = time.time()
 
-    def spawn_all(self) -> None:
-        for name in self.cmds:
+    def spawn_group(self, group: str) -> None:
+        """Start every member of a group, with the torch.distributed variables."""
+        members = self.groups[group]
+        port = str(_free_port())
+        for rank, name in enumerate(members):
+            self.rank_env[name] = {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(len(members)),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            }
             self.spawn(name)
+
+    def spawn_all(self) -> None:
+        for group in self.groups:
+            self.spawn_group(group)
+        for name in self.cmds:
+            if name not in self.group_of:
+                self.spawn(name)
+
+    def _kill_group(self, group: str) -> None:
+        for name in self.groups[group]:
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
 
     def check(self, statuses: dict[str, dict[str, str]]) -> tuple[str, int] | None:
         """One supervision round; returns (outcome, exit code) when the run is over."""
         self.check_redis()
         self._watchdog(statuses)
-        for name, proc in self.procs.items():
+        for name, proc in list(self.procs.items()):
             code = proc.poll()
-            if code is None:
+            if code is None or self.procs[name] is not proc:  # running, or its group restarted
                 continue
             if name == "trainer" and code == 0:
                 return "finished", 0
+            group = self.group_of.get(name)
+            if code == 0 and group is not None and name != self.groups[group][0]:
+                continue  # a rank > 0 done at the end; rank 0 decides
             if code == EXIT_DATA_LOST:
                 return self._fatal(name, code, "redis lost the run's data")
             self.event("exit", name, code=code)
+            unit = group or name
             policy = self.cfg.launch.restart_policy
-            if policy == "never" or self.restarts[name] >= self.cfg.launch.max_restarts:
+            if policy == "never" or self.restarts[unit] >= self.cfg.launch.max_restarts:
                 return self._fatal(
-                    name, code, f"restart policy {policy!r}, {self.restarts[name]} restarts used"
+                    name, code, f"restart policy {policy!r}, {self.restarts[unit]} restarts used"
                 )
-            self.restarts[name] += 1
+            self.restarts[unit] += 1
+            what = f"its group {group} ({len(self.groups[group])} ranks)" if group else "it"
             print(
-                f"\n{name} exited with code {code}; restarting it "
-                f"({self.restarts[name]}/{self.cfg.launch.max_restarts})",
+                f"\n{name} exited with code {code}; restarting {what} "
+                f"({self.restarts[unit]}/{self.cfg.launch.max_restarts})",
                 flush=True,
             )
-            self.spawn(name)
-            self.event("restart", name, attempt=self.restarts[name])
+            if group:
+                self._kill_group(group)
+                self.spawn_group(group)
+            else:
+                self.spawn(name)
+            self.event("restart", unit, attempt=self.restarts[unit])
         return None
 
     def _fatal(self, name: str, code: int, why: str) -> tuple[str, int]:
@@ -155,3 +201,9 @@ class Supervisor:
                 print(f"{n} did not stop in {self.cfg.launch.stop_timeout_s}s; killing it")
                 p.kill()
                 p.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,191 +1,101 @@
-"""The trainer pool (torch backend): micro-batches in, new weights out.
+"""The trainer pool: micro-batches in, new weights out, on ``trainer.world_size`` ranks.
 
 ::
 
-    reads   <run>:batches (consumer group "trainer")
-    writes  <run>:weights announcements + gloo transfer (publisher thread),
-            <run>:trainer_version, checkpoints/, metrics.jsonl, status hash
-    blocks  on XREADGROUP until trainer.samples_per_step samples are fresh enough
+    reads   <run>:batches (consumer group "trainer"; rank 0 only)
+    writes  <run>:weights announcements + gloo transfer (rank 0's publisher thread),
+            <run>:trainer_version, <run>:samples_retired, checkpoints/ (every rank),
+            metrics.jsonl and the status hash (rank 0; other ranks a heartbeat)
+    blocks  rank 0 on XREADGROUP until trainer.samples_per_step samples are fresh
+            enough; the other ranks on rank 0's next plan (trainer/ranks.py),
+            each collective bounded by trainer.collective_timeout_s
 
-One optimizer step per ``samples_per_step`` samples; samples whose oldest
-token is more than ``trainer.max_lag`` versions old are rejected. The step's
-entries are acknowledged after the step; the batches stream is trimmed only
-below the last checkpoint's position, which a restart resumes from.
+One optimizer step per ``samples_per_step`` samples (trainer/batches.py
+admits them; trainer/step.py computes the loss; trainer/backends/ steps).
+The step's entries are acknowledged after the step; the batches stream is
+trimmed only below the last checkpoint's position, which a restart of the
+whole rank group resumes from, with the dedupe window saved alongside.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
+import sys
 import time
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from pipeline.config import run_secret
-from pipeline.logprobs import completion_logprobs, pad_sequences
-from pipeline.messages import Sample, TrainBatch, unpack_f32, unpack_i32
-from pipeline.models import load_model
+from pipeline.messages import TrainBatch, decode, encode
 from pipeline.runtime import Pool, model_path, start_pool
 from pipeline.streams import Consumer, trim_consumed
 from pipeline.weight_publisher import WeightPublisher
 from trainer import checkpoint
-from trainer.loss import policy_loss
+from trainer.backends import make_backend
+from trainer.batches import StepData, collect, sample_ids
+from trainer.ranks import Plan, Ranks, close, init_ranks, my_share, share_plan
+from trainer.step import sample_metrics, train_step
 
 log = logging.getLogger("trainer")
 GROUP = "trainer"
+COUNTERS = ("samples_trained", "stale_samples_dropped", "duplicates_dropped")
+# contract 1: a publisher built with status= keeps weight_updates_published itself
+PUBLISHER_KEEPS_STATUS = "status" in inspect.signature(WeightPublisher.__init__).parameters
 
 
-@dataclass
-class StepData:
-    entry_ids: list[str] = field(default_factory=list)
-    batches: list[TrainBatch] = field(default_factory=list)
-    samples: int = 0
-    stale: int = 0
-    duplicates: int = 0
-    retired: int = 0  # samples read, trained or rejected
-    stale_ids: list[str] = field(default_factory=list)
-    sample_ids: set[str] = field(default_factory=set)
+class Params(dict):
+    """A parameter mapping that also answers ``named_parameters()``, so any
+    WeightPublisher.submit (module or mapping) takes it."""
+
+    def named_parameters(self):
+        return iter(self.items())
 
 
-def sample_ids(batch: TrainBatch) -> list[str]:
-    """(group id, index) names a sample across every pool and every retry."""
-    return [f"{g}/{s.index}" for g, s in zip(batch.group_ids, batch.samples, strict=True)]
-
-
-def keep_only(batch: TrainBatch, keep: list[int]) -> TrainBatch | None:
-    if not keep:
-        return None
-    if len(keep) < len(batch.samples):
-        batch.samples = [batch.samples[i] for i in keep]
-        batch.group_ids = [batch.group_ids[i] for i in keep]
-        batch.prompt_ids = [batch.prompt_ids[i] for i in keep]
-    return batch
-
-
-def admit(
-    data: StepData, batch: TrainBatch, version: int, max_lag: int, seen: dict[str, int]
-) -> TrainBatch | None:
-    """Drop samples older than ``max_lag`` versions and samples already trained
-    (a batch delivered twice after a crash); record both in ``data``."""
-    ids, keep = sample_ids(batch), []
-    for i, s in enumerate(batch.samples):
-        if ids[i] in seen or ids[i] in data.sample_ids:
-            data.duplicates += 1
-        elif version - int(s.token_versions().min()) > max_lag:
-            data.stale += 1
-            data.stale_ids.append(ids[i])
-        else:
-            keep.append(i)
-            data.sample_ids.add(ids[i])
-    data.retired += len(batch.samples)
-    return keep_only(batch, keep)
-
-
-def collect(pool: Pool, consumer: Consumer, version: int, seen: dict[str, int]) -> StepData | None:
-    """Read micro-batches until a step's worth of fresh samples; None when stopping."""
-    cfg, data = pool.cfg.trainer, StepData()
-    while data.samples < cfg.samples_per_step:
-        if pool.stop.is_set():
-            return None
-        pool.tick()
-        for entry_id, batch in consumer.read(count=4):
-            data.entry_ids.append(entry_id)
-            batch = admit(data, batch, version, cfg.max_lag, seen)
-            if batch is not None:
-                data.batches.append(batch)
-                data.samples += len(batch.samples)
-        pool.status.set(state="waiting for data", buffered_samples=data.samples)
-    return data
-
-
-def per_token(samples: list[Sample], comp: torch.Tensor, attr: str) -> torch.Tensor:
-    """Scatter a per-sample float32 array field into the completion positions."""
-    out = torch.zeros(comp.shape)
-    for row, s in enumerate(samples):
-        out[row][comp[row]] = torch.from_numpy(unpack_f32(getattr(s, attr)).copy())
-    return out
-
-
-def advantages(samples: list[Sample], comp: torch.Tensor) -> torch.Tensor:
-    """Per-token advantages: ``token_advantages`` where the preprocessor set them
-    (step rewards, teacher), else the sample's scalar ``advantage`` on every token."""
-    out = torch.tensor([s.advantage for s in samples])[:, None].expand(comp.shape).clone()
-    for row, s in enumerate(samples):
-        if s.token_advantages:
-            out[row][comp[row]] = torch.from_numpy(unpack_f32(s.token_advantages).copy())
-    return out
-
-
-def train_step(model, optimizer, data: StepData, cfg, pad_id: int) -> dict:
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
-    total_tokens = sum(len(s.tokens()) for b in data.batches for s in b.samples)
-    agg = {"loss": 0.0, "clipped": 0, "ratio_sum": 0.0, "kl_sum": 0.0}
-    for b in data.batches:
-        prompts = [unpack_i32(p) for p in b.prompt_ids]
-        ids, attn, comp = pad_sequences(prompts, [s.tokens() for s in b.samples], pad_id)
-        masks = [s.sampling_mask() for s in b.samples]  # None unless keep_sampling_mask
-        new_lp = completion_logprobs(
-            model, ids, attn, comp, b.temperature, b.top_p, b.top_k, masks=masks
-        )
-        adv = advantages(b.samples, comp)
-        ref = per_token(b.samples, comp, "ref_logprobs") if b.samples[0].ref_logprobs else None
-        parts = policy_loss(
-            new_lp,
-            per_token(b.samples, comp, "logprobs"),
-            adv,
-            comp,
-            cfg.clip_low,
-            cfg.clip_high,
-            cfg.is_cap,
-            ref,
-            cfg.kl_coef,
-        )
-        (parts.loss / total_tokens).backward()
-        agg["loss"] += float(parts.loss.detach()) / total_tokens
-        agg["clipped"] += parts.clipped
-        agg["ratio_sum"] += parts.ratio_sum
-        agg["kl_sum"] += parts.kl_sum
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    optimizer.step()
-    model.eval()
-    samples = [s for b in data.batches for s in b.samples]
-    return {
-        "loss": agg["loss"],
-        "grad_norm": float(grad_norm),
-        "tokens": total_tokens,
-        "clip_frac": agg["clipped"] / total_tokens,
-        "ratio_mean": agg["ratio_sum"] / total_tokens,
-        "kl": agg["kl_sum"] / total_tokens,
-        "samples": len(samples),
-        "reward_mean": float(np.mean([s.reward for s in samples])),
-        "spanning": sum(len(np.unique(s.token_versions())) > 1 for s in samples),
-        "oldest_version": int(min(s.token_versions().min() for s in samples)),
-        "groups": sorted({g for b in data.batches for g in b.group_ids}),
-        "sample_ids": [sid for b in data.batches for sid in sample_ids(b)],
-    }
+def resolve_device(device: str, local_rank: int) -> str:
+    if device == "cuda":
+        device = f"cuda:{local_rank}"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"trainer.device={device} but CUDA is not available; use cpu")
+        torch.cuda.set_device(torch.device(device))
+    return device
 
 
 class Trainer:
     def __init__(self, pool: Pool):
         self.pool, cfg = pool, pool.cfg
-        self.ckpt_root = os.path.join(cfg.run_dir or ".", "checkpoints")
-        resume_from = checkpoint.latest(self.ckpt_root) if cfg.trainer.resume else None
-        self.model, self.tokenizer = load_model(resume_from or model_path(cfg), cfg.model.dtype)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
+        t = cfg.trainer
+        self.ranks: Ranks = init_ranks(
+            t.world_size, t.device, t.collective_timeout_s, need_dist=t.backend == "deepspeed"
         )
+        t.device = resolve_device(t.device, self.ranks.local_rank)
+        self.ckpt_root = os.path.join(cfg.run_dir or ".", "checkpoints")
+        resume_from = checkpoint.latest(self.ckpt_root) if t.resume else None
+        self.backend = make_backend(cfg, self.ranks, model_path(cfg), resume_from)
+        self.pad_id = self.backend.tokenizer.pad_token_id
         self.state = {
             "version": 0,
             "samples_trained": 0,
             "stale_samples_dropped": 0,
             "sequences_spanning_versions": 0,
             "duplicates_dropped": 0,
+            "samples_retired": 0,
             "entry_id": "0-0",
             "recent_samples": {},  # sample id -> version that trained it (dedupe window)
         }
+        if resume_from:
+            self.state |= checkpoint.load_state(resume_from)
+        self.consumer = self.publisher = None
+        if self.ranks.is_main:
+            self._start_main(resume_from)
+        if resume_from:
+            log.info("resumed from %s at version %d", resume_from, self.state["version"])
+            self.publish()
+
+    def _start_main(self, resume_from: str | None) -> None:
+        pool, cfg = self.pool, self.pool.cfg
         self.consumer = Consumer(
             pool.client,
             pool.names,
@@ -198,14 +108,12 @@ class Trainer:
             dead_maxlen=cfg.redis.dead_letter_maxlen,
         )
         if resume_from:
-            self.state = checkpoint.load_state(resume_from, self.optimizer)
             pool.client.xgroup_setid(pool.names.batches, GROUP, self.state["entry_id"])
-            self.state.setdefault("recent_samples", {})
-            self.state.setdefault("duplicates_dropped", 0)
-            log.info("resumed from %s at version %d", resume_from, self.state["version"])
             pool.record(event="resume", version=self.state["version"])
-        self.checkpoint_id = self.state["entry_id"]
+        # steps after the checkpoint are undone and their samples come again
+        pool.client.set(pool.names.key("samples_retired"), self.state["samples_retired"])
         pool.client.set(pool.names.key("trainer_version"), self.state["version"])
+        self.checkpoint_id = self.state["entry_id"]
         self.publisher = WeightPublisher(
             pool.client,
             pool.names,
@@ -213,59 +121,107 @@ class Trainer:
             cfg.trainer.bucket_mb,
             cfg.trainer.transfer_timeout_s,
             run_secret(),
+            **({"status": pool.status} if PUBLISHER_KEEPS_STATUS else {}),
         )
-        if resume_from:
-            self.publisher.submit(self.state["version"], self.model)
 
-    def step(self, data: StepData) -> dict:
+    def publish(self) -> None:
+        """Every rank calls this (ZeRO-3 gathers); rank 0 hands the set to the publisher."""
+        params = self.backend.full_parameters()
+        if self.ranks.is_main:
+            self.publisher.submit(self.state["version"], Params(params))
+
+    def next_plan(self) -> Plan:
+        """Rank 0 reads the next step's batches; every rank gets the same plan."""
+        if not self.ranks.is_main:
+            plan = share_plan(self.ranks, None)
+            while not plan.stop and not plan.batches:
+                self.pool.tick()
+                plan = share_plan(self.ranks, None)
+            return plan
+        version = self.state["version"]
+        idle = lambda: share_plan(self.ranks, Plan(version=version))  # noqa: E731
+        self.data = collect(
+            self.pool,
+            self.consumer,
+            version,
+            self.state["recent_samples"],
+            self.backend.vocab_size,
+            idle=idle if self.ranks.world_size > 1 else lambda: None,
+        )
+        if self.data is None:
+            return share_plan(self.ranks, Plan(version=version, stop=True))
+        batches = self.data.batches
+        tokens = sum(len(s.tokens()) for b in batches for s in b.samples)
+        return share_plan(
+            self.ranks, Plan(version=version, batches=[encode(b) for b in batches], tokens=tokens)
+        )
+
+    def step(self, plan: Plan) -> dict:
         cfg = self.pool.cfg.trainer
         t0 = time.monotonic()
-        metrics = train_step(self.model, self.optimizer, data, cfg, self.tokenizer.pad_token_id)
+        mine, slots = my_share(self.ranks, plan)
+        first = mine[0] if mine else decode(plan.batches[0], TrainBatch)
+        metrics = train_step(
+            self.backend, self.ranks, mine, slots, first, cfg, self.pad_id, plan.tokens
+        )
         s = self.state
-        s["version"] += 1
+        s["version"] = plan.version + 1
+        if self.ranks.is_main:
+            self._account(metrics)
+        if s["version"] % cfg.publish_every == 0 or s["version"] == cfg.max_steps:
+            self.publish()
+        if s["version"] % cfg.checkpoint_every == 0 or s["version"] == cfg.max_steps:
+            checkpoint.save(self.ckpt_root, self.backend, s, cfg.keep_checkpoints, self.ranks)
+            self.checkpoint_id = s["entry_id"]
+        if self.ranks.is_main:
+            ms, seq = self.checkpoint_id.split("-")
+            trim_consumed(
+                self.pool.client, self.pool.names.batches, keep_from=f"{ms}-{int(seq) + 1}"
+            )
+        metrics["step_s"] = time.monotonic() - t0
+        return metrics
+
+    def _account(self, metrics: dict) -> None:
+        """Rank 0: counters, dedupe window, ack, samples_retired."""
+        cfg, s, data = self.pool.cfg.trainer, self.state, self.data
+        metrics.update(sample_metrics(data.batches))
+        metrics["sample_ids"] = [sid for b in data.batches for sid in sample_ids(b)]
         s["samples_trained"] += metrics["samples"]
         s["stale_samples_dropped"] += data.stale
         s["duplicates_dropped"] += data.duplicates
+        s["samples_retired"] += data.retired
         horizon = s["version"] - cfg.max_lag - 2  # older duplicates would be rejected as stale
         recent = {k: v for k, v in s["recent_samples"].items() if v >= horizon}
         s["recent_samples"] = recent | dict.fromkeys(data.sample_ids, s["version"])
         s["sequences_spanning_versions"] += metrics["spanning"]
-        s["entry_id"] = data.entry_ids[-1]
+        s["entry_id"] = data.entry_ids[-1] if data.entry_ids else s["entry_id"]
         self.pool.client.set(self.pool.names.key("trainer_version"), s["version"])
         self.consumer.ack(data.entry_ids)
         self.pool.client.incrby(self.pool.names.key("samples_retired"), data.retired)
-        if s["version"] % cfg.publish_every == 0 or s["version"] == cfg.max_steps:
-            self.publisher.submit(s["version"], self.model)
-        if s["version"] % cfg.checkpoint_every == 0 or s["version"] == cfg.max_steps:
-            checkpoint.save(
-                self.ckpt_root, self.model, self.tokenizer, self.optimizer, s, cfg.keep_checkpoints
-            )
-            self.checkpoint_id = s["entry_id"]
-        ms, seq = self.checkpoint_id.split("-")
-        trim_consumed(self.pool.client, self.pool.names.batches, keep_from=f"{ms}-{int(seq) + 1}")
         metrics.update(
-            step_s=time.monotonic() - t0,
             stale=data.stale,
             version=s["version"],
             duplicates=data.duplicates,
+            dead_lettered=data.dead,
             stale_ids=data.stale_ids,
         )
-        return metrics
 
     def report(self, metrics: dict) -> None:
+        if not self.ranks.is_main:
+            self.pool.status.set(state="training", version=self.state["version"])
+            return
         s = self.state
         self.pool.record(event="step", step=s["version"], **metrics)
+        fields = {k: s[k] for k in COUNTERS + ("sequences_spanning_versions",)}
+        if not PUBLISHER_KEEPS_STATUS:
+            fields["weight_updates_published"] = self.publisher.published
         self.pool.status.set(
             state="training",
             step=s["version"],
             version=s["version"],
-            samples_trained=s["samples_trained"],
-            stale_samples_dropped=s["stale_samples_dropped"],
-            duplicates_dropped=s["duplicates_dropped"],
-            sequences_spanning_versions=s["sequences_spanning_versions"],
-            weight_updates_published=self.publisher.published,
             reward_mean=metrics["reward_mean"],
             loss=metrics["loss"],
+            **fields,
         )
         log.info(
             "step %d loss %.4f reward %.3f samples %d stale %d spanning %d (%.1fs)",
@@ -278,21 +234,44 @@ class Trainer:
             metrics["step_s"],
         )
 
+    def finish(self) -> None:
+        cfg = self.pool.cfg.trainer
+        done = self.state["version"] >= cfg.max_steps
+        if self.ranks.is_main:
+            self.publisher.close(timeout_s=cfg.transfer_timeout_s)
+            fields = {}
+            if not PUBLISHER_KEEPS_STATUS:
+                fields["weight_updates_published"] = self.publisher.published
+            self.pool.status.set(state="finished" if done else "stopped", **fields)
+        else:
+            self.pool.status.set(state="finished" if done else "stopped")
+        close(self.ranks)
+        log.info("trainer rank %d done at version %d", self.ranks.rank, self.state["version"])
+
+
+def rank_argv(argv: list[str] | None) -> list[str]:
+    """Rank r > 0 is named ``trainer-r`` (contract 2), also under torchrun where
+    every rank gets the same command line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rank = int(os.environ.get("RANK", 0))
+    if rank > 0:
+        if "--name" not in argv:
+            argv += ["--name", f"trainer-{rank}"]
+        elif argv[argv.index("--name") + 1] == "trainer":
+            argv[argv.index("--name") + 1] = f"trainer-{rank}"
+    return argv
+
 
 def main(argv: list[str] | None = None) -> None:
-    pool = start_pool("trainer", argv)
+    pool = start_pool("trainer", rank_argv(argv))
     trainer = Trainer(pool)
     max_steps = pool.cfg.trainer.max_steps
-    while trainer.state["version"] < max_steps and not pool.stop.is_set():
-        data = collect(
-            pool, trainer.consumer, trainer.state["version"], trainer.state["recent_samples"]
-        )
-        if data is None:
+    while trainer.state["version"] < max_steps:
+        plan = trainer.next_plan()
+        if plan.stop:
             break
-        trainer.report(trainer.step(data))
-    trainer.publisher.close(timeout_s=pool.cfg.trainer.transfer_timeout_s)
-    pool.status.set(
-        state="finished" if trainer.state["version"] >= max_steps else "stopped",
-        weight_updates_published=trainer.publisher.published,
-    )
-    log.info("trainer done at version %d", trainer.state["version"])
+        trainer.report(trainer.step(plan))
+    trainer.finish()
+
+
+__all__ = ["StepData", "Trainer", "main"]

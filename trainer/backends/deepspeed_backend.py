@@ -1,0 +1,124 @@
+"""The ``deepspeed`` backend: a DeepSpeed engine with ZeRO stage 0-3.
+
+On the CPU it runs over gloo with the client ``torch.optim.AdamW`` (DeepSpeed's
+own Adam would need a compiler) and with the shared-memory comm op switched
+off (it would g++-build for a minute or two). bf16 keeps fp32 master weights
+inside the engine. Gradient accumulation is unmanaged: every ``backward`` adds
+to the gradients and ``step`` is the boundary, however many micro-batches a
+step has. DeepSpeed averages gradients over ranks, so each rank's loss is
+multiplied by the world size to keep the token-mean over all ranks.
+
+Checkpoints: ``engine.save_checkpoint`` (every rank writes its shards into the
+same folder) plus an HF copy of the gathered weights for people and tools.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from pipeline.config import pool_dtype
+from pipeline.models import DTYPES, load_model
+from trainer.ranks import Ranks
+
+TAG = "deepspeed"
+
+
+def import_deepspeed(device: str):
+    """Import DeepSpeed for ``device`` without its JIT-built shared-memory comm op."""
+    if not device.startswith("cuda"):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise ValueError(
+            f"trainer.backend=deepspeed needs the deepspeed package ({e}); run `make setup`"
+        ) from None
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    # DeepSpeed calls collectives torch has renamed; one warning per call floods the log
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.", category=FutureWarning)
+    return deepspeed
+
+
+def ds_config(t, dtype: str) -> dict:
+    zero = {"stage": t.zero_stage, "overlap_comm": False}
+    if t.zero_stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == "bfloat16"},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedBackend:
+    def __init__(self, cfg, ranks: Ranks, model_path: str, resume_from: str | None):
+        t = cfg.trainer
+        deepspeed = import_deepspeed(t.device)
+        deepspeed.init_distributed(dist_backend="nccl" if t.device.startswith("cuda") else "gloo")
+        self.ranks, self.stage = ranks, t.zero_stage
+        self.device = torch.device(t.device)
+        self.dtype = DTYPES[pool_dtype(cfg, "trainer")]
+        self.autocast_dtype = None  # the engine holds the module in the compute dtype
+        model, self.tokenizer = load_model(model_path, "float32", "cpu")
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=ds_config(t, pool_dtype(cfg, "trainer"))
+        )
+        self.hf_config = model.config
+        if resume_from:
+            path, _ = self.engine.load_checkpoint(
+                resume_from, tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+            )
+            if path is None:
+                raise ValueError(f"{resume_from} holds no DeepSpeed checkpoint (tag {TAG!r})")
+
+    def step(self, micro, loss_fn) -> tuple[float, list[float]]:
+        self.engine.train()
+        stats = None
+        world = float(self.ranks.world_size)
+        for mb in micro:
+            loss, s = loss_fn(self.engine, mb)
+            self.engine.backward(loss * world, scale_wrt_gas=False)
+            stats = s if stats is None else [a + b for a, b in zip(stats, s, strict=True)]
+        self.engine.step()
+        self.engine.eval()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan"), stats or [0.0] * 4
+
+    def full_parameters(self) -> dict[str, torch.Tensor] | None:
+        """Every rank calls this; under ZeRO-3 it gathers the partitioned parameters."""
+        names = [n for n, _ in self.engine.module.named_parameters()]
+        if self.stage == 3:
+            sd = self.engine._zero3_consolidated_16bit_state_dict()
+            if not self.ranks.is_main:
+                return None
+            return {n: sd[n].to(self.dtype) for n in names}
+        if not self.ranks.is_main:
+            return None
+        return {n: p.detach().to(self.dtype) for n, p in self.engine.module.named_parameters()}
+
+    def save(self, path: str) -> None:
+        self.engine.save_checkpoint(path, tag=TAG, save_latest=False)
+        params = self.full_parameters()
+        if params is not None:
+            self.engine.module.save_pretrained(
+                path, state_dict=dict(params), safe_serialization=True
+            )
+            self.tokenizer.save_pretrained(path)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr

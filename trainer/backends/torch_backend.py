@@ -1,0 +1,85 @@
+"""The ``torch`` backend: AdamW on fp32 master weights, any number of ranks.
+
+bf16 (``trainer.dtype=bfloat16``) runs the forward under autocast while the
+parameters and the optimizer stay fp32; publishing casts to bf16. With
+several ranks every rank holds the whole model and the gradients are summed
+with one all-reduce per step (the loss is already divided by the step's
+global token count).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from pipeline.config import pool_dtype
+from pipeline.models import DTYPES, load_model
+from trainer.ranks import Ranks
+
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+class TorchBackend:
+    def __init__(self, cfg, ranks: Ranks, model_path: str, resume_from: str | None):
+        t = cfg.trainer
+        self.ranks, self.grad_clip = ranks, t.grad_clip
+        self.device = torch.device(t.device)
+        self.dtype = DTYPES[pool_dtype(cfg, "trainer")]
+        self.autocast_dtype = None if self.dtype == torch.float32 else self.dtype
+        self.model, self.tokenizer = load_model(resume_from or model_path, "float32", t.device)
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay
+        )
+        if resume_from:
+            state = torch.load(
+                os.path.join(resume_from, OPTIMIZER_FILE),
+                weights_only=True,
+                map_location=self.device,
+            )
+            self.optimizer.load_state_dict(state)
+
+    def step(self, micro, loss_fn) -> tuple[float, list[float]]:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=False)
+        stats = None
+        for mb in micro:
+            loss, s = loss_fn(self.model, mb)
+            loss.backward()
+            stats = s if stats is None else [a + b for a, b in zip(stats, s, strict=True)]
+        if self.ranks.world_size > 1:
+            self._all_reduce_grads()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.model.eval()
+        return float(norm), stats or [0.0, 0.0, 0.0, 0.0]
+
+    def _all_reduce_grads(self) -> None:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat)  # the default group: nccl on CUDA, gloo on the CPU
+        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+            g.copy_(reduced)
+
+    def full_parameters(self) -> dict[str, torch.Tensor] | None:
+        if not self.ranks.is_main:
+            return None
+        return {n: p.detach().to(self.dtype) for n, p in self.model.named_parameters()}
+
+    def save(self, path: str) -> None:
+        if not self.ranks.is_main:  # every rank holds the same weights and moments
+            return
+        self.model.save_pretrained(path, safe_serialization=True)
+        self.tokenizer.save_pretrained(path)
+        torch.save(self.optimizer.state_dict(), os.path.join(path, OPTIMIZER_FILE))
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr

@@ -1,0 +1,113 @@
+"""Rank 0's intake: micro-batches from the batches stream, admitted or not.
+
+::
+
+    reads   <run>:batches (consumer group "trainer", consumer "trainer")
+    writes  <run>:dead (entries whose per-sample arrays disagree), status hash
+    blocks  on XREADGROUP (redis.block_ms per read) until a step's worth of samples
+
+A sample (group id, index) already trained inside the dedupe window, or
+earlier in this step, is a duplicate (a batch delivered again after a
+restart) and is dropped uncounted; one whose oldest token is more than
+``trainer.max_lag`` versions old is rejected as stale. ``retired`` counts
+each sample that left the pipeline here (trained, stale, dead-lettered) once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pipeline.messages import BadEntry, TrainBatch, encode
+from pipeline.streams import DATA, Consumer
+from trainer.collate import check_batch
+
+
+@dataclass
+class StepData:
+    entry_ids: list[str] = field(default_factory=list)
+    batches: list[TrainBatch] = field(default_factory=list)
+    samples: int = 0
+    stale: int = 0
+    duplicates: int = 0
+    dead: int = 0  # samples in dead-lettered entries
+    retired: int = 0  # samples trained, rejected as stale or dead-lettered (no duplicates)
+    stale_ids: list[str] = field(default_factory=list)
+    sample_ids: set[str] = field(default_factory=set)
+
+
+def sample_ids(batch: TrainBatch) -> list[str]:
+    """(group id, index) names a sample across every pool and every retry."""
+    return [f"{g}/{s.index}" for g, s in zip(batch.group_ids, batch.samples, strict=True)]
+
+
+def keep_only(batch: TrainBatch, keep: list[int]) -> TrainBatch | None:
+    if not keep:
+        return None
+    if len(keep) < len(batch.samples):
+        batch.samples = [batch.samples[i] for i in keep]
+        batch.group_ids = [batch.group_ids[i] for i in keep]
+        batch.prompt_ids = [batch.prompt_ids[i] for i in keep]
+    return batch
+
+
+def admit(
+    data: StepData, batch: TrainBatch, version: int, max_lag: int, seen: dict[str, int]
+) -> TrainBatch | None:
+    """Drop duplicates and samples older than ``max_lag`` versions; record both."""
+    ids, keep = sample_ids(batch), []
+    for i, s in enumerate(batch.samples):
+        if ids[i] in seen or ids[i] in data.sample_ids:
+            data.duplicates += 1
+            continue
+        data.retired += 1
+        if version - int(s.token_versions().min()) > max_lag:
+            data.stale += 1
+            data.stale_ids.append(ids[i])
+        else:
+            keep.append(i)
+            data.sample_ids.add(ids[i])
+    return keep_only(batch, keep)
+
+
+def reject(consumer: Consumer, data: StepData, entry_id: str, batch: TrainBatch, why: str):
+    """Dead-letter an entry that decodes but cannot be trained on."""
+    consumer.dead_letter(entry_id, {DATA: encode(batch)}, why)
+    data.dead += len(batch.samples)
+    data.retired += len(batch.samples)
+
+
+def collect(
+    pool,
+    consumer: Consumer,
+    version: int,
+    seen: dict[str, int],
+    vocab_size: int,
+    idle: Callable[[], None] = lambda: None,
+    idle_every_s: float = 5.0,
+) -> StepData | None:
+    """Read micro-batches until a step's worth of fresh samples; None when stopping.
+    ``idle`` runs every ``idle_every_s`` while waiting (keeps other ranks' deadlines)."""
+    cfg, data = pool.cfg.trainer, StepData()
+    last_idle = time.monotonic()
+    while data.samples < cfg.samples_per_step:
+        if pool.stop.is_set():
+            return None
+        pool.tick()
+        for entry_id, batch in consumer.read(count=4):
+            try:
+                check_batch(batch, vocab_size)
+            except BadEntry as e:
+                reject(consumer, data, entry_id, batch, str(e))
+                continue
+            data.entry_ids.append(entry_id)
+            batch = admit(data, batch, version, cfg.max_lag, seen)
+            if batch is not None:
+                data.batches.append(batch)
+                data.samples += len(batch.samples)
+        pool.status.set(state="waiting for data", buffered_samples=data.samples)
+        if time.monotonic() - last_idle > idle_every_s:
+            idle()
+            last_idle = time.monotonic()
+    return data

@@ -1,0 +1,122 @@
+"""Batch entries to tensors: one TrainBatch becomes one padded micro-batch.
+
+Everything is assembled in numpy (one concatenation per field, no Python loop
+over tensor elements) and moved to the trainer's device once.
+:func:`check_batch` rejects an entry whose per-sample arrays disagree, so the
+trainer dead-letters it instead of crashing on it at every restart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pipeline.messages import BadEntry, TrainBatch, unpack_f32, unpack_i32
+
+
+@dataclass
+class MicroBatch:
+    ids: torch.Tensor  # [rows, width] long, right-padded prompt + completion
+    attn: torch.Tensor  # [rows, width] long
+    comp: torch.Tensor  # [rows, width] bool: completion positions
+    actor_lp: torch.Tensor  # [rows, width] float32, 0 outside completions
+    advantages: torch.Tensor  # [rows, width] float32 per token
+    ref_lp: torch.Tensor | None
+    masks: list | None  # per row None or per-token kept ids (keep_sampling_mask)
+    temperature: float
+    top_p: float
+    top_k: int
+    tokens: int  # completion tokens
+    weight: float = 1.0  # 0.0: a padding pass that keeps the ranks in step
+
+
+def check_batch(batch: TrainBatch, vocab_size: int) -> None:
+    """Raise BadEntry naming the first inconsistency in a decoded batch."""
+    n = len(batch.samples)
+    if n == 0:
+        raise BadEntry("batch has no samples")
+    if len(batch.group_ids) != n or len(batch.prompt_ids) != n:
+        raise BadEntry(
+            f"batch has {n} samples but {len(batch.group_ids)} group ids and "
+            f"{len(batch.prompt_ids)} prompts"
+        )
+    has_ref = bool(batch.samples[0].ref_logprobs)
+    for i, s in enumerate(batch.samples):
+        where = f"sample {batch.group_ids[i]}/{s.index}"
+        try:
+            tokens, prompt = s.tokens(), unpack_i32(batch.prompt_ids[i])
+            lengths = {
+                "logprobs": len(unpack_f32(s.logprobs)),
+                "versions": len(s.token_versions()),
+            }
+            if s.ref_logprobs:
+                lengths["ref_logprobs"] = len(unpack_f32(s.ref_logprobs))
+            if s.token_advantages:
+                lengths["token_advantages"] = len(unpack_f32(s.token_advantages))
+            s.sampling_mask()
+        except (ValueError, AssertionError) as e:
+            raise BadEntry(f"{where}: {e}") from None
+        if len(tokens) == 0:
+            raise BadEntry(f"{where} has no completion tokens")
+        for name, length in lengths.items():
+            if length != len(tokens):
+                raise BadEntry(f"{where} has {len(tokens)} tokens but {length} {name}")
+        if bool(s.ref_logprobs) != has_ref:
+            raise BadEntry(f"{where}: ref_logprobs on some samples of the batch only")
+        both = np.concatenate([prompt, tokens])
+        if both.size and (both.min() < 0 or both.max() >= vocab_size):
+            raise BadEntry(f"{where} has token ids outside the vocabulary (0..{vocab_size - 1})")
+
+
+def _scatter(values: list[np.ndarray], comp: np.ndarray) -> np.ndarray:
+    """Per-row arrays into the completion positions (rows in order, left to right)."""
+    out = np.zeros(comp.shape, dtype=np.float32)
+    out[comp] = np.concatenate(values)
+    return out
+
+
+def collate(batch: TrainBatch, pad_id: int, device: torch.device) -> MicroBatch:
+    prompts = [unpack_i32(p) for p in batch.prompt_ids]
+    completions = [s.tokens() for s in batch.samples]
+    p_len = np.array([len(p) for p in prompts])
+    c_len = np.array([len(c) for c in completions])
+    total = p_len + c_len
+    cols = np.arange(int(total.max()))[None, :]
+    attn = cols < total[:, None]
+    comp = (cols >= p_len[:, None]) & attn
+    ids = np.full(attn.shape, pad_id, dtype=np.int64)
+    ids[attn] = np.concatenate(
+        [x for p, c in zip(prompts, completions, strict=True) for x in (p, c)]
+    )
+    scalar = np.array([s.advantage for s in batch.samples], dtype=np.float32)
+    adv = np.where(comp, scalar[:, None], 0.0).astype(np.float32)
+    dense = [i for i, s in enumerate(batch.samples) if s.token_advantages]
+    if dense:
+        rows = np.zeros(len(batch.samples), dtype=bool)
+        rows[dense] = True
+        sel = comp & rows[:, None]
+        adv[sel] = np.concatenate([unpack_f32(batch.samples[i].token_advantages) for i in dense])
+    actor_lp = _scatter([unpack_f32(s.logprobs) for s in batch.samples], comp)
+    ref = None
+    if batch.samples[0].ref_logprobs:
+        ref = _scatter([unpack_f32(s.ref_logprobs) for s in batch.samples], comp)
+    masks = [s.sampling_mask() for s in batch.samples]
+
+    def put(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device, non_blocking=True)
+
+    return MicroBatch(
+        ids=put(ids),
+        attn=put(attn.astype(np.int64)),
+        comp=put(comp),
+        actor_lp=put(actor_lp),
+        advantages=put(adv),
+        ref_lp=put(ref) if ref is not None else None,
+        masks=None if all(m is None for m in masks) else masks,
+        temperature=batch.temperature,
+        top_p=batch.top_p,
+        top_k=batch.top_k,
+        tokens=int(c_len.sum()),
+    )
