@@ -23,7 +23,7 @@ import numpy as np
 
 from actor.engine import Completion, HFEngine
 from actor.task import DEFAULT_SYSTEM_PROMPT, build_prompt_ids, make_task, reward
-from pipeline.config import run_secret
+from pipeline.config import pool_dtype, run_secret
 from pipeline.messages import (
     SCHEMA_VERSION,
     RolloutGroup,
@@ -132,7 +132,7 @@ def record_swaps(pool: Pool, engine: HFEngine, logged: int) -> int:
 def main(argv: list[str] | None = None) -> None:
     pool = start_pool("actor", argv)
     cfg = pool.cfg
-    model, tokenizer = load_model(model_path(cfg), cfg.model.dtype)
+    model, tokenizer = load_model(model_path(cfg), pool_dtype(cfg, "actor"), cfg.actor.device)
     engine = HFEngine(
         model,
         tokenizer,

@@ -71,6 +71,8 @@ class ActorConfig:
     num_actors: int = 1
     max_lag: int = 2  # hold back new groups when this many versions behind
     max_queue_groups: int = 8  # hold back while this many rollouts wait unread
+    device: str = "cpu"  # cpu, cuda, cuda:N
+    dtype: str = ""  # float32 | bfloat16; empty: model.dtype
 
 
 SCORERS = ("reference", "prm", "teacher")  # names allowed in preprocessor.scorers
@@ -110,6 +112,8 @@ class PreprocessorConfig:
     token_budget: int = 2048  # padded tokens per micro-batch
     read_count: int = 4
     torch_threads: int = 1
+    device: str = "cpu"  # cpu, cuda, cuda:N (reference, PRM and teacher models)
+    dtype: str = ""  # float32 | bfloat16; empty: model.dtype
 
 
 @dataclass
@@ -133,6 +137,12 @@ class TrainerConfig:
     transfer_host: str = "127.0.0.1"  # address actors reach the trainer's transfer store on
     keep_checkpoints: int = 2
     torch_threads: int = 1
+    world_size: int = 1  # ranks (processes) of the trainer; rank 0 reads, publishes, reports
+    zero_stage: int = 0  # backend=deepspeed: ZeRO stage 0-3
+    device: str = "cpu"  # cpu, cuda (cuda:<local rank> per rank), cuda:N (one rank)
+    # float32 | bfloat16 (fp32 master weights and optimizer, bf16 compute); empty: model.dtype
+    dtype: str = ""
+    collective_timeout_s: float = 300.0  # deadline of every collective between the ranks
 
 
 @dataclass
@@ -180,7 +190,8 @@ def register() -> None:
 _CHOICES = {
     "engine.kind": ("hf",),
     "task.kind": ("arithmetic", "file"),
-    "trainer.backend": ("torch",),
+    "trainer.backend": ("torch", "deepspeed"),
+    "trainer.zero_stage": (0, 1, 2, 3),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "launch.restart_policy": ("on-failure", "never"),
 }
@@ -230,6 +241,42 @@ def validate(cfg: Any) -> None:
     if _get(cfg, "actor.max_lag") < 0 or _get(cfg, "trainer.max_lag") < 0:
         raise ValueError("actor.max_lag and trainer.max_lag must be >= 0")
     validate_scorers(_get(cfg, "preprocessor"))
+    validate_devices(cfg)
+
+
+POOL_DTYPES = ("float32", "bfloat16")
+
+
+def pool_dtype(cfg: Any, role: str) -> str:
+    """``<role>.dtype``, or ``model.dtype`` where the pool sets none."""
+    return _get(cfg, f"{role}.dtype") or _get(cfg, "model.dtype")
+
+
+def validate_devices(cfg: Any) -> None:
+    """``<pool>.device`` / ``<pool>.dtype`` and the trainer's ranks."""
+    for role in ("actor", "preprocessor", "trainer"):
+        device = _get(cfg, f"{role}.device")
+        if device != "cpu" and not (
+            device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())
+        ):
+            raise ValueError(f"{role}.device={device!r}; use cpu, cuda or cuda:N")
+        if pool_dtype(cfg, role) not in POOL_DTYPES:
+            raise ValueError(
+                f"{role}.dtype={pool_dtype(cfg, role)!r} (or model.dtype) is not supported; "
+                f"use one of {POOL_DTYPES}"
+            )
+    world = _get(cfg, "trainer.world_size")
+    if world < 1:
+        raise ValueError(f"trainer.world_size={world} must be >= 1")
+    if world > 1 and _get(cfg, "trainer.device").startswith("cuda:"):
+        raise ValueError(
+            f"trainer.device={_get(cfg, 'trainer.device')} names one GPU but trainer.world_size="
+            f"{world}; use trainer.device=cuda (each rank takes cuda:<local rank>)"
+        )
+    if _get(cfg, "trainer.backend") == "torch" and _get(cfg, "trainer.zero_stage"):
+        raise ValueError(
+            "trainer.zero_stage is a DeepSpeed setting; use trainer.backend=deepspeed with it"
+        )
 
 
 def validate_scorers(pre: Any) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config import SCORERS, validate_scorers
+from pipeline.config import SCORERS, pool_dtype, validate_scorers
 from pipeline.messages import unpack_f32
 from pipeline.models import load_model, materialize_model
 from pipeline.runtime import model_path
@@ -98,8 +98,13 @@ def _same_vocabulary(student_tok, teacher_tok) -> bool:
     )
 
 
+def _placement(cfg: Any) -> tuple[str, str]:
+    """(dtype, device) of the preprocessor's models."""
+    return pool_dtype(cfg, "preprocessor"), cfg.preprocessor.device
+
+
 def _reference(cfg: Any, ctx: dict) -> Scorer:
-    model, tokenizer = load_model(ctx["policy_path"], cfg.model.dtype)
+    model, tokenizer = load_model(ctx["policy_path"], *_placement(cfg))
     return ReferenceScorer(model, pad_id_of(tokenizer), cfg.preprocessor.token_budget)
 
 
@@ -107,13 +112,13 @@ def _prm(cfg: Any, ctx: dict) -> Scorer:
     pre = cfg.preprocessor
     if pre.prm.kind == "arithmetic":
         return ArithmeticPRM(ctx["tokenizer"](), pre.prm.delimiter, pre.prm.weight)
-    model, tokenizer = load_model(materialize_model(pre.prm.model), cfg.model.dtype)
+    model, tokenizer = load_model(materialize_model(pre.prm.model), *_placement(cfg))
     return ModelPRM(ctx["tokenizer"](), model, tokenizer, pre.prm, pre.token_budget)
 
 
 def _teacher(cfg: Any, ctx: dict) -> Scorer:
     pre = cfg.preprocessor
-    model, teacher_tok = load_model(materialize_model(pre.teacher.model), cfg.model.dtype)
+    model, teacher_tok = load_model(materialize_model(pre.teacher.model), *_placement(cfg))
     student_tok = ctx["tokenizer"]()
     if not _same_vocabulary(student_tok, teacher_tok):
         raise ValueError(

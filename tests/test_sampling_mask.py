@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from actor.engine import HFEngine
-from pipeline.config import TrainerConfig
+from pipeline.config import Config
 from pipeline.logprobs import completion_logprobs, pad_sequences
 from pipeline.messages import (
     SCHEMA_VERSION,
@@ -24,7 +24,10 @@ from pipeline.messages import (
     unpack_f32,
 )
 from pipeline.models import load_model, materialize_model
-from trainer.main import StepData, advantages, train_step
+from trainer.backends.torch_backend import TorchBackend
+from trainer.collate import collate
+from trainer.ranks import Ranks
+from trainer.step import train_step
 
 PROMPTS = ["What is 2 + 3?", "Hi", "A much longer prompt than the others, 12 + 30 = ?"]
 
@@ -156,13 +159,16 @@ def test_trainer_uses_token_advantages_when_present(tiny):
     first.token_advantages = pack_f32(np.linspace(-1, 1, n))
     prompts = [np.frombuffer(p, "<i4") for p in batch.prompt_ids]
     _, _, comp = pad_sequences(prompts, [s.tokens() for s in batch.samples])
-    adv = advantages(batch.samples, comp)
+    mb = collate(batch, 0, torch.device("cpu"))
+    assert torch.equal(mb.comp, comp)
+    adv = mb.advantages
     np.testing.assert_allclose(adv[0][comp[0]].numpy(), np.linspace(-1, 1, n), atol=1e-6)
     assert (adv[1][comp[1]] == -0.5).all()
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # a whole trainer step
-    cfg = OmegaConf.structured(TrainerConfig)
-    data = StepData(entry_ids=["1-0"], batches=[batch], samples=len(batch.samples))
-    metrics = train_step(model, optimizer, data, cfg, pad_id=0)
+    cfg = OmegaConf.structured(Config)  # a whole trainer step
+    cfg.trainer.lr = 1e-3
+    one = Ranks(0, 1, 0, None)
+    backend = TorchBackend(cfg, one, tiny, None)
+    metrics = train_step(backend, one, [batch], 1, batch, cfg.trainer, 0, mb.tokens)
     assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])
     assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-3)  # masked: on-policy ratio 1
