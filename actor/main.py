@@ -22,7 +22,7 @@ import zlib
 import numpy as np
 
 from actor.engine import Completion, HFEngine
-from actor.task import DEFAULT_SYSTEM_PROMPT, build_prompt_ids, make_task, reward
+from actor.task import DEFAULT_SYSTEM_PROMPT, RewardErrors, build_prompt_ids, make_task, score
 from pipeline.config import pool_dtype, run_secret
 from pipeline.messages import (
     SCHEMA_VERSION,
@@ -79,7 +79,23 @@ def to_group(
     )
 
 
-def generate_step(pool: Pool, engine: HFEngine, task, tokenizer, rewards: Window) -> int:
+def score_group(pool: Pool, texts: list[str], answer: str, errors: RewardErrors) -> list[float]:
+    """Rewards of one group; a reward that raised scores 0.0 and is counted per reason
+    in the status hash (``reward_errors``, ``reward_errors.<reason>``) and logged."""
+    scores = []
+    for text in texts:
+        value, error = score(text, answer)
+        if error is not None:
+            errors.add(error, text, answer)
+            pool.status.incr("reward_errors")
+            pool.status.incr(f"reward_errors.{error}")
+        scores.append(value)
+    return scores
+
+
+def generate_step(
+    pool: Pool, engine: HFEngine, task, tokenizer, rewards: Window, errors: RewardErrors
+) -> int:
     """Generate, score and publish one batch of groups; return groups published."""
     cfg = pool.cfg
     g = cfg.task.group_size
@@ -96,7 +112,7 @@ def generate_step(pool: Pool, engine: HFEngine, task, tokenizer, rewards: Window
     for i, (problem, prompt) in enumerate(zip(problems, prompts, strict=True)):
         group_outs = outs[i * g : (i + 1) * g]
         texts = tokenizer.batch_decode([c.tokens for c in group_outs], skip_special_tokens=True)
-        scores = [reward(t, problem.answer) for t in texts]
+        scores = score_group(pool, texts, problem.answer, errors)
         rewards.add(*scores)
         group = to_group(pool, problem, prompt, group_outs, scores)
         versions = np.concatenate([s.token_versions() for s in group.samples])
@@ -113,6 +129,7 @@ def generate_step(pool: Pool, engine: HFEngine, task, tokenizer, rewards: Window
             tokens=int(versions.size),
         )
         pool.client.incrby(pool.names.key("samples_produced"), len(group.samples))
+        pool.status.incr("groups_produced")  # kept in Redis: survives a restart
         pool.record(
             event="group",
             group=group.group_id,
@@ -159,20 +176,19 @@ def main(argv: list[str] | None = None) -> None:
         on_error=lambda msg: pool.status.set(last_error=msg),
     )
     receiver.start()
-    rewards, produced, swaps = Window(200), 0, 0
+    rewards, produced, swaps, errors = Window(200), 0, 0, RewardErrors()
     try:
         while not pool.stop.is_set():
             wait_for_room(pool, engine)
             if pool.stop.is_set():
                 break
             t0, tokens0 = time.monotonic(), engine.stats.tokens
-            produced += generate_step(pool, engine, task, tokenizer, rewards)
+            produced += generate_step(pool, engine, task, tokenizer, rewards, errors)
             swaps = record_swaps(pool, engine, swaps)
             rate = (engine.stats.tokens - tokens0) / max(time.monotonic() - t0, 1e-9)
             pool.status.set(
                 state="generating",
                 version=engine.version,
-                groups_produced=produced,
                 tokens=engine.stats.tokens,
                 weight_updates_applied=receiver.applied,
                 weight_updates_failed=receiver.failed,
@@ -185,7 +201,6 @@ def main(argv: list[str] | None = None) -> None:
         pool.status.set(
             state="stopped",
             version=engine.version,
-            groups_produced=produced,
             weight_updates_applied=receiver.applied,
             weight_updates_failed=receiver.failed,
             swap_ms_max=max(swap_ms) if swap_ms else 0.0,

@@ -4,15 +4,18 @@
 - `FileTask`: user problems from JSONL or parquet rows with `question` and `answer`
   (GSM8K style: an answer holding ``#### N`` has the reference answer N).
 - `build_prompt_ids`: system prompt + question through the model's chat template.
-- `reward`: 1.0 when the completion's final number (or its last ``\\boxed{}``) equals the
-  reference answer under `math_verify`, else 0.0; never raises.
+- `score`: 1.0 when the completion's final number (or its last ``\\boxed{}``) equals the
+  reference answer under `math_verify`, else 0.0, with the error's name when checking
+  raised; `RewardErrors` counts those per reason and logs them (rate-limited).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
 import re
+import time
 from pathlib import Path
 
 import msgspec
@@ -23,6 +26,8 @@ QUESTION_TEMPLATE = "What is {expr}?"
 TASK_KINDS = ("arithmetic", "file")
 MAX_DIFFICULTY = 5
 MAX_ANSWER_CHARS = 100  # longer "answers" are garbage; they also bound math_verify's work
+
+log = logging.getLogger(__name__)
 
 _NUMBER = re.compile(r"(?:(?<![\w)])-)?\d+(?:,\d{3})*(?:\.\d+)?")
 _BOXED = "\\boxed{"
@@ -221,17 +226,50 @@ def final_answer(completion: str) -> str | None:
     return numbers[-1].replace(",", "") if numbers else None
 
 
-def reward(completion: str, answer: str) -> float:
-    """1.0 if the completion's final answer equals `answer` (math_verify), else 0.0."""
+def score(completion: str, answer: str) -> tuple[float, str | None]:
+    """(reward, error): 1.0 if the completion's final answer equals `answer` (math_verify),
+    else 0.0; ``error`` names the exception (its class) when checking raised, in which
+    case the reward is 0.0. No answer, or an over-long one, is a plain 0.0, not an error."""
     from math_verify import parse, verify
 
     try:
         found = final_answer(completion)
         if found is None or len(found) > MAX_ANSWER_CHARS:
-            return 0.0
+            return 0.0, None
         # timeouts off: math_verify's timeouts use SIGALRM, which fails outside the main thread
         gold = parse(answer, parsing_timeout=None)
         pred = parse(found, parsing_timeout=None)
-        return 1.0 if gold and pred and verify(gold, pred, timeout_seconds=None) else 0.0
-    except Exception:  # noqa: BLE001 - a reward never raises on garbage
-        return 0.0
+        return (1.0 if gold and pred and verify(gold, pred, timeout_seconds=None) else 0.0), None
+    except Exception as exc:  # noqa: BLE001 - counted and logged by the caller (RewardErrors)
+        return 0.0, type(exc).__name__
+
+
+def reward(completion: str, answer: str) -> float:
+    """The reward of :func:`score` alone (0.0 on an error; callers that must count
+    errors use :func:`score` with :class:`RewardErrors`)."""
+    return score(completion, answer)[0]
+
+
+class RewardErrors:
+    """Reward errors per reason (exception class), logged at most once per
+    ``log_every_s`` per reason with the count since the last log line."""
+
+    def __init__(self, log_every_s: float = 60.0):
+        self.log_every_s = log_every_s
+        self.counts: dict[str, int] = {}
+        self._unlogged: dict[str, int] = {}
+        self._last_log: dict[str, float] = {}
+
+    def add(self, reason: str, completion: str, answer: str) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        self._unlogged[reason] = self._unlogged.get(reason, 0) + 1
+        now = time.monotonic()
+        if now - self._last_log.get(reason, -float("inf")) >= self.log_every_s:
+            log.warning(
+                "reward raised %s %d time(s) (scored 0.0; last answer %r, completion %r)",
+                reason,
+                self._unlogged[reason],
+                answer[:40],
+                completion[:80],
+            )
+            self._last_log[reason], self._unlogged[reason] = now, 0

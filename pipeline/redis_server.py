@@ -93,12 +93,22 @@ class EmbeddedRedis:
 
 
 def check_no_eviction(client: redis.Redis) -> None:
-    """Refuse a Redis that may evict stream data under memory pressure."""
+    """Refuse a Redis that may evict stream data under memory pressure.
+
+    Reads the policy with ``INFO memory`` (``maxmemory_policy``), which every role
+    of deploy/redis/users.acl may run (``+info``), unlike CONFIG; a user that may
+    not run INFO gets a ValueError saying so, never a skipped check.
+    """
     try:
-        policy = client.config_get("maxmemory-policy").get("maxmemory-policy")
-    except redis.ResponseError:
-        return  # CONFIG not permitted for this user (ACL): the operator vouches for it
-    if policy and policy != "noeviction":
+        policy = client.info("memory").get("maxmemory_policy")
+    except redis.ResponseError as e:
+        raise ValueError(
+            f"cannot check redis maxmemory-policy: INFO was refused ({e}); allow this "
+            "user `+info` (deploy/redis/users.acl grants it to every role)"
+        ) from None
+    if policy is None:
+        raise ValueError("redis INFO memory has no maxmemory_policy; is this a Redis >= 4?")
+    if policy != "noeviction":
         raise ValueError(
             f"redis maxmemory-policy is {policy!r}: it could evict rollouts; "
             "set `maxmemory-policy noeviction` on the server"

@@ -233,15 +233,19 @@ class Consumer:
 
     def dead_letter(self, entry_id: str, fields: dict, reason: str) -> None:
         log.error("dead-lettering %s %s: %s", self.stream, entry_id, reason)
+        entry = {
+            "source": self.stream,
+            "id": entry_id,
+            "consumer": self.consumer,
+            "reason": reason,
+            "data": fields.get(DATA, b""),
+        }
+        for plain in (b"group", b"batch"):  # readable ids, for a payload that does not decode
+            if plain in fields:
+                entry[plain.decode()] = fields[plain]
         self.client.xadd(
             self.names.dead,
-            {
-                "source": self.stream,
-                "id": entry_id,
-                "consumer": self.consumer,
-                "reason": reason,
-                "data": fields.get(DATA, b""),
-            },
+            entry,
             maxlen=self.dead_maxlen,
             approximate=True,
         )

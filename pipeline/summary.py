@@ -10,9 +10,11 @@ from dataclasses import asdict, dataclass, field
 
 import redis
 
-from pipeline.messages import BadEntry, TrainBatch, decode
+from pipeline.accounting import account, dead_letters, in_flight
 from pipeline.streams import Names
 from pipeline.telemetry import read_jsonl, read_statuses, surviving_steps
+
+REWARD_ERROR_PREFIX = "reward_errors."  # an actor's per-reason reward-error counters
 
 
 @dataclass
@@ -33,8 +35,19 @@ class Summary:
     dead_lettered: int
     prm_scored_groups: int  # groups in which the step-reward scorer scored a step
     wall_seconds: float
+    # the weight publisher's fields of the trainer's status (pipeline/weight_publisher.py)
+    weight_versions_unreceived: int = 0  # versions no actor received whole
+    weight_publish_failures: int = 0
+    actors_dropped: int = 0
+    last_publish_error: str = ""
+    reward_errors: int = 0  # rewards that raised (scored 0.0), summed over actors
+    reward_error_reasons: dict[str, int] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
-    in_flight_group_ids: list[str] = field(default_factory=list)
+    # where every produced group ended (pipeline/accounting.py)
+    accounting: dict = field(default_factory=dict)
+    in_flight_group_ids: list[str] = field(default_factory=list)  # rollouts and batches
+    in_flight: dict[str, list[str]] = field(default_factory=dict)  # per stream
+    dead_letter_entries: list[dict] = field(default_factory=list)
     pools: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def render(self) -> str:
@@ -52,6 +65,12 @@ class Summary:
             ),
             ("weight updates published", self.weight_updates_published),
             (
+                "unreceived / publish failures / actors dropped",
+                f"{self.weight_versions_unreceived} / {self.weight_publish_failures} / "
+                f"{self.actors_dropped}",
+            ),
+            ("last publish error", self.last_publish_error or "-"),
+            (
                 "weight updates applied",
                 ", ".join(f"{k}={v}" for k, v in sorted(self.weight_updates_applied.items()))
                 or "-",
@@ -63,6 +82,19 @@ class Summary:
                 f"{_fmt(self.reward_mean_first_window)} -> {_fmt(self.reward_mean_last_window)}",
             ),
             ("dead-lettered entries", self.dead_lettered),
+            (
+                "reward errors",
+                f"{self.reward_errors}"
+                + "".join(f", {k}={v}" for k, v in sorted(self.reward_error_reasons.items())),
+            ),
+            (
+                "groups trained/stale/no-signal/dead/in flight/lost",
+                " / ".join(
+                    str(self.accounting.get(f"groups_{k}", "-"))
+                    for k in ("trained", "stale", "no_signal", "dead_lettered")
+                    + ("in_flight_at_end", "lost")
+                ),
+            ),
             ("groups with PRM-scored steps", self.prm_scored_groups),
             ("wall seconds", f"{self.wall_seconds:.1f}"),
         ]
@@ -78,6 +110,31 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def _group_size(run_dir: str) -> int:
+    from omegaconf import OmegaConf
+
+    path = os.path.join(run_dir, "config.yaml")
+    size = (
+        OmegaConf.select(OmegaConf.load(path), "task.group_size") if os.path.exists(path) else None
+    )
+    if size is None:
+        raise ValueError(f"{path} has no task.group_size; the summary needs the run's config")
+    return int(size)
+
+
+def reward_errors(statuses: dict[str, dict[str, str]]) -> tuple[int, dict[str, int]]:
+    """(total, per reason) of the actors' reward errors."""
+    total, reasons = 0, Counter()
+    for st in statuses.values():
+        if st.get("role") != "actor":
+            continue
+        total += int(st.get("reward_errors", 0))
+        for k, v in st.items():
+            if k.startswith(REWARD_ERROR_PREFIX):
+                reasons[k[len(REWARD_ERROR_PREFIX) :]] += int(v)
+    return total, dict(reasons)
+
+
 def build_summary(
     run_dir: str, client: redis.Redis, names: Names, outcome: str, wall_s: float
 ) -> Summary:
@@ -89,6 +146,9 @@ def build_summary(
     trainer = statuses.get("trainer", {})
     by_role = lambda role: {k: v for k, v in statuses.items() if v.get("role") == role}  # noqa: E731
     actors, preps = by_role("actor"), by_role("preprocessor")
+    flight, dead = in_flight(client, names), dead_letters(client, names)
+    terms = account(records, flight, dead, _group_size(run_dir))
+    errors, reasons = reward_errors(statuses)
     return Summary(
         outcome=outcome,
         trainer_steps=int(trainer.get("step", 0)),
@@ -102,13 +162,18 @@ def build_summary(
         reward_mean_first_window=_mean(rewards[:window]),
         reward_mean_last_window=_mean(rewards[-window:]),
         reward_window_steps=window,
-        groups_produced=len({r["group"] for r in records if r.get("event") == "group"}),
-        groups_trained=len({g for r in steps for g in r.get("groups", [])}),
-        groups_dropped_no_signal=sum(int(v.get("dropped", 0)) for v in preps.values()),
-        dead_lettered=sum(int(v.get("dead_lettered", 0)) for v in preps.values())
-        + int(trainer.get("dead_lettered", 0)),
+        groups_produced=terms["groups_produced"],
+        groups_trained=terms["groups_trained"],
+        groups_dropped_no_signal=terms["groups_no_signal"],
+        dead_lettered=len(dead),
         prm_scored_groups=sum(int(v.get("prm_scored_groups", 0)) for v in preps.values()),
         wall_seconds=round(wall_s, 2),
+        weight_versions_unreceived=int(trainer.get("weight_versions_unreceived", 0)),
+        weight_publish_failures=int(trainer.get("weight_publish_failures", 0)),
+        actors_dropped=int(trainer.get("actors_dropped", 0)),
+        last_publish_error=trainer.get("last_publish_error", ""),
+        reward_errors=errors,
+        reward_error_reasons=reasons,
         restarts=dict(
             Counter(
                 r["target"]
@@ -116,34 +181,15 @@ def build_summary(
                 if r.get("pool") == "launcher" and r.get("event") == "restart"
             )
         ),
-        in_flight_group_ids=groups_in_flight(client, names),
+        accounting=terms,
+        in_flight_group_ids=sorted(
+            set(flight["rollouts_groups"])
+            | {s.rsplit("/", 1)[0] for s in flight["batches_samples"]}
+        ),
+        in_flight=flight,
+        dead_letter_entries=dead,
         pools=statuses,
     )
-
-
-def groups_in_flight(client: redis.Redis, names: Names) -> list[str]:
-    """Groups in ``batches`` entries the trainer has not acknowledged (unread or pending)."""
-    try:
-        group = next(g for g in client.xinfo_groups(names.batches) if g["name"] == b"trainer")
-    except (redis.ResponseError, StopIteration):
-        return []
-    last = group["last-delivered-id"].decode()
-    pending = {
-        p["message_id"].decode()
-        for p in client.xpending_range(names.batches, "trainer", "-", "+", 100000)
-    }
-    out: set[str] = set()
-    for entry_id, fields in client.xrange(names.batches):
-        if _newer(entry_id.decode(), last) or entry_id.decode() in pending:
-            try:
-                out.update(decode(fields[b"data"], TrainBatch).group_ids)
-            except (BadEntry, KeyError):
-                continue
-    return sorted(out)
-
-
-def _newer(a: str, b: str) -> bool:
-    return tuple(map(int, a.split("-"))) > tuple(map(int, b.split("-")))
 
 
 def write_summary(

@@ -192,7 +192,11 @@ class PoolStatus:
         self.client.hset(self.key, mapping={k: str(v) for k, v in fields.items()})
 
     def incr(self, field: str, by: int = 1) -> None:
+        """Add to a counter kept in Redis (HINCRBY), so it survives a restart of the pool."""
         self.client.hincrby(self.key, field, by)
+
+    def incr_float(self, field: str, by: float) -> None:
+        self.client.hincrbyfloat(self.key, field, by)
 
 
 def read_statuses(client: redis.Redis, names: Names) -> dict[str, dict[str, str]]:

@@ -67,25 +67,36 @@ def usable(consumer: Consumer, entries: list[tuple[str, RolloutGroup]]) -> list:
     return good
 
 
+def sampling_key(group: RolloutGroup) -> tuple[float, float, int]:
+    """The sampling settings a group was generated under (temperature, top_p, top_k)."""
+    return (group.temperature, group.top_p, group.top_k)
+
+
 def to_batches(groups: list[RolloutGroup], budget: int) -> list[TrainBatch]:
-    items = [(g, s) for g in groups for s in g.samples]
-    lengths = [len(unpack_i32(g.prompt_ids)) + len(s.tokens()) for g, s in items]
+    """Pack the groups' samples into token-budget micro-batches. A TrainBatch carries
+    one set of sampling settings, so groups generated under different settings (actors
+    with other engine.temperature/top_p/top_k) are packed into separate batches."""
+    by_settings: dict[tuple, list[RolloutGroup]] = {}
+    for g in groups:
+        by_settings.setdefault(sampling_key(g), []).append(g)
     out = []
-    for idx in pack(lengths, budget):
-        chosen = [items[i] for i in idx]
-        g0 = chosen[0][0]
-        out.append(
-            TrainBatch(
-                schema=SCHEMA_VERSION,
-                batch_id=uuid.uuid4().hex[:16],
-                group_ids=[g.group_id for g, _ in chosen],
-                prompt_ids=[g.prompt_ids for g, _ in chosen],
-                samples=[s for _, s in chosen],
-                temperature=g0.temperature,
-                top_p=g0.top_p,
-                top_k=g0.top_k,
+    for (temperature, top_p, top_k), same in by_settings.items():
+        items = [(g, s) for g in same for s in g.samples]
+        lengths = [len(unpack_i32(g.prompt_ids)) + len(s.tokens()) for g, s in items]
+        for idx in pack(lengths, budget):
+            chosen = [items[i] for i in idx]
+            out.append(
+                TrainBatch(
+                    schema=SCHEMA_VERSION,
+                    batch_id=uuid.uuid4().hex[:16],
+                    group_ids=[g.group_id for g, _ in chosen],
+                    prompt_ids=[g.prompt_ids for g, _ in chosen],
+                    samples=[s for _, s in chosen],
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=top_k,
+                )
             )
-        )
     return out
 
 
@@ -132,6 +143,8 @@ def process(pool: Pool, scorers: list[Scorer], entries: list[tuple[str, RolloutG
         )
     if kept:
         pool.record(event="batched", groups=[g.group_id for g in kept])
+    if dropped:
+        pool.record(event="no_signal", groups=[g.group_id for g in dropped])
     return {"kept": len(kept), "dropped": len(dropped), "batches": len(batches), **counts}
 
 
@@ -151,18 +164,36 @@ def main(argv: list[str] | None = None) -> None:
         claim_idle_s=cfg.redis.claim_idle_s,
         dead_maxlen=cfg.redis.dead_letter_maxlen,
     )
-    totals: Counter = Counter(kept=0, dropped=0, batches=0, prm_scored_groups=0)
+    dead_seen = 0
     while not pool.tick():
         entries = usable(consumer, consumer.read(cfg.preprocessor.read_count))
+        dead_seen = count_dead_letters(pool, consumer, dead_seen)
         if not entries:
-            pool.status.set(state="idle", **totals, dead_lettered=consumer.dead_lettered)
+            pool.status.set(state="idle")
             continue
         counts = process(pool, scorers, entries)
         consumer.ack([entry_id for entry_id, _ in entries])
         trim_consumed(pool.client, pool.names.rollouts)
-        totals.update(counts)
-        totals = Counter({k: round(v, 4) for k, v in totals.items()})  # float sums stay readable
         pool.record(event="preprocessed", **counts)
-        pool.status.set(state="working", **totals, dead_lettered=consumer.dead_lettered)
-    pool.status.set(state="stopped", **totals, dead_lettered=consumer.dead_lettered)
-    log.info("stopped: %s", totals)
+        add_totals(pool, counts)
+        pool.status.set(state="working")
+    pool.status.set(state="stopped")
+    log.info("stopped")
+
+
+def count_dead_letters(pool: Pool, consumer: Consumer, seen: int) -> int:
+    """Add this process's new dead letters to the status hash (HINCRBY: the count
+    survives a restart); return the consumer's count for the next call."""
+    if consumer.dead_lettered > seen:
+        pool.status.incr("dead_lettered", consumer.dead_lettered - seen)
+    return consumer.dead_lettered
+
+
+def add_totals(pool: Pool, counts: dict) -> None:
+    """Counters in the status hash are HINCRBY'd, never re-set: a restarted process
+    goes on from the totals its predecessor left."""
+    for key, value in counts.items():
+        if isinstance(value, int):
+            pool.status.incr(key, value)
+        else:
+            pool.status.incr_float(key, float(value))

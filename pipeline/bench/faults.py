@@ -1,15 +1,24 @@
-"""``python -m pipeline.bench faults --out FILE``: the CPU pipeline on the tiny
-model under a schedule of faults, and an account of every group.
+"""``python -m pipeline.bench faults --out FILE [--set KEY=VALUE ...]``: the CPU
+pipeline on the tiny model under a schedule of faults, and an account of every
+group.
 
 Faults (seconds after the first trainer step): SIGKILL the actor, the
 preprocessor and the trainer, SIGSTOP the preprocessor (the launcher's
 watchdog must notice and restart it), and restart the embedded redis-server.
-Afterwards ``metrics.jsonl`` and ``summary.json`` give, per group: produced by
-an actor, packed into ``batches`` by a preprocessor, trained (in a step that
-survived: steps undone by a trainer restart are discarded), rejected as stale,
-or still in flight when the run ended. ``groups_lost`` counts groups that
-reached ``batches`` and are none of those; ``groups_duplicated`` counts groups
-with a sample trained twice.
+Each fault is checked to have taken effect: the hit process is gone (or
+stopped, then gone) and a new pid reports in its status hash; the redis-server
+comes back with a new pid and a new ``run_id``.
+
+After an operator's Ctrl-C, ``metrics.jsonl`` and ``summary.json`` (in-flight
+entries and dead letters, read by the launcher from Redis) give every produced
+group exactly one outcome (pipeline/accounting.py)::
+
+    produced = trained + stale + no_signal + dead_lettered + in_flight + lost
+
+The run passes when that holds with ``groups_lost = 0``, no sample lost or
+trained twice, and every fault took effect and was recovered from.
+``--set trainer.backend=deepspeed --set trainer.world_size=2`` (any Hydra
+override, repeatable) runs the same schedule on another configuration.
 """
 
 from __future__ import annotations
@@ -22,16 +31,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 
+import redis
+from omegaconf import OmegaConf
+
+from pipeline.accounting import account, conserved
 from pipeline.bench.common import device_name, print_table, write_json
-from pipeline.streams import Names, connect
-from pipeline.telemetry import read_jsonl, read_statuses, surviving_steps
+from pipeline.streams import Names, connect, wait_until
+from pipeline.telemetry import read_jsonl, read_statuses
 
 DEFAULT_SCHEDULE = (
     "5:kill:actor-0,15:kill:preprocessor-0,25:kill:trainer,40:stop:preprocessor-0,60:restart:redis"
 )
+RECOVERY_TIMEOUT_S = 180.0
 
 
 def launch(run_dir: str, args) -> subprocess.Popen:
@@ -44,18 +57,23 @@ def launch(run_dir: str, args) -> subprocess.Popen:
         "launch.max_restarts=5",
         "redis.claim_idle_s=5",
         "trainer.transfer_timeout_s=10",
+        *args.set,
     ]
-    return subprocess.Popen(
-        [sys.executable, "-m", "pipeline.launch", *overrides],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "launcher.out"), "w") as out:  # not a pipe: never fills
+        return subprocess.Popen(
+            [sys.executable, "-m", "pipeline.launch", *overrides],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
 
-def wait_for_redis(run_dir: str, timeout_s: float = 120):
+def wait_for_redis(run_dir: str, proc: subprocess.Popen, timeout_s: float = 300):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the launcher exited ({proc.returncode}): {launcher_out(run_dir)}")
         try:
             port = Path(run_dir, "redis", "port").read_text().strip()
             auth = Path(run_dir, "redis", "auth").read_text().strip()
@@ -65,75 +83,157 @@ def wait_for_redis(run_dir: str, timeout_s: float = 120):
     raise TimeoutError("the launcher never started its redis-server")
 
 
-def first_step_time(metrics: str, timeout_s: float) -> float:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        steps = [r for r in read_jsonl(metrics) if r.get("event") == "step"]
-        if steps:
-            return time.time()
-        time.sleep(0.2)
-    raise TimeoutError("no trainer step within the time limit")
+def launcher_out(run_dir: str, chars: int = 3000) -> str:
+    try:
+        return Path(run_dir, "launcher.out").read_text(errors="replace")[-chars:]
+    except OSError:
+        return "(no launcher output)"
 
 
-def wait_steps(metrics: str, n: int, timeout_s: float) -> None:
-    start = sum(r.get("event") == "step" for r in read_jsonl(metrics))
+def run_names(run_dir: str) -> Names:
+    cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
+    return Names(cfg.redis.prefix, cfg.run.name)
+
+
+def count_steps(metrics: str) -> int:
+    return sum(r.get("event") == "step" for r in read_jsonl(metrics))
+
+
+def wait_steps(metrics: str, n: int, timeout_s: float, proc: subprocess.Popen) -> bool:
+    target = count_steps(metrics) + n
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if sum(r.get("event") == "step" for r in read_jsonl(metrics)) >= start + n:
-            return
+    while time.monotonic() < deadline and proc.poll() is None:
+        if count_steps(metrics) >= target:
+            return True
         time.sleep(0.5)
+    return False
 
 
-def inject(kind: str, target: str, run_dir: str, client, names: Names) -> str | None:
-    """Apply one fault; return the pid it hit (None for redis)."""
-    if target == "redis":
-        pid = int(Path(run_dir, "redis", "redis.pid").read_text())
-        os.kill(pid, signal.SIGTERM)  # a restart; the launcher brings it back from its AOF
-        return None
-    pid = read_statuses(client, names)[target]["pid"]
-    os.kill(int(pid), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
-    return pid
+# ------------------------------------------------------------------ faults and their effect
 
 
-def recovered(client, names: Names, metrics: str, fault: dict) -> bool:
-    """The hit pool runs again (new pid, fresh progress) and the trainer has stepped since."""
-    t = fault["at"]
-    stepped = any(r.get("event") == "step" and r["time"] > t for r in read_jsonl(metrics))
-    if fault["target"] == "redis":
-        return stepped
-    st = read_statuses(client, names).get(fault["target"], {})
-    fresh = st.get("pid") != fault["pid"] and float(st.get("progress", 0)) > t
-    return fresh and stepped
+def pid_state(pid: int) -> str:
+    """ "gone", "zombie" (dead, not yet reaped), "stopped" or "running"."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "gone"
+    state = stat.rsplit(")", 1)[1].split()[0]
+    return {"Z": "zombie", "X": "gone", "T": "stopped", "t": "stopped"}.get(state, "running")
 
 
-def account(run_dir: str) -> dict:
-    records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    summary = json.loads(Path(run_dir, "summary.json").read_text())
-    produced = {r["group"] for r in records if r.get("event") == "group"}
-    batched = {g for r in records if r.get("event") == "batched" for g in r["groups"]}
-    steps = surviving_steps(records)  # steps a trainer restart undid do not count
-    trained = Counter(sid for s in steps for sid in s["sample_ids"])
-    stale = {sid.rsplit("/", 1)[0] for s in steps for sid in s.get("stale_ids", [])}
-    trained_groups = {sid.rsplit("/", 1)[0] for sid in trained}
-    duplicated = {sid.rsplit("/", 1)[0] for sid, n in trained.items() if n > 1}
-    in_flight = set(summary.get("in_flight_group_ids", []))
-    lost = batched - trained_groups - stale - in_flight
+def redis_identity(run_dir: str, client) -> dict:
     return {
-        "groups_produced": len(produced),
-        "groups_batched": len(batched),
-        "groups_trained": len(trained_groups),
-        "groups_stale": len(stale - trained_groups),
-        "groups_in_flight_at_end": len(in_flight - trained_groups),
-        "groups_lost": len(lost),
-        "groups_duplicated": len(duplicated),
-        "trained_not_produced": len(trained_groups - produced),
-        "trainer_steps": summary["trainer_steps"],
-        "outcome": summary["outcome"],
-        "restarts": summary.get("restarts", {}),
+        "pid": int(Path(run_dir, "redis", "redis.pid").read_text()),
+        "run_id": client.info("server")["run_id"],
     }
 
 
-def main(argv: list[str]) -> int:
+def inject(fault: dict, run_dir: str, client, names: Names) -> None:
+    """Apply one fault; record what it hit (pid, and the server's run_id for redis)."""
+    if fault["target"] == "redis":
+        before = redis_identity(run_dir, client)
+        fault["pid"], fault["run_id"] = before["pid"], before["run_id"]
+        os.kill(before["pid"], signal.SIGTERM)  # the launcher brings it back from its AOF
+        return
+    pid = int(read_statuses(client, names)[fault["target"]]["pid"])
+    fault["pid"] = pid
+    os.kill(pid, signal.SIGKILL if fault["kind"] == "kill" else signal.SIGSTOP)
+
+
+def took_effect(fault: dict, run_dir: str, client, names: Names) -> bool:
+    """The hit process stopped or died, and a new one (new pid; new run_id for
+    redis) reports; fills ``fault["effect"]`` with what was seen."""
+    effect = fault.setdefault("effect", {})
+    if fault["target"] == "redis":
+        try:
+            now = redis_identity(run_dir, client)
+        except (OSError, ValueError, redis.RedisError):
+            return False
+        effect.update(old_pid_state=pid_state(fault["pid"]), new_pid=now["pid"])
+        effect["new_run_id"] = now["run_id"]
+        return (
+            now["pid"] != fault["pid"]
+            and now["run_id"] != fault["run_id"]
+            and effect["old_pid_state"] in ("gone", "zombie")
+        )
+    state = pid_state(fault["pid"])
+    if state == "stopped":
+        effect["was_stopped"] = True
+    effect["old_pid_state"] = state
+    st = read_statuses(client, names).get(fault["target"], {})
+    new_pid = int(st.get("pid", 0))
+    effect["new_pid"] = new_pid if new_pid != fault["pid"] else None
+    hit = state in ("gone", "zombie") and (fault["kind"] != "stop" or effect.get("was_stopped"))
+    return hit and new_pid not in (0, fault["pid"])
+
+
+def recovered(fault: dict, client, names: Names, metrics: str) -> bool:
+    """Fresh progress from the hit pool (or any, for redis) and a trainer step since."""
+    t = fault["at"]
+    if not any(r.get("event") == "step" and r["time"] > t for r in read_jsonl(metrics)):
+        return False
+    if fault["target"] == "redis":
+        return True
+    st = read_statuses(client, names).get(fault["target"], {})
+    return int(st.get("pid", 0)) != fault["pid"] and float(st.get("progress", 0)) > t
+
+
+def apply_fault(fault: dict, run_dir: str, client, names: Names, metrics: str) -> None:
+    inject(fault, run_dir, client, names)
+    if fault["kind"] == "stop":  # seen stopped right away, before the watchdog kills it
+        seen = wait_until(lambda: pid_state(fault["pid"]) == "stopped", timeout_s=2.0)
+        fault.setdefault("effect", {})["was_stopped"] = seen
+    print(f"t={fault['at']:.0f} {fault['kind']} {fault['target']} (pid {fault['pid']})")
+    fault["effective"] = fault["recovery_s"] = None
+    deadline = time.time() + RECOVERY_TIMEOUT_S
+    while time.time() < deadline:
+        if fault["effective"] is None and took_effect(fault, run_dir, client, names):
+            fault["effective"] = round(time.time() - fault["at"], 2)
+        if fault["effective"] is not None and recovered(fault, client, names, metrics):
+            fault["recovery_s"] = round(time.time() - fault["at"], 2)
+            break
+        time.sleep(0.2)
+    print(f"  took effect after {fault['effective']}s, recovered in {fault['recovery_s']}s")
+    print(f"  {fault['effect']}", flush=True)
+
+
+# ------------------------------------------------------------------ the account
+
+
+def account_run(run_dir: str) -> dict:
+    records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    summary = json.loads(Path(run_dir, "summary.json").read_text())
+    group_size = int(OmegaConf.load(os.path.join(run_dir, "config.yaml")).task.group_size)
+    terms = account(records, summary["in_flight"], summary["dead_letter_entries"], group_size)
+    terms.update(
+        conserved=conserved(terms),
+        in_flight_rollouts_groups=len(summary["in_flight"]["rollouts_groups"]),
+        in_flight_batches_samples=len(summary["in_flight"]["batches_samples"]),
+        trainer_steps=summary["trainer_steps"],
+        outcome=summary["outcome"],
+        restarts=summary.get("restarts", {}),
+        weight_publish_failures=summary.get("weight_publish_failures"),
+        weight_versions_unreceived=summary.get("weight_versions_unreceived"),
+        reward_errors=summary.get("reward_errors"),
+    )
+    return terms
+
+
+def passed(result: dict) -> bool:
+    return (
+        result["conserved"]
+        and result["groups_lost"] == 0
+        and result["samples_lost"] == 0
+        and result["samples_conflicting"] == 0
+        and result["groups_duplicated"] == 0
+        and result["all_effective"]
+        and result["all_recovered"]
+        and result["outcome"] == "interrupted"
+    )
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pipeline.bench faults")
     p.add_argument("--out", default="outputs/bench-faults.json")
     p.add_argument(
@@ -147,66 +247,74 @@ def main(argv: list[str]) -> int:
         default=10,
         help="trainer steps to wait for after the last fault, then Ctrl-C the run",
     )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an extra Hydra override for the run (repeatable)",
+    )
     p.add_argument("--watchdog-s", type=float, default=15.0)
     p.add_argument("--run-dir", default=None)
     p.add_argument("--timeout-s", type=float, default=900)
     args = p.parse_args(argv)
-    run_dir = args.run_dir or tempfile.mkdtemp(prefix="nonstop-faults-")
+    for item in args.set:
+        if "=" not in item:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE, e.g. trainer.world_size=2")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    run_dir = os.path.abspath(args.run_dir or tempfile.mkdtemp(prefix="nonstop-faults-"))
     proc = launch(run_dir, args)
-    client = wait_for_redis(run_dir)
-    names = Names("nonstop", "tiny")
-    metrics = os.path.join(run_dir, "metrics.jsonl")
-    t0 = first_step_time(metrics, 300)
-    faults = []
+    client = wait_for_redis(run_dir, proc)
+    names, metrics = run_names(run_dir), os.path.join(run_dir, "metrics.jsonl")
+    if not wait_steps(metrics, 1, 300, proc):
+        raise TimeoutError(f"no trainer step within 300 s: {launcher_out(run_dir)}")
+    t0, faults = time.time(), []
     for item in args.schedule.split(","):
         at, kind, target = item.split(":")
         while time.time() < t0 + float(at):
             time.sleep(0.1)
-        fault = {"at": time.time(), "kind": kind, "target": target}
-        fault["pid"] = inject(kind, target, run_dir, client, names)
-        print(f"t+{float(at):.0f}s {kind} {target} (pid {fault['pid']})", flush=True)
-        faults.append(fault)
-        deadline = time.time() + 180
-        while time.time() < deadline and not recovered(client, names, metrics, fault):
-            time.sleep(0.2)
-        fault["recovery_s"] = (
-            round(time.time() - fault["at"], 2) if time.time() < deadline else None
-        )
-        print(f"  recovered in {fault['recovery_s']}s", flush=True)
-    wait_steps(metrics, args.tail_steps, timeout_s=300)
+        faults.append({"at": time.time(), "kind": kind, "target": target})
+        apply_fault(faults[-1], run_dir, client, names, metrics)
+    tail_ok = wait_steps(metrics, args.tail_steps, 300, proc)
     proc.send_signal(signal.SIGINT)  # an operator's Ctrl-C ends the run; its summary follows
-    out, _ = proc.communicate(timeout=args.timeout_s)
-    print(out[-1500:])
-    result = account(run_dir)
+    proc.wait(timeout=args.timeout_s)
+    print(launcher_out(run_dir, 1500))
+    result = account_run(run_dir)
     recovery = [f["recovery_s"] for f in faults]
     result.update(
         device=device_name(),
         date=time.strftime("%Y-%m-%d"),
         run_dir=run_dir,
+        overrides=args.set,
         faults_injected=len(faults),
         faults=faults,
         launcher_exit=proc.returncode,
+        tail_steps_reached=tail_ok,
+        all_effective=all(f["effective"] is not None for f in faults),
         all_recovered=all(r is not None for r in recovery),
         max_recovery_s=max((r for r in recovery if r is not None), default=None),
     )
+    result["passed"] = passed(result)
     print_table([{k: result[k] for k in COLUMNS}], COLUMNS)
     write_json(args.out, result)
-    ok = (
-        result["groups_lost"] == 0
-        and result["groups_duplicated"] == 0
-        and result["all_recovered"]
-        and result["outcome"] == "interrupted"
-    )
-    return 0 if ok else 1
+    return 0 if result["passed"] else 1
 
 
 COLUMNS = [
     "faults_injected",
     "groups_produced",
-    "groups_batched",
     "groups_trained",
+    "groups_stale",
+    "groups_no_signal",
+    "groups_dead_lettered",
+    "groups_in_flight_at_end",
     "groups_lost",
     "groups_duplicated",
+    "conserved",
     "max_recovery_s",
     "trainer_steps",
 ]
