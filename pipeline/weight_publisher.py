@@ -1,47 +1,52 @@
 """Trainer side of the weight transfer: a background thread that sends the
-newest snapshot of the weights to every actor that joined.
+newest snapshot of the weights to every actor that joined, all at once.
 
 ::
 
     reads   <run>:joins (actors asking in), the trainer's submitted snapshots
     writes  <run>:weights announcements, <run>:rendezvous, <run>:published_version;
-            the buckets over one gloo pair group per actor
-    blocks  never the training loop: submit() copies and returns; a dead or
-            slow actor costs at most trainer.transfer_timeout_s and is dropped
+            the buckets over the transport (weights.transport, pipeline/transfer/);
+            with ``status``: the trainer status hash's publish counters (HINCRBY)
+    blocks  never the training loop: submit() copies and returns; the sends to all
+            actors run concurrently, so a dead or slow actor costs at most
+            ``timeout_s`` once (not per actor) and is dropped
 
 When several versions are submitted while one is in flight, only the newest
 is sent. An actor that joins (or re-joins after a failure) is sent the
 current version at once.
+
+Honest counts: a version is *published* once at least one actor received it
+whole; a version that no actor received before a newer one replaced it (or
+before close()) is *unreceived*. So ``published + unreceived`` equals the
+versions submitted, except the newest one while it is still undecided. Failures
+(a send step that raised) and dropped actors are counted, and the last error's
+text is kept. With ``status`` (a PoolStatus), these live in the trainer's status
+hash as ``weight_updates_published``, ``weight_versions_unreceived``,
+``weight_publish_failures``, ``actors_dropped`` (HINCRBY: they survive a
+trainer restart) and ``last_publish_error``.
 """
 
 from __future__ import annotations
 
-import datetime
 import hmac
 import logging
 import secrets
 import threading
 import time
+from collections import deque
 
 import redis
 import torch
-import torch.distributed as dist
 
 from pipeline.messages import SCHEMA_VERSION, BucketSpec, WeightAnnouncement, encode
-from pipeline.redis_server import free_port
 from pipeline.streams import Names, publish
-from pipeline.weights import (
-    broadcast_buckets,
-    bucket_layout,
-    checksum,
-    flatten,
-    join_mac,
-    pair_group,
-)
+from pipeline.transfer import make_sender
+from pipeline.weights import bucket_layout, checksum, flatten, join_mac, named_tensors
 
 log = logging.getLogger(__name__)
 
 Snapshot = tuple[int, list[BucketSpec], list[torch.Tensor]]
+HISTORY = 256  # recent transfer times and dropped actors kept for telemetry
 
 
 class WeightPublisher:
@@ -53,32 +58,31 @@ class WeightPublisher:
         bucket_mb: float,
         timeout_s: float,
         secret: str,
+        *,
+        status=None,
+        transport: str = "gloo",
     ):
-        self.client, self.names, self.host = client, names, host
+        self.client, self.names, self.status = client, names, status
         self.bucket_bytes, self.timeout_s = int(bucket_mb * 1024 * 1024), timeout_s
-        port = free_port(host)
-        self.store = dist.TCPStore(
-            host,
-            port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        self.sender = make_sender(transport, host, timeout_s)
         self.secret, self.epoch = secret, secrets.token_hex(8)
         # an epoch per trainer process: actors that joined an earlier trainer see it
         # change and join again; joins addressed to earlier trainers are skipped
         last_join = client.xrevrange(names.stream("joins"), count=1)
         self.joins_id = last_join[0][0].decode() if last_join else "0"
-        client.hset(
-            names.key("rendezvous"),
-            mapping={"host": host, "port": port, "epoch": self.epoch},
-        )
-        self.groups: dict[str, object] = {}
-        self.published = 0
+        rendezvous = {"epoch": self.epoch, **self.sender.rendezvous()}
+        client.pipeline().delete(names.key("rendezvous")).hset(
+            names.key("rendezvous"), mapping=rendezvous
+        ).execute()
+        self.published = 0  # versions received whole by at least one actor
+        self.unreceived = 0  # versions no actor received
         self.failures = 0
-        self.dropped: list[str] = []
-        self.transfer_ms: list[float] = []
+        self.actors_dropped = 0
+        self.last_error = ""
+        self.dropped: deque[str] = deque(maxlen=HISTORY)  # recent dropped actors
+        self.transfer_ms: deque[float] = deque(maxlen=HISTORY)  # recent per-actor transfers
         self._latest: Snapshot | None = None
+        self._latest_received = False
         self._pending: Snapshot | None = None
         self._cv = threading.Condition()
         self._busy = False
@@ -86,14 +90,26 @@ class WeightPublisher:
         self._thread = threading.Thread(target=self._run, name="weight-publisher", daemon=True)
         self._thread.start()
 
-    def submit(self, version: int, model: torch.nn.Module) -> None:
-        """Snapshot the weights now (one copy); the thread sends the newest snapshot."""
-        named = list(model.named_parameters())
+    # -- the trainer's side ---------------------------------------------------
+    def submit(self, version: int, params) -> None:
+        """Snapshot the weights now (one copy); the thread sends the newest snapshot.
+
+        ``params``: an nn.Module, a ``{HF name: tensor}`` mapping or (name, tensor)
+        pairs (a backend's full parameter set; under ZeRO-3 the gathered dict).
+        """
+        named = named_tensors(params)
         layout = bucket_layout(named, self.bucket_bytes)
-        flat = flatten(dict(named), layout)
+        flat = flatten(dict(named), layout, self.sender.device)
         with self._cv:
-            self._pending = (version, layout, flat)
+            replaced, self._pending = self._pending, (version, layout, flat)
             self._cv.notify()
+        if replaced is not None:  # never sent: a newer version took its place
+            log.info("version %d replaced by %d before it was sent", replaced[0], version)
+            self._count("unreceived", "weight_versions_unreceived")
+
+    def members(self) -> list[str]:
+        """Actors with an open transfer channel."""
+        return self.sender.members()
 
     def idle(self) -> bool:
         with self._cv:
@@ -106,9 +122,15 @@ class WeightPublisher:
             time.sleep(0.05)
         with self._cv:
             self._stop = True
+            left, self._pending = self._pending, None
             self._cv.notify()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=self.timeout_s + 5)
+        if left is not None:
+            self._count("unreceived", "weight_versions_unreceived")
+        self._retire_latest()
+        self.sender.close()
 
+    # -- the thread -------------------------------------------------------------
     def _run(self) -> None:
         while True:
             with self._cv:
@@ -121,17 +143,24 @@ class WeightPublisher:
             try:
                 joined = self._accept_joins()
                 if job is not None:
-                    self._send(job, sorted(self.groups))
-                    self._latest = job
-                    self.published += 1
+                    self._retire_latest()
+                    self._latest, self._latest_received = job, False
+                    self._send(job, self.sender.members())
                 elif joined and self._latest is not None:
                     self._send(self._latest, joined)  # catch a (re)joined actor up at once
-            except Exception:  # the trainer must go on; the failure is logged and counted
+            except Exception as e:  # the trainer must go on; the failure is logged and counted
                 log.exception("weight publisher step failed")
-                self.failures += 1
+                self._error(f"publish step failed: {type(e).__name__}: {e}")
             finally:
                 with self._cv:
                     self._busy = False
+
+    def _retire_latest(self) -> None:
+        """The current version's outcome is final: count it if nobody received it."""
+        if self._latest is not None and not self._latest_received:
+            log.warning("version %d was received by no actor", self._latest[0])
+            self._count("unreceived", "weight_versions_unreceived")
+        self._latest_received = True  # counted once
 
     def _accept_joins(self) -> list[str]:
         joined = []
@@ -147,14 +176,15 @@ class WeightPublisher:
                     log.error("rejected a join as %r: bad or missing run secret", actor)
                     continue
                 try:
-                    self.groups[actor] = pair_group(self.store, nonce, 0, self.host, self.timeout_s)
+                    self.sender.accept(actor, nonce, time.monotonic() + self.timeout_s)
                     joined.append(actor)
                     log.info("actor %s joined the weight transfer", actor)
                 except Exception as e:
                     log.error("actor %s could not join the weight transfer: %s", actor, e)
+                    self._error(f"actor {actor} could not join: {e}")
         return joined
 
-    def _send(self, snapshot: Snapshot, targets: list[str]) -> None:
+    def _announce(self, snapshot: Snapshot, targets: list[str]) -> None:
         version, layout, flat = snapshot
         ann = WeightAnnouncement(
             schema=SCHEMA_VERSION,
@@ -175,15 +205,64 @@ class WeightPublisher:
             buckets=len(layout),
             bytes=sum(b.numel() * b.element_size() for b in flat),
         )
-        for actor in targets:
-            t0 = time.monotonic()
+
+    def _send(self, snapshot: Snapshot, targets: list[str]) -> None:
+        """Send to every target at once; drop the ones that fail or miss the deadline."""
+        version, _, flat = snapshot
+        self._announce(snapshot, targets)
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout_s
+        results: dict[str, float | Exception] = {}
+
+        def send_one(actor: str) -> None:
             try:
-                broadcast_buckets(self.groups[actor], flat, t0 + self.timeout_s)
-            except Exception as e:  # a dead or slow actor is dropped, the others go on
-                log.error("dropping actor %s from the weight transfer: %s", actor, e)
-                self.groups.pop(actor, None)
+                self.sender.send(actor, flat, deadline)
+                results[actor] = 1000 * (time.monotonic() - t0)
+            except Exception as e:
+                results[actor] = e
+
+        threads = [
+            threading.Thread(target=send_one, args=(a,), name=f"send-{a}", daemon=True)
+            for a in targets
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=max(deadline - time.monotonic(), 0.0) + 2.0)
+        received = []
+        for actor in targets:
+            outcome = results.get(actor, TimeoutError("no answer by the deadline"))
+            if isinstance(outcome, Exception):  # a dead or slow actor is dropped
+                log.error("dropping actor %s from the weight transfer: %s", actor, outcome)
+                self.sender.drop(actor)
                 self.dropped.append(actor)
+                self._count("actors_dropped", "actors_dropped")
+                self._error(f"actor {actor} dropped at version {version}: {outcome}", failure=False)
                 continue
-            self.transfer_ms.append(1000 * (time.monotonic() - t0))
-            log.info("sent version %d to %s in %.0f ms", version, actor, self.transfer_ms[-1])
-        self.client.set(self.names.key("published_version"), version)
+            received.append(actor)
+            self.transfer_ms.append(outcome)
+            log.info("sent version %d to %s in %.0f ms", version, actor, outcome)
+        if received and not self._latest_received and self._latest is snapshot:
+            self._latest_received = True
+            self._count("published", "weight_updates_published")
+            self.client.set(self.names.key("published_version"), version)
+
+    # -- counters -----------------------------------------------------------------
+    def _count(self, attr: str, field: str) -> None:
+        setattr(self, attr, getattr(self, attr) + 1)
+        if self.status is not None:
+            try:
+                self.status.incr(field)
+            except redis.RedisError as e:  # the count stays local; the next one retries Redis
+                log.warning("could not count %s in the status hash: %s", field, e)
+
+    def _error(self, text: str, failure: bool = True) -> None:
+        """Keep the text; count a failure (a publish step or a join that raised)."""
+        self.last_error = text[:500]
+        if failure:
+            self._count("failures", "weight_publish_failures")
+        if self.status is not None:
+            try:
+                self.status.set(last_publish_error=self.last_error)
+            except redis.RedisError as e:
+                log.warning("could not record the publish error in the status hash: %s", e)

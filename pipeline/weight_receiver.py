@@ -3,52 +3,64 @@ version and installs it in the engine without stopping generation.
 
 ::
 
-    reads   <run>:rendezvous, <run>:weights announcements, buckets over the gloo group
+    reads   <run>:rendezvous, <run>:weights announcements, buckets over the transport
     writes  <run>:joins (asking in, again after any failure); the engine's weights
     blocks  only itself; generation waits just for the swap (staged mode)
 
-Staged mode (default): receive into a staging copy while the engine keeps
-generating, check the checksums, then ``target.swap`` under the engine's
+Staged mode (default): receive into the engine's staging buffers while it
+keeps generating, check the checksums, then ``target.swap`` under the engine's
 per-forward-pass lock. In-place mode (``staged=False``, for memory-tight
-GPUs): hold the lock and receive straight into the weights; if that transfer
-fails, the weights are marked invalid and the engine generates nothing until
-the next whole version has arrived. Either way no token is ever produced by
-a mix of two versions.
+GPUs): ``target.update_in_place`` holds the lock while each bucket is received
+and copied straight into the weights (the engine records that whole hold as the
+swap); if that transfer fails, the weights are marked partial and the engine
+generates nothing until the next whole version has arrived. Either way no
+token is ever produced by a mix of two versions.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
 import redis
 import torch
-import torch.distributed as dist
 
 from pipeline.messages import BucketSpec, WeightAnnouncement, decode
 from pipeline.streams import Names
-from pipeline.weights import broadcast_buckets, checksum, join_mac, pair_group
+from pipeline.transfer import make_receiver
+from pipeline.weights import checksum, join_mac
 
 log = logging.getLogger(__name__)
+HISTORY = 256  # recent transfer times kept for telemetry
 
 
 class SwapTarget(Protocol):
-    """What an engine offers the receiver (actor/engine.py implements it)."""
+    """What an engine offers the receiver (actor/engines/base.py implements it)."""
 
-    lock: threading.Condition
+    version: int | None
 
-    def swap(
-        self, version: int, layout: list[BucketSpec], buckets: list[torch.Tensor]
-    ) -> list[torch.Tensor] | None: ...
+    def staging(self, layout: list[BucketSpec], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Flat buffers, one per bucket, to receive a version into while generating."""
+        ...
 
-    def weight_views(self, layout: list[BucketSpec]) -> list[list[tuple[torch.Tensor, int]]]: ...
+    def swap(self, version: int, layout: list[BucketSpec], buckets: list[torch.Tensor]) -> None:
+        """Install received staging buffers under the per-forward-pass lock."""
+        ...
 
-    def set_version(self, version: int | None) -> None: ...
+    def update_in_place(
+        self,
+        version: int,
+        layout: list[BucketSpec],
+        dtype: torch.dtype,
+        fill: Callable[[int, torch.Tensor], None],
+    ) -> None:
+        """Under the lock, ``fill(i, bucket)`` each bucket and copy it into the weights."""
+        ...
 
 
 class WeightReceiver:
@@ -62,16 +74,17 @@ class WeightReceiver:
         secret: str,
         staged: bool = True,
         on_error: Callable[[str], None] | None = None,
+        transport: str = "gloo",
     ):
         self.client, self.names, self.actor = client, names, actor
         self.target, self.timeout_s, self.staged = target, timeout_s, staged
         self.on_error = on_error or (lambda msg: None)
+        self.transport = make_receiver(transport, timeout_s)
         self.applied = 0
         self.failed = 0
-        self.transfer_ms: list[float] = []
-        self.group = None
+        self.transfer_ms: deque[float] = deque(maxlen=HISTORY)
+        self.joined = False
         self.secret, self.epoch = secret, ""
-        self._spare: list[torch.Tensor] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
 
@@ -81,6 +94,7 @@ class WeightReceiver:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=self.timeout_s + 5)
+        self.transport.close()
 
     def _join(self) -> str:
         """Join the transfer; return the weights-stream id to read after."""
@@ -88,19 +102,19 @@ class WeightReceiver:
         while not self._stop.is_set() and not self.client.exists(key):
             time.sleep(0.2)
         info = {k.decode(): v.decode() for k, v in self.client.hgetall(key).items()}
-        store = dist.TCPStore(
-            info["host"],
-            int(info["port"]),
-            is_master=False,
-            timeout=datetime.timedelta(seconds=self.timeout_s),
-        )
+        theirs = info.get("transport", "gloo")
+        if theirs != self.transport.name:
+            raise ValueError(
+                f"the trainer sends weights over {theirs!r} but this actor expects "
+                f"{self.transport.name!r}; set the same weights.transport for every pool"
+            )
         last = self.client.xrevrange(self.names.weights, count=1)
         after = last[0][0].decode() if last else "0"
         join = {"actor": self.actor, "nonce": secrets.token_hex(8), "epoch": info.get("epoch", "")}
         join["mac"] = join_mac(self.secret, join)
         self.client.xadd(self.names.stream("joins"), join)
-        self.group = pair_group(store, join["nonce"], 1, info["host"], self.timeout_s)
-        self.epoch = join["epoch"]
+        self.transport.connect(info, join["nonce"], time.monotonic() + self.timeout_s)
+        self.joined, self.epoch = True, join["epoch"]
         log.info("joined the weight transfer as %s (trainer epoch %s)", self.actor, self.epoch)
         return after
 
@@ -113,7 +127,7 @@ class WeightReceiver:
         after = None
         while not self._stop.is_set():
             try:
-                if self.group is None or self._trainer_changed():
+                if not self.joined or self._trainer_changed():
                     after = self._join()
                 reply = self.client.xread({self.names.weights: after}, count=1, block=500)
                 for _s, entries in reply or []:
@@ -128,7 +142,8 @@ class WeightReceiver:
                 self.failed += 1
                 log.error("weight update failed, keeping the current weights: %s", e)
                 self.on_error(str(e))
-                self.group = None
+                self.joined = False
+                self.transport.close()
                 time.sleep(0.5)
 
     def _receive(self, ann: WeightAnnouncement) -> None:
@@ -141,35 +156,27 @@ class WeightReceiver:
         self.applied += 1
         log.info("applied version %d (%.0f ms)", ann.version, self.transfer_ms[-1])
 
-    def _staging(self, ann: WeightAnnouncement) -> list[torch.Tensor]:
-        dtype = getattr(torch, ann.dtype)
-        spare = self._spare
-        if (
-            spare
-            and [b.numel() for b in spare] == [b.numel for b in ann.buckets]
-            and spare[0].dtype == dtype
-        ):
-            return spare
-        return [torch.empty(b.numel, dtype=dtype) for b in ann.buckets]
+    def _fill(self, buckets: list[torch.Tensor], deadline: float) -> None:
+        """Receive into ``buckets``, through host buffers if the transport needs them."""
+        if all(b.device == self.transport.device for b in buckets):
+            self.transport.receive(buckets, deadline)
+            return
+        for b in buckets:
+            bounce = torch.empty(b.shape, dtype=b.dtype, device=self.transport.device)
+            self.transport.receive([bounce], deadline)
+            b.copy_(bounce)
 
     def _receive_staged(self, ann: WeightAnnouncement, deadline: float) -> None:
-        staging = self._staging(ann)
-        broadcast_buckets(self.group, staging, deadline)
+        staging = self.target.staging(ann.buckets, getattr(torch, ann.dtype))
+        self._fill(staging, deadline)
         if checksum(staging) != ann.checksums:
             raise RuntimeError(f"version {ann.version} failed its checksum; not applied")
-        self._spare = self.target.swap(ann.version, ann.buckets, staging)
+        self.target.swap(ann.version, ann.buckets, staging)
 
     def _receive_in_place(self, ann: WeightAnnouncement, deadline: float) -> None:
-        dtype = getattr(torch, ann.dtype)
-        scratch = torch.empty(max(b.numel for b in ann.buckets), dtype=dtype)
-        with self.target.lock:
-            self.target.set_version(None)  # from here until success, the weights are partial
-            views = self.target.weight_views(ann.buckets)
-            for i, (spec, params) in enumerate(zip(ann.buckets, views, strict=True)):
-                bucket = scratch[: spec.numel]
-                broadcast_buckets(self.group, [bucket], deadline)
-                if checksum([bucket])[0] != ann.checksums[i]:
-                    raise RuntimeError(f"version {ann.version} failed its checksum")
-                for param, offset in params:
-                    param.copy_(bucket[offset : offset + param.numel()].view_as(param))
-            self.target.set_version(ann.version)
+        def fill(i: int, bucket: torch.Tensor) -> None:
+            self._fill([bucket], deadline)
+            if checksum([bucket])[0] != ann.checksums[i]:
+                raise RuntimeError(f"version {ann.version} failed its checksum")
+
+        self.target.update_in_place(ann.version, ann.buckets, getattr(torch, ann.dtype), fill)

@@ -1,32 +1,59 @@
-"""Weight-transfer building blocks shared by both ends: the bucket layout,
-flattening, the exact checksum and the two-rank gloo group.
+"""Weight-transfer building blocks shared by both ends and every transport: the
+bucket layout, flattening, the exact checksum and the signed join.
 
-The protocol (see pipeline/weight_publisher.py and pipeline/weight_receiver.py)::
+The protocol (pipeline/weight_publisher.py, pipeline/weight_receiver.py; the
+transports that move the buckets are in pipeline/transfer/)::
 
     trainer (WeightPublisher thread)              actor (WeightReceiver thread)
-      reads  <run>:joins  (actor asks in)   <--     XADD joins {actor, nonce}
-      builds a 2-rank gloo group per actor  <-->    builds its side (rank 1)
-      XADD <run>:weights  announcement      -->     XREAD weights (version, layout, sums)
-      broadcast bucket by bucket            -->     receive into a staging copy, check the
-                                                    sums, swap under the per-forward-pass lock
+      writes <run>:rendezvous (epoch, transport)    reads it
+      reads  <run>:joins (actor asks in)   <--      XADD joins {actor, nonce, epoch, mac}
+      opens the transport channel per actor <-->    opens its side
+      XADD <run>:weights announcement      -->      XREAD weights (version, layout, sums)
+      sends the buckets to every actor at once -->  receives into staging (or in place),
+                                                    checks the sums, swaps under the lock
 
-Each actor has its own two-rank group, found through a TCPStore whose address
-is in the run's Redis, so one dead or slow actor is dropped within the
-deadline without touching the others, and a restarted actor joins again and
-is sent the current version at once.
+One dead or slow actor is dropped within the deadline without touching the
+others, and a restarted actor joins again and is sent the current version at once.
 """
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import hmac
-import time
+from collections.abc import Iterable, Mapping
 
 import torch
-import torch.distributed as dist
 
 from pipeline.messages import BucketSpec, ParamSpec
+
+
+def named_tensors(params) -> list[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs from an nn.Module, a mapping, or an iterable of pairs."""
+    if isinstance(params, torch.nn.Module):
+        pairs = list(params.named_parameters())
+    elif isinstance(params, Mapping):
+        pairs = list(params.items())
+    elif isinstance(params, Iterable) and not isinstance(params, str | bytes):
+        pairs = list(params)
+    else:
+        raise ValueError(
+            f"weights to publish must be an nn.Module, a {{name: tensor}} mapping or "
+            f"(name, tensor) pairs, not {type(params).__name__}"
+        )
+    for pair in pairs:
+        if not (len(pair) == 2 and isinstance(pair[0], str) and torch.is_tensor(pair[1])):
+            raise ValueError(
+                f"expected (name, tensor) pairs; got {type(pair).__name__} {pair!r:.80}"
+            )
+    if not pairs:
+        raise ValueError("no parameters to publish: the module or mapping is empty")
+    dtypes = {t.dtype for _, t in pairs}
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"parameters to publish mix dtypes {sorted(str(d) for d in dtypes)}; "
+            "cast them to one dtype (the engine's) before submit()"
+        )
+    return pairs
 
 
 def bucket_layout(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[BucketSpec]:
@@ -43,36 +70,27 @@ def bucket_layout(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> l
     return buckets
 
 
-def flatten(params: dict[str, torch.Tensor], layout: list[BucketSpec]) -> list[torch.Tensor]:
-    """Copy parameters into fresh flat bucket tensors."""
-    return [torch.cat([params[s.name].detach().reshape(-1) for s in b.params]) for b in layout]
+def flatten(
+    params: dict[str, torch.Tensor], layout: list[BucketSpec], device: torch.device | None = None
+) -> list[torch.Tensor]:
+    """Copy parameters into fresh flat bucket tensors (on ``device`` when given)."""
+    out = []
+    for b in layout:
+        flat = torch.cat([params[s.name].detach().reshape(-1) for s in b.params])
+        out.append(flat if device is None else flat.to(device))
+    return out
 
 
 _INT_VIEW = {4: torch.int32, 2: torch.int16, 1: torch.int8, 8: torch.int64}
 
 
 def checksum(buckets: list[torch.Tensor]) -> list[int]:
-    """Exact, order-independent sum of each bucket's bit patterns."""
-    return [int(b.view(_INT_VIEW[b.element_size()]).sum(dtype=torch.int64)) for b in buckets]
-
-
-def pair_group(store: dist.Store, nonce: str, rank: int, host: str, timeout_s: float):
-    opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    opts._timeout = datetime.timedelta(seconds=timeout_s)
-    return dist.ProcessGroupGloo(dist.PrefixStore(nonce, store), rank, 2, opts)
-
-
-def broadcast_buckets(group, buckets: list[torch.Tensor], deadline: float) -> None:
-    """Broadcast every bucket from rank 0, all within one deadline (monotonic seconds)."""
-    for bucket in buckets:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("weight transfer passed its deadline")
-        group.broadcast(bucket, 0, datetime.timedelta(seconds=remaining)).wait()
+    """Exact, order-independent sum of each bucket's bit patterns (one sync per call)."""
+    sums = [b.view(_INT_VIEW[b.element_size()]).sum(dtype=torch.int64) for b in buckets]
+    return torch.stack(sums).cpu().tolist() if sums else []
 
 
 def join_mac(secret: str, join: dict[str, str]) -> str:
-    """HMAC of a join request: only holders of the run's secret get a transfer group."""
+    """HMAC of a join request: only holders of the run's secret get a transfer channel."""
     msg = f"{join.get('epoch')}:{join.get('actor')}:{join.get('nonce')}".encode()
     return hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()

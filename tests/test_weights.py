@@ -13,6 +13,7 @@ from actor.engine import HFEngine
 from pipeline.messages import WeightAnnouncement, decode
 from pipeline.models import load_model, materialize_model
 from pipeline.streams import Names, wait_until
+from pipeline.telemetry import PoolStatus
 from pipeline.weight_publisher import WeightPublisher
 from pipeline.weight_receiver import WeightReceiver
 from pipeline.weights import bucket_layout, checksum, flatten
@@ -72,16 +73,39 @@ def test_published_version_reaches_the_actor_whole(tmp_path, rclient, staged):
         publisher.close(timeout_s=5)
 
 
-def test_publisher_goes_on_without_actors(tmp_path, rclient):
+def test_a_version_nobody_received_is_not_counted_as_published(tmp_path, rclient):
     trainer_model, _, _ = _models(tmp_path)
     names = Names("test", "alone")
+    status = PoolStatus(rclient, names, "trainer", "trainer")
     publisher = WeightPublisher(
-        rclient, names, "127.0.0.1", bucket_mb=1, timeout_s=5, secret=SECRET
+        rclient, names, "127.0.0.1", bucket_mb=1, timeout_s=5, secret=SECRET, status=status
     )
     t0 = time.monotonic()
     publisher.submit(1, trainer_model)
+    assert wait_until(publisher.idle, 10)
+    publisher.submit(2, dict(trainer_model.named_parameters()))  # a {name: tensor} mapping too
     publisher.close(timeout_s=10)
-    assert publisher.published == 1 and time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 10  # the trainer goes on without actors
+    assert publisher.published == 0 and publisher.unreceived == 2
+    fields = {k.decode(): v.decode() for k, v in rclient.hgetall(names.status("trainer")).items()}
+    assert fields["weight_versions_unreceived"] == "2"
+    assert "weight_updates_published" not in fields
+    assert rclient.get(names.key("published_version")) is None
+
+
+def test_submit_rejects_what_is_not_a_parameter_set(tmp_path, rclient):
+    publisher = WeightPublisher(
+        rclient, Names("test", "bad"), "127.0.0.1", bucket_mb=1, timeout_s=5, secret=SECRET
+    )
+    try:
+        with pytest.raises(ValueError, match="nn.Module"):
+            publisher.submit(1, 3.0)
+        with pytest.raises(ValueError, match="mix dtypes"):
+            publisher.submit(1, {"a": torch.zeros(2), "b": torch.zeros(2, dtype=torch.bfloat16)})
+        with pytest.raises(ValueError, match="empty"):
+            publisher.submit(1, {})
+    finally:
+        publisher.close(timeout_s=1)
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -182,7 +206,7 @@ def test_in_place_transfer_failure_pauses_generation_until_a_whole_version(
         publisher = WeightPublisher(
             rclient, NAMES, "127.0.0.1", BUCKET_MB, timeout_s=TIMEOUT_S, secret=SECRET
         )
-        assert wait_until(lambda: "actor-0" in publisher.groups, TIMEOUT_S * 4)
+        assert wait_until(lambda: "actor-0" in publisher.members(), TIMEOUT_S * 4)
         publisher.submit(2, new_model)
         assert wait_until(lambda: engine.version == 2, TIMEOUT_S * 4)
         assert wait_until(lambda: done["n"] > paused_at, 20), "generation did not resume"
@@ -208,18 +232,52 @@ def test_actor_killed_mid_transfer_does_not_stall_the_trainer(tmp_path, rclient,
     actor = Peer("half_actor", redis_server.url, path, "actor-0")
     try:
         actor.expect("joined")
-        assert wait_until(lambda: "actor-0" in publisher.groups, 10)
+        assert wait_until(lambda: "actor-0" in publisher.members(), 10)
         t0 = time.monotonic()
         publisher.submit(1, model)
         actor.expect("half")
         actor.kill()
         assert wait_until(publisher.idle, TIMEOUT_S + 5)
         assert time.monotonic() - t0 < TIMEOUT_S + 5
-        assert publisher.dropped == ["actor-0"] and "actor-0" not in publisher.groups
+        assert list(publisher.dropped) == ["actor-0"] and "actor-0" not in publisher.members()
+        assert publisher.actors_dropped == 1 and "actor-0" in publisher.last_error
+        assert publisher.published == 0  # nobody received version 1 whole
         publisher.submit(2, model)  # the trainer goes on
-        assert wait_until(publisher.idle, 5) and publisher.published == 2
+        assert wait_until(publisher.idle, 5) and publisher.unreceived == 1
     finally:
         actor.kill()
+        publisher.close(timeout_s=5)
+
+
+def test_one_hung_actor_does_not_delay_the_others(tmp_path, rclient, redis_server):
+    """Sends run concurrently: actor-1 gets the version while actor-0 hangs (sequential
+    sends, in name order, would hold actor-1 back for the whole 8 s deadline)."""
+    path = materialize_model("tiny", cache_dir=str(tmp_path))
+    model, _ = load_model(path)
+    status = PoolStatus(rclient, NAMES, "trainer", "trainer")
+    publisher = WeightPublisher(
+        rclient, NAMES, "127.0.0.1", BUCKET_MB, timeout_s=8, secret=SECRET, status=status
+    )
+    hung = Peer("half_actor", redis_server.url, path, "actor-0")
+    good = Peer("real_actor", redis_server.url, path, "actor-1")
+    try:
+        assert wait_until(lambda: publisher.members() == ["actor-0", "actor-1"], 60)
+        t0 = time.monotonic()
+        publisher.submit(1, model)
+        good.expect("applied 1", timeout_s=8)
+        assert time.monotonic() - t0 < 4, "actor-1 waited for the hung actor"
+        assert wait_until(publisher.idle, 8 + 5)
+        assert time.monotonic() - t0 < 8 + 5  # the dead actor cost one deadline
+        assert publisher.members() == ["actor-1"] and list(publisher.dropped) == ["actor-0"]
+        assert publisher.published == 1 and publisher.unreceived == 0
+        fields = rclient.hgetall(NAMES.status("trainer"))
+        assert fields[b"weight_updates_published"] == b"1"
+        assert fields[b"actors_dropped"] == b"1"
+        assert b"actor-0" in fields[b"last_publish_error"]
+        assert rclient.get(NAMES.key("published_version")) == b"1"
+    finally:
+        hung.kill()
+        good.kill()
         publisher.close(timeout_s=5)
 
 
@@ -227,14 +285,16 @@ def test_restarted_actor_reaches_the_current_version(tmp_path, rclient, redis_se
     path, model, publisher = _peer_trainer(tmp_path, rclient)
     first = Peer("real_actor", redis_server.url, path, "actor-0")
     try:
-        assert wait_until(lambda: "actor-0" in publisher.groups, 30)
+        assert wait_until(lambda: "actor-0" in publisher.members(), 30)
         publisher.submit(1, model)
         first.expect("applied 1")
         first.kill()
         publisher.submit(2, model)  # sent while the actor is down: it is dropped
-        assert wait_until(lambda: publisher.idle() and publisher.published == 2, TIMEOUT_S + 5)
+        assert wait_until(lambda: publisher.idle() and publisher.actors_dropped == 1, TIMEOUT_S + 5)
+        assert publisher.published == 1  # version 2 reached nobody (yet)
         second = Peer("real_actor", redis_server.url, path, "actor-0")
         second.expect("applied 2")  # caught up on joining, with no new trainer step
+        assert wait_until(lambda: publisher.published == 2, 5)  # now version 2 counts
         second.kill()
     finally:
         first.kill()
@@ -253,7 +313,7 @@ def test_join_without_the_run_secret_is_refused(tmp_path, rclient):
         time.sleep(1.5)  # the publisher has read the join by now
         publisher.submit(1, trainer_model)
         assert wait_until(publisher.idle, 10)
-        assert publisher.groups == {} and engine.version == 0
+        assert publisher.members() == [] and engine.version == 0
     finally:
         intruder.stop()
         publisher.close(timeout_s=5)
@@ -267,12 +327,12 @@ def test_actor_follows_a_restarted_trainer(tmp_path, rclient):
     first = WeightPublisher(rclient, names, "127.0.0.1", 1, timeout_s=5, secret=SECRET)
     receiver.start()
     try:
-        assert wait_until(lambda: "actor-0" in first.groups, 10)
+        assert wait_until(lambda: "actor-0" in first.members(), 10)
         first.submit(1, trainer_model)
         assert wait_until(lambda: engine.version == 1, 10)
         first.close(timeout_s=5)  # the trainer process goes away ...
         second = WeightPublisher(rclient, names, "127.0.0.1", 1, timeout_s=5, secret=SECRET)
-        assert wait_until(lambda: "actor-0" in second.groups, 15), "actor did not rejoin"
+        assert wait_until(lambda: "actor-0" in second.members(), 15), "actor did not rejoin"
         second.submit(7, trainer_model)  # ... and its successor resumes at another version
         assert wait_until(lambda: engine.version == 7, 10)
         second.close(timeout_s=5)

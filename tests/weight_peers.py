@@ -13,9 +13,10 @@ from actor.engine import HFEngine
 from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement, decode, encode
 from pipeline.models import load_model
 from pipeline.streams import Names, connect, publish
+from pipeline.transfer.gloo import broadcast_buckets
 from pipeline.weight_publisher import WeightPublisher
 from pipeline.weight_receiver import WeightReceiver
-from pipeline.weights import broadcast_buckets, bucket_layout, checksum, flatten
+from pipeline.weights import bucket_layout, checksum, flatten
 
 NAMES = Names("test", "faults")
 BUCKET_MB = 0.05
@@ -51,7 +52,7 @@ def half_actor(client, model_dir: str, name: str) -> None:
             import torch
 
             first = torch.empty(ann.buckets[0].numel, dtype=getattr(torch, ann.dtype))
-            broadcast_buckets(receiver.group, [first], time.monotonic() + 30)
+            receiver.transport.receive([first], time.monotonic() + 30)
             say("half")
             threading.Event().wait()
 
@@ -61,7 +62,7 @@ def half_trainer(client, model_dir: str, name: str) -> None:
     model, _ = load_model(model_dir)
     publisher = WeightPublisher(client, NAMES, "127.0.0.1", BUCKET_MB, timeout_s=30, secret=SECRET)
     publisher.close(timeout_s=0)  # drive it by hand below
-    while not publisher.groups:
+    while not publisher.members():
         publisher._accept_joins()
         time.sleep(0.1)
     named = list(model.named_parameters())
@@ -73,10 +74,10 @@ def half_trainer(client, model_dir: str, name: str) -> None:
         dtype="float32",
         buckets=layout,
         checksums=checksum(flat),
-        targets=sorted(publisher.groups),
+        targets=publisher.members(),
     )
     publish(client, NAMES.weights, encode(ann), version=1)
-    group = next(iter(publisher.groups.values()))
+    group = publisher.sender._groups[publisher.members()[0]]  # the gloo pair group
     broadcast_buckets(group, flat[: len(flat) // 2], time.monotonic() + 30)
     say("half")
     threading.Event().wait()

@@ -1,0 +1,132 @@
+"""The engine interface every actor engine implements (``actor.engine``).
+
+An engine generates completions for token-id prompts and reports, per sampled
+token, its log-prob under the distribution actually sampled from and the
+weight version that produced it. New weights arrive while it generates: the
+weight receiver (pipeline/weight_receiver.py) fills ``staging`` buffers and
+calls ``swap``, which takes the engine's per-forward-pass lock only to install
+them; or, in in-place mode, ``update_in_place`` holds that lock for the whole
+receive. Either way every pause of generation is recorded in ``stats`` as a
+swap with its lock-hold time.
+
+Implementations: ``hf`` (actor/engines/hf.py, CPU and GPU); ``vllm`` is
+planned (issue 12: a worker extension that takes the lock around each
+forward pass in the engine-core process, see device/VLLM_LOCK.md).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.messages import BucketSpec, Sample, pack_f32, pack_i32, pack_mask, rle_encode
+
+HISTORY = 1024  # recent swaps kept (counters keep the totals)
+
+
+@dataclass
+class Completion:
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finished: bool
+    kept: list = field(default_factory=list)  # keep_sampling_mask: kept vocab ids per token
+
+    def to_sample(self, index: int, reward: float) -> Sample:
+        """The wire form: packed arrays, run-length versions, the mask if recorded."""
+        mask_ids, mask_counts = pack_mask(self.kept)  # b"", b"" unless keep_sampling_mask
+        return Sample(
+            index=index,
+            completion_ids=pack_i32(self.tokens),
+            logprobs=pack_f32(self.logprobs),
+            versions=rle_encode(self.versions),
+            reward=float(reward),
+            finished=self.finished,
+            mask_ids=mask_ids,
+            mask_counts=mask_counts,
+        )
+
+
+@dataclass
+class SwapRecord:
+    """One pause of generation for new weights: the lock held for ``ms``."""
+
+    time: float  # wall clock when the lock was released
+    ms: float
+    version: int | None  # the version installed (None: the update failed)
+    mode: str  # "staged" (swap of received buffers) or "in-place" (receive under the lock)
+
+
+@dataclass
+class EngineStats:
+    swaps: int = 0  # successful swaps
+    swap_events: int = 0  # every lock hold for weights, failed ones too
+    recent_swaps: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    forward_passes: int = 0
+    tokens: int = 0
+    # (start, end) perf_counter times of recent forward passes, and the times new
+    # versions took effect: an update's stall is the gap between the passes around it
+    timeline: deque = field(default_factory=lambda: deque(maxlen=4096))
+    version_times: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+    @property
+    def swap_ms(self) -> list[float]:
+        """Lock-hold times of the recent swaps (at most HISTORY)."""
+        return [r.ms for r in self.recent_swaps]
+
+    def add_swap(self, t0: float, version: int | None, mode: str) -> SwapRecord:
+        """Record a lock hold that began at ``t0`` (perf_counter) and ends now."""
+        record = SwapRecord(time.time(), 1000 * (time.perf_counter() - t0), version, mode)
+        self.recent_swaps.append(record)
+        self.swap_events += 1
+        if version is not None:
+            self.swaps += 1
+        return record
+
+    def swaps_since(self, seen: int) -> tuple[list[SwapRecord], int]:
+        """The swap records after the first ``seen`` events, and the new total."""
+        total, recent = self.swap_events, list(self.recent_swaps)
+        new = recent[len(recent) - min(total - seen, len(recent)) :] if total > seen else []
+        return new, total
+
+
+class Engine(ABC):
+    """Generation with per-token versions, and weights swapped between forward passes."""
+
+    name: str
+    stats: EngineStats
+    version: int | None  # the live weight version (None: partial, nothing generates)
+
+    @abstractmethod
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, should_stop=lambda: False
+    ) -> list[Completion]:
+        """Sample a completion per prompt (token ids); stop early when should_stop()."""
+
+    @abstractmethod
+    def staging(self, layout: list[BucketSpec], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Flat buffers, one per bucket, to receive a version into while generating."""
+
+    @abstractmethod
+    def swap(self, version: int, layout: list[BucketSpec], buckets: list[torch.Tensor]) -> None:
+        """Install filled staging buffers as the weights, under the per-forward-pass lock."""
+
+    @abstractmethod
+    def update_in_place(
+        self,
+        version: int,
+        layout: list[BucketSpec],
+        dtype: torch.dtype,
+        fill: Callable[[int, torch.Tensor], None],
+    ) -> None:
+        """Hold the lock; ``fill(i, bucket)`` receives bucket i; copy it into the
+        weights. A failure leaves the weights partial (version None) until the next
+        whole version. The whole hold is recorded as the swap."""
+
+    def close(self) -> None:  # noqa: B027 (optional: most engines hold nothing to release)
+        """Release what the engine holds (processes, GPU memory)."""

@@ -1,0 +1,105 @@
+"""The ``gloo`` transport: one two-rank gloo group per actor, found through a
+TCPStore whose address the trainer writes to the run's Redis.
+
+Each actor has its own pair group (rank 0 the trainer, rank 1 the actor), so
+one dead or slow actor times out alone while the others receive, and sends to
+several actors run at once from separate threads. Buckets live on the CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from pipeline.redis_server import free_port
+
+
+def pair_group(store: dist.Store, nonce: str, rank: int, host: str, timeout_s: float):
+    """The two-rank group of one join (blocks until both ranks are in, or the timeout)."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    opts._timeout = datetime.timedelta(seconds=max(timeout_s, 0.1))
+    return dist.ProcessGroupGloo(dist.PrefixStore(nonce, store), rank, 2, opts)
+
+
+def broadcast_buckets(group, buckets: list[torch.Tensor], deadline: float) -> None:
+    """Broadcast every bucket from rank 0, all within one deadline (monotonic seconds)."""
+    for bucket in buckets:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("weight transfer passed its deadline")
+        group.broadcast(bucket, 0, datetime.timedelta(seconds=remaining)).wait()
+
+
+class GlooSender:
+    name = "gloo"
+    device = torch.device("cpu")
+
+    def __init__(self, host: str, timeout_s: float):
+        self.host = host
+        self.port = free_port(host)
+        self.store = dist.TCPStore(
+            host,
+            self.port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        self._groups: dict[str, object] = {}
+        self._lock = threading.Lock()  # send() threads read while the publisher drops
+
+    def rendezvous(self) -> dict[str, str]:
+        return {"transport": self.name, "host": self.host, "port": str(self.port)}
+
+    def accept(self, actor: str, nonce: str, deadline: float) -> None:
+        group = pair_group(self.store, nonce, 0, self.host, deadline - time.monotonic())
+        with self._lock:
+            self._groups[actor] = group
+
+    def send(self, actor: str, buckets: list[torch.Tensor], deadline: float) -> None:
+        with self._lock:
+            group = self._groups[actor]
+        broadcast_buckets(group, buckets, deadline)
+
+    def drop(self, actor: str) -> None:
+        with self._lock:
+            self._groups.pop(actor, None)
+
+    def members(self) -> list[str]:
+        with self._lock:
+            return sorted(self._groups)
+
+    def close(self) -> None:
+        with self._lock:
+            self._groups.clear()
+
+
+class GlooReceiver:
+    name = "gloo"
+    device = torch.device("cpu")
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.group = None
+
+    def connect(self, rendezvous: dict[str, str], nonce: str, deadline: float) -> None:
+        remaining = max(deadline - time.monotonic(), 0.1)
+        store = dist.TCPStore(
+            rendezvous["host"],
+            int(rendezvous["port"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=remaining),
+        )
+        self.group = pair_group(store, nonce, 1, rendezvous["host"], remaining)
+
+    def receive(self, buckets: list[torch.Tensor], deadline: float) -> None:
+        if self.group is None:
+            raise RuntimeError("receive() before connect(): join the transfer first")
+        broadcast_buckets(self.group, buckets, deadline)
+
+    def close(self) -> None:
+        self.group = None
