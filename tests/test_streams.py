@@ -7,6 +7,7 @@ import contextlib
 import os
 import pickle
 import socket
+import time
 
 import msgspec
 import pytest
@@ -20,6 +21,7 @@ from pipeline.redis_server import check_no_eviction
 from pipeline.streams import Consumer, Names, publish, trim_consumed
 
 NAMES = Names("nsrl-test", "run1")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def group(n: int, schema: int = SCHEMA_VERSION) -> RolloutGroup:
@@ -160,6 +162,42 @@ def test_separate_groups_each_get_every_entry(rclient):
     one, two = consumer(rclient, grp="g1"), consumer(rclient, grp="g2")
     assert [i for i, _ in read_all(one)] == ids
     assert [i for i, _ in read_all(two)] == ids
+
+
+def test_a_second_consumer_claims_a_dead_consumers_pending_entries(rclient):
+    ids = [publish_group(rclient, n) for n in range(5)]
+    dead = consumer(rclient, "pre-0")
+    assert [i for i, _ in dead.read(3)] == ids[:3]  # read, never acknowledged: it "dies"
+
+    def peer(name: str, idle_s: float) -> Consumer:
+        return Consumer(
+            rclient,
+            NAMES,
+            NAMES.rollouts,
+            "preprocessor",
+            name,
+            RolloutGroup,
+            block_ms=20,
+            claim_idle_s=idle_s,
+            claim_every_s=0.0,
+        )
+
+    time.sleep(0.3)
+    patient = peer("pre-1", 60.0)  # entries held for less than claim_idle_s stay with their owner
+    assert [i for i, _ in patient.read(10)] == ids[3:]
+    assert patient.claimed == 0
+    alive = peer("pre-2", 0.2)
+    claimed = alive.read(10)
+    assert [i for i, _ in claimed] == ids[:3] and alive.claimed == 3
+    assert [m for _, m in claimed] == [group(n) for n in range(3)]
+    owners = {
+        r["message_id"].decode(): r["consumer"].decode()
+        for r in rclient.xpending_range(NAMES.rollouts, "preprocessor", "-", "+", 10)
+    }
+    assert owners == {**dict.fromkeys(ids[:3], "pre-2"), **dict.fromkeys(ids[3:], "pre-1")}
+    alive.ack(ids)
+    assert rclient.xpending(NAMES.rollouts, "preprocessor")["pending"] == 0
+    assert alive.read(10) == []  # nothing is delivered twice once acknowledged
 
 
 # ---------------------------------------------------------------- dead letters
@@ -386,3 +424,39 @@ def test_check_no_eviction_refuses_an_evicting_server(rclient):
     finally:
         rclient.config_set("maxmemory-policy", "noeviction")
     check_no_eviction(rclient)
+
+
+def acl_user(rclient, redis_server, role: str, rules: list[str] | None = None) -> redis.Redis:
+    """A client logged in as ``role`` with its rules from deploy/redis/users.acl."""
+    if rules is None:
+        with open(os.path.join(ROOT, "deploy", "redis", "users.acl")) as f:
+            line = next(x for x in f if x.startswith(f"user {role} "))
+        rules = [r for r in line.split()[2:] if not r.startswith(">")]
+    rclient.execute_command("ACL", "SETUSER", f"t-{role}", "reset", *rules, ">pw")
+    return redis.Redis(
+        host="127.0.0.1", port=redis_server.port, username=f"t-{role}", password="pw"
+    )
+
+
+@pytest.mark.parametrize("role", ["actor", "preprocessor", "trainer", "operator"])
+def test_every_deployed_role_checks_the_eviction_policy(rclient, redis_server, role):
+    user = acl_user(rclient, redis_server, role)
+    try:
+        with pytest.raises(redis.ResponseError):
+            user.config_get("maxmemory-policy")  # the roles may not run CONFIG ...
+        check_no_eviction(user)  # ... and still check the policy (INFO memory)
+        rclient.config_set("maxmemory-policy", "allkeys-lru")
+        with pytest.raises(ValueError, match="noeviction"):
+            check_no_eviction(user)
+    finally:
+        rclient.config_set("maxmemory-policy", "noeviction")
+        rclient.execute_command("ACL", "DELUSER", f"t-{role}")
+
+
+def test_a_user_that_may_not_read_the_policy_is_refused_not_skipped(rclient, redis_server):
+    user = acl_user(rclient, redis_server, "blind", ["on", "+@connection", "+ping", "~*"])
+    try:
+        with pytest.raises(ValueError, match=r"\+info"):
+            check_no_eviction(user)
+    finally:
+        rclient.execute_command("ACL", "DELUSER", "t-blind")

@@ -8,9 +8,11 @@ from actor.task import (
     ArithmeticTask,
     FileTask,
     Problem,
+    RewardErrors,
     build_prompt_ids,
     make_task,
     reward,
+    score,
 )
 from pipeline.models import TINY_MODEL, load_model, materialize_model
 
@@ -67,6 +69,33 @@ def test_reward_negative_and_thousands():
     assert reward("it is -3", "-3") == 1.0
     assert reward("7-3", "-3") == 0.0
     assert reward("total: 1,234", "1234") == 1.0
+
+
+def test_score_names_the_error_when_checking_raises(monkeypatch):
+    assert score("so 12", "12") == (1.0, None)
+    assert score("no answer here", "12") == (0.0, None)  # a plain miss is not an error
+
+    def broken(*_args, **_kwargs):
+        raise RecursionError("deep")
+
+    monkeypatch.setattr("math_verify.verify", broken)
+    assert score("so 12", "12") == (0.0, "RecursionError")
+
+
+def test_reward_errors_are_counted_per_reason_and_logged_rate_limited(caplog):
+    errors = RewardErrors(log_every_s=3600)
+    with caplog.at_level("WARNING", logger="actor.task"):
+        for _ in range(3):
+            errors.add("RecursionError", "so 12", "12")
+        errors.add("TimeoutError", "so 12", "12")
+    assert errors.counts == {"RecursionError": 3, "TimeoutError": 1}
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2  # one line per reason within the interval, not one per error
+    assert "RecursionError" in lines[0] and "TimeoutError" in lines[1]
+    errors.log_every_s = 0.0
+    with caplog.at_level("WARNING", logger="actor.task"):
+        errors.add("RecursionError", "x", "12")
+    assert "RecursionError 3 time(s)" in caplog.records[-1].getMessage()  # the 2 unlogged + 1
 
 
 def test_file_task_reads_jsonl_with_gsm8k_answers(tmp_path):
