@@ -193,3 +193,39 @@ def test_a_silent_or_stuck_pool_is_flagged():
     assert "generating (no heartbeat)" in text
     assert "generating (no progress for 2.0m)" in text
     assert "finished  " in text and "finished (no heartbeat)" not in text
+
+
+def test_publisher_failures_and_reward_errors_are_shown():
+    from pipeline.inspect import pool_info, render
+
+    now = 1000.0
+    trainer = {
+        "role": "trainer",
+        "state": "training",
+        "heartbeat": "999",
+        "weight_updates_published": "7",
+        "weight_versions_unreceived": "2",
+        "weight_publish_failures": "3",
+        "actors_dropped": "1",
+        "last_publish_error": "actor-1 timed out receiving version 9",
+    }
+    actor = {"role": "actor", "state": "generating", "heartbeat": "999", "reward_errors": "4"}
+    actor |= {"reward_errors.RecursionError": "3", "reward_errors.TimeoutError": "1"}
+    pools = {"trainer": pool_info(trainer, now, 30), "actor-0": pool_info(actor, now, 30)}
+    assert pools["trainer"]["throughput"]["weight_publish_failures"] == 3
+    assert pools["actor-0"]["reward_error_reasons"] == {"RecursionError": 3, "TimeoutError": 1}
+    snap = {
+        "run": "nonstop:x",
+        "time": now,
+        "redis": {"version": "7", "used_memory": "1M", "maxmemory_policy": "noeviction"},
+        "trainer_version": 9,
+        "published_version": 7,
+        "samples_in_flight": 0,
+        "streams": {},
+        "pools": pools,
+        "dead_letters": {"count": 0, "reported_by_pools": 0, "recent": []},
+    }
+    text = render(snap)
+    for shown in ("unreceived 2", "publish failures 3", "actors dropped 1", "timed out receiving"):
+        assert shown in text, text
+    assert "reward errors 4" in text and "RecursionError 3" in text, text

@@ -1,0 +1,5 @@
+import sys
+
+from pipeline.inspect.cli import main
+
+sys.exit(main())

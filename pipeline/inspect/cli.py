@@ -1,0 +1,82 @@
+"""``python -m pipeline.inspect`` arguments and the watch loop."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import redis
+
+from pipeline.inspect.gather import snapshot
+from pipeline.inspect.render import render
+from pipeline.inspect.target import pick_run, resolve
+from pipeline.streams import Names, connect
+
+CLEAR = "\x1b[H\x1b[2J"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m pipeline.inspect",
+        description="Streams, consumer groups and pools of a live nonstop-rl run.",
+    )
+    p.add_argument(
+        "--run-dir", help="a run directory (its redis/url or redis/port+auth, and config.yaml)"
+    )
+    p.add_argument("--url", help="redis://[:PASS@]host:port/db (default: $NONSTOP_REDIS_URL)")
+    p.add_argument("--config", help="a config.yaml to take redis.prefix and run.name from")
+    p.add_argument("--prefix", help="redis.prefix of the run (default: from config, or found)")
+    p.add_argument("--run", help="run.name (default: from config, or the only run found)")
+    p.add_argument(
+        "--watch",
+        nargs="?",
+        const=2.0,
+        type=float,
+        metavar="SECONDS",
+        help="redraw every SECONDS (default 2) until Ctrl-C",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--stale-after",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a heartbeat older than this marks a pool as not alive (default 30)",
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        target = resolve(args)
+        client = connect(target.url, attempts=3)
+        target = pick_run(client, target)
+    except (ValueError, ConnectionError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    names = Names(target.prefix, target.run)
+    prev = None
+    try:
+        while True:
+            try:
+                snap = snapshot(client, names, args.stale_after)
+                text = json.dumps(snap) if args.json else render(snap, prev, target.url)
+                prev = snap
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                if args.watch is None:
+                    print(f"error: redis unreachable: {e}", file=sys.stderr)
+                    return 1
+                text = f"redis unreachable ({e}); retrying every {args.watch}s"
+            if args.watch is not None and not args.json:
+                sys.stdout.write(CLEAR)  # a live terminal view: clear the screen, redraw
+            print(text, flush=True)
+            if args.watch is None:
+                return 0
+            time.sleep(max(args.watch, 0.05))
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        client.close()

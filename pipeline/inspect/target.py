@@ -1,0 +1,95 @@
+"""Where the run to inspect is: a run directory, a config file, a URL, or the only
+run with pools in the Redis reached (``resolve``, ``pick_run``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+import redis
+
+
+@dataclass
+class Target:
+    url: str
+    prefix: str
+    run: str
+
+
+# ------------------------------------------------------------------ where the run is
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
+def _config_names(path: str) -> tuple[str | None, str | None]:
+    """(redis.prefix, run.name) from a saved config.yaml, without the full schema."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(path)
+    return OmegaConf.select(cfg, "redis.prefix"), OmegaConf.select(cfg, "run.name")
+
+
+def discover_runs(client: redis.Redis) -> list[tuple[str, str]]:
+    """Every (prefix, run) that has a pool status hash in this Redis."""
+    found = set()
+    for key in client.scan_iter(match="*:status:*", count=500):
+        parts = key.decode().split(":")
+        if len(parts) >= 4 and parts[-2] == "status":
+            found.add((":".join(parts[:-3]), parts[-3]))
+    return sorted(found)
+
+
+def resolve(args: argparse.Namespace) -> Target:
+    """The Redis URL, prefix and run name from the arguments (errors say what to pass)."""
+    prefix, run, url = args.prefix, args.run, args.url
+    config = args.config
+    if args.run_dir:
+        rd = args.run_dir
+        if not os.path.isdir(rd):
+            raise ValueError(f"--run-dir {rd} is not a directory")
+        url_f = os.path.join(rd, "redis", "url")  # written by the Slurm scripts (deploy/slurm)
+        port_f, auth_f = os.path.join(rd, "redis", "port"), os.path.join(rd, "redis", "auth")
+        if url is None and os.path.exists(url_f):
+            url = _read(url_f)
+        elif url is None:
+            if not os.path.exists(port_f):
+                raise ValueError(
+                    f"{port_f} does not exist: {rd} has no embedded redis-server; "
+                    "pass --url redis://... for a run on an external Redis"
+                )
+            auth = _read(auth_f) if os.path.exists(auth_f) else ""
+            url = f"redis://:{auth}@127.0.0.1:{_read(port_f)}/0"
+        if config is None and os.path.exists(os.path.join(rd, "config.yaml")):
+            config = os.path.join(rd, "config.yaml")
+    if config:
+        if not os.path.exists(config):
+            raise ValueError(f"--config {config} does not exist")
+        cfg_prefix, cfg_run = _config_names(config)
+        prefix, run = prefix or cfg_prefix, run or cfg_run
+    url = url or os.environ.get("NONSTOP_REDIS_URL")
+    if not url:
+        raise ValueError(
+            "no Redis to inspect: pass --run-dir DIR, --url redis://... or set NONSTOP_REDIS_URL"
+        )
+    return Target(url=url, prefix=prefix or "", run=run or "")
+
+
+def pick_run(client: redis.Redis, target: Target) -> Target:
+    """Fill in prefix/run when not given: the only run with pools in this Redis."""
+    if target.prefix and target.run:
+        return target
+    runs = [
+        (p, r)
+        for p, r in discover_runs(client)
+        if (not target.prefix or p == target.prefix) and (not target.run or r == target.run)
+    ]
+    if len(runs) == 1:
+        return Target(target.url, *runs[0])
+    if not runs and target.run:  # no pool has started yet: inspect what is there
+        return Target(target.url, target.prefix or "nonstop", target.run)
+    listing = ", ".join(f"--prefix {p} --run {r}" for p, r in runs) or "none"
+    raise ValueError(f"pass --run (and --prefix) to choose a run; runs with pools here: {listing}")
