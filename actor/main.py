@@ -22,6 +22,7 @@ import zlib
 import numpy as np
 
 from actor.engine import Completion, HFEngine
+from actor.sync import Turns
 from actor.task import DEFAULT_SYSTEM_PROMPT, RewardErrors, build_prompt_ids, make_task, score
 from pipeline.config import pool_dtype, run_secret
 from pipeline.messages import (
@@ -94,12 +95,19 @@ def score_group(pool: Pool, texts: list[str], answer: str, errors: RewardErrors)
 
 
 def generate_step(
-    pool: Pool, engine: HFEngine, task, tokenizer, rewards: Window, errors: RewardErrors
+    pool: Pool,
+    engine: HFEngine,
+    task,
+    tokenizer,
+    rewards: Window,
+    errors: RewardErrors,
+    prompts_n: int | None = None,
 ) -> int:
-    """Generate, score and publish one batch of groups; return groups published."""
+    """Generate, score and publish one batch of groups (``prompts_n`` prompts, default
+    engine.prompts_per_batch); return groups published."""
     cfg = pool.cfg
     g = cfg.task.group_size
-    problems = [task.sample() for _ in range(cfg.engine.prompts_per_batch)]
+    problems = [task.sample() for _ in range(prompts_n or cfg.engine.prompts_per_batch)]
     system = DEFAULT_SYSTEM_PROMPT if cfg.task.system_prompt is None else cfg.task.system_prompt
     prompts = [build_prompt_ids(tokenizer, p.question, system) for p in problems]
     outs = engine.generate(
@@ -177,13 +185,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     receiver.start()
     rewards, produced, swaps, errors = Window(200), 0, 0, RewardErrors()
+    turns = Turns(pool, engine, wait_for_room)  # pipeline.mode: async or sync phases
     try:
         while not pool.stop.is_set():
-            wait_for_room(pool, engine)
+            prompts_n = turns.wait()
             if pool.stop.is_set():
                 break
             t0, tokens0 = time.monotonic(), engine.stats.tokens
-            produced += generate_step(pool, engine, task, tokenizer, rewards, errors)
+            made = generate_step(pool, engine, task, tokenizer, rewards, errors, prompts_n)
+            produced += made
+            turns.done(made, time.monotonic() - t0)
             swaps = record_swaps(pool, engine, swaps)
             rate = (engine.stats.tokens - tokens0) / max(time.monotonic() - t0, 1e-9)
             pool.status.set(

@@ -16,6 +16,7 @@ import logging
 import random
 import re
 import time
+import zlib
 from pathlib import Path
 
 import msgspec
@@ -26,6 +27,7 @@ QUESTION_TEMPLATE = "What is {expr}?"
 TASK_KINDS = ("arithmetic", "file")
 MAX_DIFFICULTY = 5
 MAX_ANSWER_CHARS = 100  # longer "answers" are garbage; they also bound math_verify's work
+HELDOUT_SHARE = 5  # one arithmetic expression in 5 is held out of training, for evaluation
 
 log = logging.getLogger(__name__)
 
@@ -94,19 +96,39 @@ class ArithmeticTask:
         self._rng = random.Random(seed)
         self._count = 0
 
-    def _make(self, rng: random.Random, pid: str) -> Problem:
-        expr, value = _expression(rng, self.difficulty)
+    def _problem(self, pid: str, expr: str, value: int) -> Problem:
         return Problem(id=pid, question=self.template.format(expr=expr), answer=str(value))
 
     def sample(self) -> Problem:
-        """The next problem of this task's deterministic sequence."""
+        """The next training problem of this task's deterministic sequence (never held out)."""
         self._count += 1
-        return self._make(self._rng, f"arith-d{self.difficulty}-s{self.seed}-{self._count}")
+        while True:
+            expr, value = _expression(self._rng, self.difficulty)
+            if not is_heldout(expr):
+                pid = f"arith-d{self.difficulty}-s{self.seed}-{self._count}"
+                return self._problem(pid, expr, value)
 
     def heldout(self, n: int) -> list[Problem]:
-        """A fixed evaluation set: the same n problems on every call, from its own stream."""
-        rng = random.Random(f"heldout-{self.difficulty}-{self.seed}")
-        return [self._make(rng, f"heldout-d{self.difficulty}-{i}") for i in range(n)]
+        """The evaluation set: up to n distinct held-out problems, the same on every call
+        and for every seed; fewer when the level has fewer (difficulty 2 has about 30)."""
+        rng = random.Random(f"heldout-{self.difficulty}")
+        seen: dict[str, int] = {}
+        for _ in range(1000 + 200 * n):
+            expr, value = _expression(rng, self.difficulty)
+            if is_heldout(expr):
+                seen.setdefault(expr, value)
+                if len(seen) == n:
+                    break
+        return [
+            self._problem(f"heldout-d{self.difficulty}-{i}", expr, value)
+            for i, (expr, value) in enumerate(seen.items())
+        ]
+
+
+def is_heldout(expr: str) -> bool:
+    """Whether an arithmetic expression belongs to the held-out split (training never
+    draws it): a fixed hash of the expression text, the same in every process."""
+    return zlib.crc32(expr.encode()) % HELDOUT_SHARE == 0
 
 
 # ---------------------------------------------------------------- user files

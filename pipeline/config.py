@@ -166,6 +166,44 @@ class MetricsConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Held-out evaluation: ``python -m pipeline.eval`` and the periodic evaluator pool."""
+
+    every_steps: int = 0  # evaluate checkpoints whose step is a multiple of this (0: off)
+    every_s: float = 0.0  # or the newest checkpoint, at most this often (0: off)
+    problems: int = 64  # held-out problems (the arithmetic split has ~30 at difficulty <= 3)
+    path: str | None = None  # a problem file to evaluate on; None: the task's held-out split
+    samples: int = 4  # sampled completions per problem, for mean reward and pass@k
+    temperature: float | None = None  # None: engine.temperature
+    max_new_tokens: int | None = None  # None: engine.max_new_tokens
+    batch_size: int = 16  # prompts per generate call
+    torch_threads: int = 1
+    seed: int = 0
+    final_timeout_s: float = 600.0  # the launcher waits this long for the final evaluation
+
+
+PIPELINE_MODES = ("async", "sync")
+
+
+@dataclass
+class PipelineConfig:
+    # async: pools never wait for each other; sync: actors generate one step's worth of
+    # groups with the current weights, then wait for the trainer's next version
+    mode: str = "async"
+    # role -> CPU ids the pool's process is pinned to (os.sched_setaffinity); {} = no pinning
+    cpus: dict[str, list[int]] = field(default_factory=dict)
+    # sync: a step waiting this long with nothing moving is topped up (lost samples)
+    sync_stall_s: float = 120.0
+
+
+@dataclass
+class WeightsConfig:
+    """How new weights travel from the trainer to the actors (pipeline/transfer/)."""
+
+    transport: str = "gloo"  # gloo (CPU, TCP); nccl and cuda_ipc: issue 12
+
+
+@dataclass
 class Config:
     run_dir: str = ""  # empty: outputs/<timestamp>, chosen by the launcher
     run: RunConfig = field(default_factory=RunConfig)
@@ -178,6 +216,8 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
 
 def register() -> None:
@@ -241,6 +281,7 @@ def validate(cfg: Any) -> None:
     if _get(cfg, "actor.max_lag") < 0 or _get(cfg, "trainer.max_lag") < 0:
         raise ValueError("actor.max_lag and trainer.max_lag must be >= 0")
     validate_scorers(_get(cfg, "preprocessor"))
+    validate_eval_and_mode(cfg)
     validate_devices(cfg)
 
 
@@ -311,6 +352,53 @@ def validate_scorers(pre: Any) -> None:
         raise ValueError(
             f"preprocessor.prm.weight + preprocessor.teacher.weight = {total:g} > 1; "
             "the outcome advantage gets 1 minus their sum, so lower them"
+        )
+
+
+def validate_eval_and_mode(cfg: Any) -> None:
+    """The ``eval`` section and ``pipeline.mode`` / ``pipeline.cpus``."""
+    mode = _get(cfg, "pipeline.mode")
+    if mode not in PIPELINE_MODES:
+        raise ValueError(f"pipeline.mode={mode!r} is not supported; use one of {PIPELINE_MODES}")
+    g, per_step = _get(cfg, "task.group_size"), _get(cfg, "trainer.samples_per_step")
+    if mode == "sync" and per_step % g:
+        raise ValueError(
+            f"pipeline.mode=sync needs trainer.samples_per_step ({per_step}) to be a multiple "
+            f"of task.group_size ({g}): a step is made of whole groups"
+        )
+    for role, cpus in (_get(cfg, "pipeline.cpus") or {}).items():
+        if role not in ("actor", "preprocessor", "trainer", "evaluator"):
+            raise ValueError(
+                f"pipeline.cpus names an unknown role {role!r}; use actor, preprocessor, "
+                "trainer or evaluator (e.g. pipeline.cpus={actor:[0],trainer:[1]})"
+            )
+        if not cpus or any(c < 0 or c >= (os.cpu_count() or 1) for c in cpus):
+            raise ValueError(
+                f"pipeline.cpus.{role}={list(cpus)}: give CPU ids in 0..{(os.cpu_count() or 1) - 1}"
+            )
+    ev = _get(cfg, "eval")
+    for key in ("problems", "samples", "batch_size", "torch_threads"):
+        if getattr(ev, key) <= 0:
+            raise ValueError(f"eval.{key}={getattr(ev, key)} must be > 0")
+    if ev.every_steps < 0 or ev.every_s < 0:
+        raise ValueError("eval.every_steps and eval.every_s must be >= 0 (0 turns them off)")
+    if ev.temperature is not None and ev.temperature <= 0:
+        raise ValueError("eval.temperature must be > 0 (greedy accuracy is measured anyway)")
+    if ev.max_new_tokens is not None and ev.max_new_tokens <= 0:
+        raise ValueError("eval.max_new_tokens must be > 0")
+    if ev.path and not os.path.exists(ev.path):
+        raise ValueError(f"eval.path={ev.path} does not exist; give a JSONL or parquet file")
+    every_ckpt = _get(cfg, "trainer.checkpoint_every")
+    if ev.every_steps and ev.every_steps % every_ckpt:
+        raise ValueError(
+            f"eval.every_steps={ev.every_steps} must be a multiple of trainer.checkpoint_every="
+            f"{every_ckpt}: the evaluator reads checkpoints"
+        )
+    periodic = ev.every_steps or ev.every_s
+    if periodic and _get(cfg, "task.kind") == "file" and not ev.path:
+        raise ValueError(
+            "periodic evaluation with task.kind=file needs eval.path=heldout.jsonl: the "
+            "training file has no held-out split"
         )
 
 

@@ -87,8 +87,10 @@ def start_pool(role: str, argv: list[str] | None = None) -> Pool:
         "actor": cfg.engine.torch_threads,
         "preprocessor": cfg.preprocessor.torch_threads,
         "trainer": cfg.trainer.torch_threads,
+        "evaluator": cfg.eval.torch_threads,
     }[role]
     torch.set_num_threads(threads)
+    pin_cpus(role, cfg.pipeline.cpus)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -110,6 +112,13 @@ def start_pool(role: str, argv: list[str] | None = None) -> Pool:
     threading.Thread(target=heartbeat, args=(pool,), name="heartbeat", daemon=True).start()
     logging.getLogger(role).info("%s started (pid %d)", args.name, os.getpid())
     return pool
+
+
+def pin_cpus(role: str, cpus: dict) -> None:
+    """``pipeline.cpus.<role>``: run this process (and its threads) on those CPUs only."""
+    if cpus and role in cpus:
+        os.sched_setaffinity(0, set(cpus[role]))
+        logging.getLogger(role).info("pinned to CPUs %s", sorted(cpus[role]))
 
 
 def run_main(main) -> None:

@@ -1,0 +1,134 @@
+"""When an actor may generate: ``pipeline.mode=async`` (back-pressure only) or
+``pipeline.mode=sync`` (one trainer step's worth of groups per policy version).
+
+::
+
+    reads   <run>:samples_produced, <run>:samples_retired, <run>:trainer_version,
+            <run>:sync_claims (sync: what other actors are generating right now)
+    writes  <run>:sync_claims (sync: this actor's claim, released after publishing);
+            a ``turn`` metrics record per batch (wait and generate seconds, mode)
+    blocks  async: while behind or backlogged (actor.main.wait_for_room);
+            sync: until this actor holds the trainer's current version and the
+            step still lacks samples nobody is generating
+
+Sync mode, in phases as in colocated systems: the actors generate exactly
+``trainer.samples_per_step`` samples with version v and wait; the preprocessor and
+trainer take that step; the trainer publishes v+1; the actors resume once they hold
+v+1. Policy lag is 0 by construction. A claim (Lua, atomic across actors) reserves
+samples before generating: in flight (produced - retired) plus live claims never
+exceed one step. Groups dropped for no signal are retired by the preprocessor, so the
+step's shortfall is generated again at the same version. A claim expires after
+``launch.watchdog_s`` (an actor that died mid-batch does not block the step); a step
+stuck for ``pipeline.sync_stall_s`` with nothing moving (samples lost on the way,
+e.g. dead-lettered) is topped up with one more step's worth, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pipeline.runtime import Pool
+
+log = logging.getLogger("actor")
+
+# KEYS: produced, retired, trainer_version, claims hash
+# ARGV: actor, want, step_samples, now, expires_at, group_size, engine_version, slack
+# Returns the samples claimed (a multiple of group_size; 0: wait), or -1: not at the
+# trainer's version yet. want=0 releases this actor's claim.
+_CLAIM = """
+local produced = tonumber(redis.call('GET', KEYS[1]) or '0')
+local retired = tonumber(redis.call('GET', KEYS[2]) or '0')
+local version = tonumber(redis.call('GET', KEYS[3]) or '0')
+local want, g = tonumber(ARGV[2]), tonumber(ARGV[6])
+redis.call('HDEL', KEYS[4], ARGV[1])
+if want == 0 then return 0 end
+if version ~= tonumber(ARGV[7]) then return -1 end
+local claimed = 0
+local all = redis.call('HGETALL', KEYS[4])
+for i = 1, #all, 2 do
+  local n, expires = string.match(all[i + 1], '^(%d+):([%d%.]+)$')
+  if n and tonumber(expires) > tonumber(ARGV[4]) then claimed = claimed + tonumber(n) end
+end
+local free = tonumber(ARGV[3]) + tonumber(ARGV[8]) - (produced - retired) - claimed
+local n = math.min(want, math.floor(free / g) * g)
+if n <= 0 then return 0 end
+redis.call('HSET', KEYS[4], ARGV[1], n .. ':' .. ARGV[5])
+return n
+"""
+
+
+class Turns:
+    """The actor loop's gate: how many prompts it may generate now."""
+
+    def __init__(self, pool: Pool, engine, wait_for_room):
+        self.pool, self.engine, self.wait_for_room = pool, engine, wait_for_room
+        self.mode = pool.cfg.pipeline.mode
+        self.claim = pool.client.register_script(_CLAIM)
+        names = pool.names
+        self.keys = [
+            names.key("samples_produced"),
+            names.key("samples_retired"),
+            names.key("trainer_version"),
+            names.key("sync_claims"),
+        ]
+        self.waited = 0.0
+        pool.record(event="mode", mode=self.mode)
+        pool.status.set(mode=self.mode)
+
+    def _call(self, want: int, slack: int = 0) -> int:
+        cfg = self.pool.cfg
+        now = time.time()
+        args = [self.pool.name, want, cfg.trainer.samples_per_step, now]
+        args += [now + max(cfg.launch.watchdog_s, 30.0), cfg.task.group_size]
+        args += [-1 if self.engine.version is None else self.engine.version, slack]
+        return int(self.claim(keys=self.keys, args=args))
+
+    def wait(self) -> int:
+        """Block until this actor may generate; return the number of prompts (0: stop)."""
+        t0 = time.monotonic()
+        prompts = self.pool.cfg.engine.prompts_per_batch
+        if self.mode == "async":
+            self.wait_for_room(self.pool, self.engine)
+        else:
+            prompts = self._wait_sync(prompts)
+        self.waited = time.monotonic() - t0
+        return 0 if self.pool.stop.is_set() else prompts
+
+    def _wait_sync(self, prompts: int) -> int:
+        cfg, pool = self.pool.cfg, self.pool
+        g = cfg.task.group_size
+        stuck_since, seen, slack = time.monotonic(), None, 0
+        while not pool.stop.is_set():
+            n = self._call(prompts * g, slack)
+            if n > 0:
+                return n // g
+            state = (n, pool.client.mget(self.keys[:3]))
+            if state != seen:
+                stuck_since, seen = time.monotonic(), state
+            elif n == 0 and time.monotonic() - stuck_since > cfg.pipeline.sync_stall_s:
+                log.warning(
+                    "sync: version %s has been waiting %.0fs for samples that never came "
+                    "(lost or dead-lettered?); generating one more step's worth",
+                    self.engine.version,
+                    time.monotonic() - stuck_since,
+                )
+                pool.record(event="sync_stall", version=self.engine.version)
+                slack, stuck_since = slack + cfg.trainer.samples_per_step, time.monotonic()
+            pool.status.set(state="waiting (sync)", version=self.engine.version)
+            pool.tick()
+            time.sleep(0.02)
+        return 0
+
+    def done(self, groups: int, generate_s: float) -> None:
+        """After a batch is published: release the claim; record the turn's timings."""
+        if self.mode == "sync":
+            self._call(0)
+        self.pool.record(
+            event="turn",
+            mode=self.mode,
+            groups=groups,
+            wait_s=round(self.waited, 4),
+            generate_s=round(generate_s, 4),
+            version=self.engine.version,
+        )

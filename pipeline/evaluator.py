@@ -1,0 +1,149 @@
+"""The evaluator pool: held-out evaluation of the trainer's checkpoints while the run
+goes on. ``python -m pipeline.evaluator --config RUN_DIR/config.yaml --name evaluator``
+(the launcher starts it when ``eval.every_steps`` or ``eval.every_s`` is set).
+
+::
+
+    reads   RUN_DIR/checkpoints/step-*/ (each due checkpoint still on disk, oldest
+            first; a copy of the weights is loaded here: nothing is asked of other pools)
+    writes  metrics.jsonl ``eval`` records (step = policy version: greedy_accuracy,
+            mean_reward, pass_at_k, ...), which the sinks send to TensorBoard/W&B;
+            status hash (evaluated_version, last eval numbers)
+    blocks  sleeping between polls of checkpoints/ (1 s)
+
+Why a separate pool reading checkpoints, not the actor between groups nor another
+weight receiver: evaluation never takes the actor's time (generation does not pause,
+and the async/sync comparison is not skewed by it), it adds nothing to the weight
+transfer (the trainer publishes to the actors only, and the publisher's accounting is
+about actors), and each evaluation sees exactly one version, whole. The cost: it sees
+only checkpointed versions (``eval.every_steps`` must be a multiple of
+``trainer.checkpoint_every``) and it needs the checkpoint folder (a shared file system
+when it runs on another machine). The final checkpoint is always evaluated, and the
+launcher waits (``eval.final_timeout_s``) for that before it stops the pools.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from pipeline.eval import checkpoint_version, eval_problems, evaluate
+from pipeline.models import load_model
+from pipeline.runtime import Pool, run_main, start_pool
+from pipeline.streams import Names
+from pipeline.telemetry import read_statuses
+
+log = logging.getLogger("evaluator")
+ROLE = "evaluator"
+
+
+def checkpoints(run_dir: str) -> list[tuple[str, int]]:
+    """(folder, version) of every complete checkpoint on disk, oldest first."""
+    root = os.path.join(run_dir, "checkpoints")
+    found = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        path = os.path.join(root, name)
+        if not name.startswith("step-") or name.endswith(".tmp"):
+            continue
+        try:
+            version = checkpoint_version(path)
+        except (OSError, ValueError, KeyError):  # rotated away while we looked
+            continue
+        if version is not None:
+            found.append((path, version))
+    return sorted(found, key=lambda pv: pv[1])
+
+
+def next_due(
+    found: list[tuple[str, int]], last: int, last_t: float, ev: Any, max_steps: int
+) -> tuple[str, int] | None:
+    """The checkpoint to evaluate now (``last``: the version evaluated last), or None:
+    the oldest at a multiple of ``eval.every_steps`` or the final one; else, once
+    ``eval.every_s`` has passed, the newest."""
+    newer = [(p, v) for p, v in found if v > last]
+    for path, version in newer:
+        if version >= max_steps or (ev.every_steps and version % ev.every_steps == 0):
+            return path, version
+    if newer and ev.every_s and time.monotonic() - last_t >= ev.every_s:
+        return newer[-1]
+    return None
+
+
+def evaluate_once(pool: Pool, path: str, version: int, problems: list) -> dict | None:
+    """Load ``path`` and evaluate it; None when the folder vanished (rotated away)."""
+    cfg, t0 = pool.cfg, time.monotonic()
+    try:
+        model, tokenizer = load_model(path, cfg.model.dtype)
+        written = os.path.getmtime(os.path.join(path, "trainer_state.json"))
+    except (OSError, ValueError) as e:
+        log.warning("checkpoint %s could not be loaded (%s); waiting for the next", path, e)
+        return None
+    pool.status.set(state=f"evaluating v{version}")
+    out = evaluate(model, tokenizer, problems, cfg, progress=lambda _n: pool.tick())
+    out.pop("per_problem")
+    return out | {"checkpoint_time": written, "eval_s": round(time.monotonic() - t0, 2)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    pool = start_pool(ROLE, argv)
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # a warning per parse otherwise
+    cfg = pool.cfg
+    run_dir = cfg.run_dir or "."
+    problems, source = eval_problems(cfg)
+    log.info("evaluating on %d problems (%s)", len(problems), source)
+    last = int(pool.client.hget(pool.status.key, "evaluated_version") or -1)
+    last_t = time.monotonic()
+    while not pool.tick():
+        due = next_due(checkpoints(run_dir), last, last_t, cfg.eval, cfg.trainer.max_steps)
+        if due is None:
+            pool.status.set(state="waiting for a checkpoint", evaluated_version=last)
+            time.sleep(1.0)
+            continue
+        path, version = due
+        out = evaluate_once(pool, path, version, problems)
+        if out is None or pool.stop.is_set():
+            continue
+        last, last_t = version, time.monotonic()
+        pool.record(event="eval", step=version, version=version, problems=len(problems), **out)
+        pool.status.set(
+            state="evaluated",
+            evaluated_version=version,
+            greedy_accuracy=out["greedy_accuracy"],
+            mean_reward=out["mean_reward"],
+            pass_at_k=out["pass_at_k"],
+        )
+        log.info(
+            "v%d: greedy accuracy %.3f, mean reward %.3f, pass@%d %.3f (%.1fs)",
+            version,
+            out["greedy_accuracy"],
+            out["mean_reward"],
+            out["k"],
+            out["pass_at_k"],
+            out["eval_s"],
+        )
+    pool.status.set(state="stopped")
+
+
+def wait_for_final_eval(client, names: Names, cfg: Any) -> bool:
+    """Launcher side: give the evaluator ``eval.final_timeout_s`` to evaluate the
+    final checkpoint; True when it did (or when no evaluator runs)."""
+    if not (cfg.eval.every_steps or cfg.eval.every_s):
+        return True
+    deadline = time.monotonic() + cfg.eval.final_timeout_s
+    while time.monotonic() < deadline:
+        done = [
+            int(v.get("evaluated_version", -1))
+            for v in read_statuses(client, names).values()
+            if v.get("role") == ROLE
+        ]
+        if done and max(done) >= cfg.trainer.max_steps:
+            return True
+        time.sleep(0.5)
+    print(f"\nthe evaluator did not finish the final checkpoint in {cfg.eval.final_timeout_s}s")
+    return False
+
+
+if __name__ == "__main__":
+    run_main(main)

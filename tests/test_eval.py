@@ -1,0 +1,126 @@
+"""Evaluation: the held-out split, ``python -m pipeline.eval`` on a tiny checkpoint
+from a problem file, and the periodic evaluator pool in a real run."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from actor.task import ArithmeticTask, reward
+from pipeline.models import TINY_MODEL, load_model, materialize_model
+from pipeline.telemetry import read_jsonl
+from tests.launching import ROOT, run_tiny
+
+
+@pytest.mark.parametrize("difficulty", [1, 2, 3, 4])
+def test_heldout_problems_never_appear_in_training_draws(difficulty):
+    heldout = ArithmeticTask(difficulty).heldout(64)
+    assert len(heldout) >= 20
+    assert len({p.question for p in heldout}) == len(heldout)  # distinct problems
+    assert heldout == ArithmeticTask(difficulty, seed=5).heldout(64)  # the same for any seed
+    questions = {p.question for p in heldout}
+    for seed in (0, 1, 2):  # actors draw with different seeds
+        task = ArithmeticTask(difficulty, seed=seed)
+        drawn = {task.sample().question for _ in range(3000)}
+        assert not drawn & questions
+
+
+def _eval(*args, cache) -> subprocess.CompletedProcess:
+    env = dict(os.environ, NONSTOP_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.eval", *map(str, args), "--no-progress"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _tiny_checkpoint(tmp_path: Path) -> Path:
+    """A checkpoint folder as the trainer leaves it: HF weights + trainer_state.json."""
+    model, tokenizer = load_model(materialize_model(TINY_MODEL, str(tmp_path / "cache")))
+    path = tmp_path / "ckpts" / "step-000003"
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    (path / "trainer_state.json").write_text(json.dumps({"version": 3, "entry_id": "0-0"}))
+    return path
+
+
+def test_eval_cli_scores_a_tiny_checkpoint_on_a_problem_file(tmp_path):
+    ckpt = _tiny_checkpoint(tmp_path)
+    problems = tmp_path / "problems.jsonl"
+    rows = [
+        {"question": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(3) for b in (1, 2)
+    ]
+    rows.append({"question": "GSM8K style", "answer": "some work\n#### 4"})
+    problems.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "result.json"
+    proc = _eval(
+        ckpt,
+        "task.kind=file",
+        f"task.path={problems}",
+        "model.name=tiny",
+        "eval.samples=3",
+        "eval.batch_size=4",
+        "eval.max_new_tokens=12",
+        "--out",
+        out,
+        cache=tmp_path / "cache",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "greedy accuracy" in proc.stdout and "pass@3" in proc.stdout  # the table
+    result = json.loads(out.read_text())
+    assert result["version"] == 3
+    assert result["problems"] == len(rows) and len(result["per_problem"]) == len(rows)
+    assert result["source"] == str(problems) and result["k"] == 3
+    assert result["per_problem"][-1]["answer"] == "4"  # the GSM8K answer was read
+    per = result["per_problem"]
+    assert all(len(r["sampled"]) == 3 for r in per)
+    for r in per:  # each greedy score is the task's reward of the text it recorded
+        assert r["greedy"] == reward(r["greedy_text"], r["answer"])
+    assert result["greedy_accuracy"] == pytest.approx(sum(r["greedy"] for r in per) / len(per))
+    mean = sum(sum(r["sampled"]) for r in per) / (3 * len(per))
+    assert result["mean_reward"] == pytest.approx(mean)
+    assert result["pass_at_k"] == pytest.approx(sum(max(r["sampled"]) for r in per) / len(per))
+    assert 0 < result["mean_completion_tokens"] <= 12
+
+
+def test_eval_cli_rejects_what_it_cannot_evaluate(tmp_path):
+    proc = _eval(tmp_path / "nowhere", cache=tmp_path / "cache")
+    assert proc.returncode == 2 and "is not a directory" in proc.stderr
+    (tmp_path / "empty_run").mkdir()
+    (tmp_path / "empty_run" / "config.yaml").write_text("run:\n  name: x\n")
+    proc = _eval(tmp_path / "empty_run", cache=tmp_path / "cache")
+    assert proc.returncode == 2 and "no checkpoint yet" in proc.stderr
+    ckpt = _tiny_checkpoint(tmp_path)
+    proc = _eval(ckpt, "eval.samples=0", cache=tmp_path / "cache")
+    assert proc.returncode == 2 and "eval.samples" in proc.stderr
+
+
+def test_periodic_eval_records_each_checkpointed_version(tmp_path):
+    run_dir = tmp_path / "run"
+    code, out = run_tiny(
+        tmp_path,
+        run_dir,
+        "trainer.max_steps=4",
+        "eval.every_steps=2",
+        "eval.problems=6",
+        "eval.samples=2",
+        "eval.max_new_tokens=8",
+    )
+    assert code == 0, out
+    evals = [r for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r.get("event") == "eval"]
+    assert [r["version"] for r in evals] == [2, 4]  # every 2 steps, the final one included
+    for r in evals:
+        assert r["pool"] == "evaluator" and r["problems"] == 6 and r["k"] == 2
+        assert 0 <= r["greedy_accuracy"] <= 1 and 0 <= r["mean_reward"] <= r["pass_at_k"] + 1e-9
+    # the CLI on the run directory evaluates its latest checkpoint and writes RUN/eval/
+    proc = _eval(run_dir, "eval.problems=4", "eval.samples=2", cache=tmp_path / "cache")
+    assert proc.returncode == 0, proc.stderr
+    saved = json.loads((run_dir / "eval" / "step-000004.json").read_text())
+    assert saved["version"] == 4 and saved["problems"] == 4
+    assert saved["source"].startswith("arithmetic held-out split")
