@@ -1,0 +1,204 @@
+"""The trainer pool over a real redis-server on the tiny model: what a step does
+to log-probs, stale rejection, replay dedupe, dead-lettering of bad entries,
+and the samples_retired count the actors' back-pressure reads."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from pipeline.config import Config
+from pipeline.messages import (
+    SCHEMA_VERSION,
+    Sample,
+    TrainBatch,
+    decode,
+    encode,
+    pack_f32,
+    pack_i32,
+    rle_encode,
+)
+from pipeline.models import materialize_model
+from pipeline.runtime import Pool
+from pipeline.streams import Names, publish
+from pipeline.telemetry import MetricsFile, PoolStatus, read_jsonl
+from trainer.backends.torch_backend import TorchBackend
+from trainer.collate import collate
+from trainer.main import Trainer
+from trainer.ranks import Ranks
+from trainer.step import token_logprobs, train_step
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return materialize_model("tiny", str(tmp_path_factory.mktemp("m")))
+
+
+def sample(index: int, n: int, version: int, advantage: float, rng, lp=None) -> Sample:
+    return Sample(
+        index=index,
+        completion_ids=pack_i32(rng.integers(10, 90, n)),
+        logprobs=pack_f32(lp if lp is not None else -rng.uniform(3, 5, n)),
+        versions=rle_encode([version] * n),
+        reward=max(advantage, 0.0),
+        finished=True,
+        advantage=advantage,
+    )
+
+
+def batch(group: str, samples: list[Sample], rng) -> TrainBatch:
+    return TrainBatch(
+        schema=SCHEMA_VERSION,
+        batch_id=group,
+        group_ids=[group] * len(samples),
+        prompt_ids=[pack_i32(rng.integers(10, 90, 5)) for _ in samples],
+        samples=samples,
+        temperature=1.0,
+    )
+
+
+def test_a_step_moves_logprobs_the_way_the_advantages_say(tiny):
+    cfg = OmegaConf.structured(Config)
+    cfg.trainer.lr = 1e-3
+    one = Ranks(0, 1, 0, None)
+    backend = TorchBackend(cfg, one, tiny, None)
+    rng = np.random.default_rng(0)
+    b = batch("g", [sample(0, 8, 0, 1.0, rng), sample(1, 8, 0, -1.0, rng)], rng)
+    mb = collate(b, 0, torch.device("cpu"))
+    with torch.no_grad():
+        before = token_logprobs(backend.model, mb, None)
+    # on-policy: the actor's log-probs are the model's own, so the ratio starts at 1
+    b.samples[0].logprobs = pack_f32(before[0][mb.comp[0]].numpy())
+    b.samples[1].logprobs = pack_f32(before[1][mb.comp[1]].numpy())
+    metrics = train_step(backend, one, [b], 1, b, cfg.trainer, 0, mb.tokens)
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    with torch.no_grad():
+        after = token_logprobs(backend.model, mb, None)
+    up = (after - before)[0][mb.comp[0]]
+    down = (after - before)[1][mb.comp[1]]
+    assert up.mean() > 0 and down.mean() < 0, (up, down)
+    assert (up > 0).float().mean() >= 0.75 and (down < 0).float().mean() >= 0.75
+
+
+@pytest.fixture
+def make_trainer(tiny, tmp_path, rclient, monkeypatch):
+    monkeypatch.setenv("NONSTOP_RUN_SECRET", "test-secret")
+    made = []
+
+    def make(**trainer_overrides) -> Trainer:
+        cfg = OmegaConf.structured(Config)
+        cfg.run_dir, cfg.model.path, cfg.redis.block_ms = str(tmp_path), tiny, 100
+        cfg.trainer.transfer_timeout_s = 5
+        for k, v in trainer_overrides.items():
+            cfg.trainer[k] = v
+        names = Names("test", "trainer")
+        pool = Pool(
+            cfg=cfg,
+            name="trainer",
+            role="trainer",
+            client=rclient,
+            names=names,
+            stop=threading.Event(),
+            status=PoolStatus(rclient, names, "trainer", "trainer"),
+            metrics=MetricsFile(str(tmp_path / "metrics.jsonl")),
+        )
+        made.append(Trainer(pool))
+        return made[-1]
+
+    yield make
+    for t in made:
+        t.publisher.close(timeout_s=1)
+
+
+def run_step(trainer: Trainer) -> dict:
+    plan = trainer.next_plan()
+    assert not plan.stop and plan.batches
+    metrics = trainer.step(plan)
+    trainer.report(metrics)
+    return metrics
+
+
+def retired(trainer: Trainer) -> int:
+    return int(trainer.pool.client.get(trainer.pool.names.key("samples_retired")))
+
+
+def test_stale_samples_are_rejected_and_counted(make_trainer, rclient):
+    trainer = make_trainer(samples_per_step=2, max_lag=1)
+    trainer.state["version"] = 3
+    rng = np.random.default_rng(1)
+    stream = trainer.pool.names.batches
+    old = batch("old", [sample(0, 6, 1, 1.0, rng), sample(1, 6, 1, -1.0, rng)], rng)
+    fresh = batch("new", [sample(0, 6, 3, 1.0, rng), sample(1, 6, 2, -1.0, rng)], rng)
+    publish(rclient, stream, encode(old))
+    publish(rclient, stream, encode(fresh))
+    m = run_step(trainer)
+    assert m["stale"] == 2 and sorted(m["stale_ids"]) == ["old/0", "old/1"]
+    assert m["sample_ids"] == ["new/0", "new/1"] and m["samples"] == 2
+    assert trainer.state["stale_samples_dropped"] == 2
+    assert retired(trainer) == 4  # two trained, two rejected
+    status = trainer.pool.status
+    assert rclient.hget(status.key, "stale_samples_dropped") == b"2"
+    metrics_file = f"{trainer.pool.cfg.run_dir}/metrics.jsonl"
+    steps = [r for r in read_jsonl(metrics_file) if r.get("event") == "step"]
+    assert steps[-1]["stale_ids"] == m["stale_ids"]
+
+
+def test_a_replayed_batch_is_not_trained_twice(make_trainer, rclient):
+    trainer = make_trainer(samples_per_step=2)
+    rng = np.random.default_rng(2)
+    stream = trainer.pool.names.batches
+    first = batch("a", [sample(0, 5, 0, 1.0, rng), sample(1, 5, 0, -1.0, rng)], rng)
+    publish(rclient, stream, encode(first))
+    assert run_step(trainer)["sample_ids"] == ["a/0", "a/1"]
+    second = batch("b", [sample(0, 5, 1, 1.0, rng), sample(1, 5, 1, -1.0, rng)], rng)
+    publish(rclient, stream, encode(first))  # delivered again, e.g. after a restart
+    publish(rclient, stream, encode(second))
+    m = run_step(trainer)
+    assert m["sample_ids"] == ["b/0", "b/1"] and m["duplicates"] == 2
+    assert trainer.state["samples_trained"] == 4
+    assert trainer.state["duplicates_dropped"] == 2
+    assert retired(trainer) == 4  # duplicates are not retired twice (back-pressure)
+
+
+def test_an_inconsistent_entry_is_dead_lettered_and_training_goes_on(make_trainer, rclient):
+    trainer = make_trainer(samples_per_step=2)
+    rng = np.random.default_rng(3)
+    stream, names = trainer.pool.names.batches, trainer.pool.names
+    bad = batch("bad", [sample(0, 5, 0, 1.0, rng, lp=[-1.0, -1.0]), sample(1, 5, 0, 0, rng)], rng)
+    good = batch("good", [sample(0, 5, 0, 1.0, rng), sample(1, 5, 0, -1.0, rng)], rng)
+    publish(rclient, stream, encode(bad))
+    publish(rclient, stream, encode(good))
+    m = run_step(trainer)
+    assert m["sample_ids"] == ["good/0", "good/1"] and m["dead_lettered"] == 2
+    dead = rclient.xrange(names.dead)
+    assert len(dead) == 1
+    fields = dead[0][1]
+    assert b"5 tokens but 2 logprobs" in fields[b"reason"]
+    assert decode(fields[b"data"], TrainBatch).group_ids == ["bad", "bad"]
+    assert fields[b"source"] == stream.encode()
+    assert retired(trainer) == 4
+    pending = rclient.xpending(stream, "trainer")["pending"]
+    assert pending == 0  # both entries acknowledged
+
+
+def test_resume_restores_the_dedupe_window_and_retired_count(make_trainer, rclient):
+    trainer = make_trainer(samples_per_step=2, checkpoint_every=1)
+    rng = np.random.default_rng(4)
+    stream = trainer.pool.names.batches
+    first = batch("a", [sample(0, 5, 0, 1.0, rng), sample(1, 5, 0, -1.0, rng)], rng)
+    publish(rclient, stream, encode(first))
+    run_step(trainer)
+    trainer.publisher.close(timeout_s=1)
+    again = make_trainer(samples_per_step=2, checkpoint_every=1)  # a restarted trainer
+    assert again.state["version"] == 1 and "a/0" in again.state["recent_samples"]
+    assert retired(again) == 2
+    second = batch("b", [sample(0, 5, 1, 1.0, rng), sample(1, 5, 1, -1.0, rng)], rng)
+    publish(rclient, stream, encode(first))
+    publish(rclient, stream, encode(second))
+    m = run_step(again)
+    assert m["sample_ids"] == ["b/0", "b/1"] and m["duplicates"] == 2
+    assert retired(again) == 4
