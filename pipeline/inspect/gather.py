@@ -20,7 +20,7 @@ from pipeline.streams import Names
 from pipeline.telemetry import read_statuses
 
 # Streams every run has (or will have); others found under the run's prefix are shown too.
-KNOWN_STREAMS = ("rollouts", "batches", "weights", "joins", "dead")
+KNOWN_STREAMS = Names.STREAMS
 # Counters worth showing per role, in order, with a short label; the rest go to "other".
 THROUGHPUT = {
     "actor": (
@@ -178,10 +178,10 @@ def snapshot(client: redis.Redis, names: Names, stale_after_s: float = 30.0) -> 
         for name, fields in sorted(read_statuses(client, names).items(), key=_pool_order)
     }
     trainer_v, published_v, produced, retired = client.mget(
-        names.key("trainer_version"),
-        names.key("published_version"),
-        names.key("samples_produced"),
-        names.key("samples_retired"),
+        names.trainer_version,
+        names.published_version,
+        names.samples_produced,
+        names.samples_retired,
     )
     dead = streams["dead"]
     recent_dead = [
