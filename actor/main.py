@@ -2,13 +2,13 @@
 
 ::
 
-    reads   task problems; <run>:weights + gloo group (receiver thread);
+    reads   task problems; <run>:weights + buckets over weights.transport (receiver thread);
             <run>:trainer_version; lag of the preprocessor group on rollouts
     writes  <run>:rollouts (one entry per group); status hash; metrics.jsonl
     blocks  while more than actor.max_lag versions behind the trainer, or while
             actor.max_queue_groups rollouts wait unread (back-pressure)
 
-Weight updates land between two forward passes (see actor/engine.py), so a
+Weight updates land between two forward passes (see actor/engines/), so a
 group may be generated across several versions; each token says which.
 """
 
@@ -21,7 +21,7 @@ import zlib
 
 import numpy as np
 
-from actor.engine import Completion, HFEngine
+from actor.engines import Completion, Engine, make_engine
 from actor.sync import Turns
 from actor.task import DEFAULT_SYSTEM_PROMPT, RewardErrors, build_prompt_ids, make_task, score
 from pipeline.config import pool_dtype, run_secret
@@ -48,7 +48,7 @@ def in_flight_groups(pool: Pool) -> float:
     return (int(produced or 0) - int(retired or 0)) / pool.cfg.task.group_size
 
 
-def wait_for_room(pool: Pool, engine: HFEngine) -> None:
+def wait_for_room(pool: Pool, engine: Engine) -> None:
     """Back-pressure: hold back new groups while too stale or too far ahead."""
     cfg = pool.cfg.actor
     while not pool.stop.is_set():
@@ -96,7 +96,7 @@ def score_group(pool: Pool, texts: list[str], answer: str, errors: RewardErrors)
 
 def generate_step(
     pool: Pool,
-    engine: HFEngine,
+    engine: Engine,
     task,
     tokenizer,
     rewards: Window,
@@ -147,23 +147,26 @@ def generate_step(
     return len(problems)
 
 
-def record_swaps(pool: Pool, engine: HFEngine, logged: int) -> int:
-    """A "swap" metrics record per weight swap since the last call (pipeline.plot's stalls)."""
-    for ms in engine.stats.swap_ms[logged:]:
-        pool.record(event="swap", swap_ms=round(ms, 3), version=engine.version)
-    return len(engine.stats.swap_ms)
+def record_swaps(pool: Pool, engine: Engine, logged: int) -> int:
+    """A "swap" metrics record per pause for new weights since the last call (the lock
+    hold: a staged swap, or a whole in-place receive; pipeline.plot's stalls)."""
+    records, total = engine.stats.swaps_since(logged)
+    for r in records:
+        pool.record(event="swap", swap_ms=round(r.ms, 3), version=r.version, mode=r.mode)
+    return total
 
 
 def main(argv: list[str] | None = None) -> None:
     pool = start_pool("actor", argv)
     cfg = pool.cfg
     model, tokenizer = load_model(model_path(cfg), pool_dtype(cfg, "actor"), cfg.actor.device)
-    engine = HFEngine(
+    engine = make_engine(
+        cfg.actor.engine,
         model,
         tokenizer,
-        cfg.engine.temperature,
-        cfg.engine.top_p,
-        cfg.engine.top_k,
+        temperature=cfg.engine.temperature,
+        top_p=cfg.engine.top_p,
+        top_k=cfg.engine.top_k,
         seed=cfg.run.seed + zlib.crc32(pool.name.encode()) % 10_000,
         keep_sampling_mask=cfg.engine.keep_sampling_mask,
     )
@@ -182,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         run_secret(),
         staged=cfg.engine.weight_staging,
         on_error=lambda msg: pool.status.set(last_error=msg),
+        transport=cfg.weights.transport,
     )
     receiver.start()
     rewards, produced, swaps, errors = Window(200), 0, 0, RewardErrors()
@@ -205,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
                 weight_updates_failed=receiver.failed,
                 reward_mean=rewards.mean or 0.0,
                 tokens_per_s=round(rate, 1),
+                swap_ms_max=round(max(engine.stats.swap_ms, default=0.0), 3),  # recent pauses
             )
     finally:
         receiver.stop()

@@ -41,7 +41,8 @@ class ModelConfig:
 
 @dataclass
 class EngineConfig:
-    kind: str = "hf"
+    """Sampling and batching, for every engine (``actor.engine`` picks the engine)."""
+
     max_new_tokens: int = 32
     temperature: float = 0.7
     top_p: float = 1.0
@@ -71,6 +72,7 @@ class ActorConfig:
     num_actors: int = 1
     max_lag: int = 2  # hold back new groups when this many versions behind
     max_queue_groups: int = 8  # hold back while this many rollouts wait unread
+    engine: str = "hf"  # hf (transformers) | vllm (GPU; issue 12, not built yet)
     device: str = "cpu"  # cpu, cuda, cuda:N
     dtype: str = ""  # float32 | bfloat16; empty: model.dtype
 
@@ -204,6 +206,13 @@ class WeightsConfig:
 
 
 @dataclass
+class WeightsConfig:
+    """How new weights travel from the trainer to the actors (pipeline/transfer/)."""
+
+    transport: str = "gloo"  # gloo (CPU, TCP); nccl and cuda_ipc: issue 12
+
+
+@dataclass
 class Config:
     run_dir: str = ""  # empty: outputs/<timestamp>, chosen by the launcher
     run: RunConfig = field(default_factory=RunConfig)
@@ -216,6 +225,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
@@ -228,7 +238,8 @@ def register() -> None:
 
 
 _CHOICES = {
-    "engine.kind": ("hf",),
+    "actor.engine": ("hf", "vllm"),
+    "weights.transport": ("gloo",),
     "task.kind": ("arithmetic", "file"),
     "trainer.backend": ("torch", "deepspeed"),
     "trainer.zero_stage": (0, 1, 2, 3),
@@ -283,6 +294,27 @@ def validate(cfg: Any) -> None:
     validate_scorers(_get(cfg, "preprocessor"))
     validate_eval_and_mode(cfg)
     validate_devices(cfg)
+    validate_engine(cfg)
+
+
+VLLM_MISSING = (
+    "actor.engine=vllm needs vLLM 0.24.0, which is not installed: on a CUDA host run "
+    "pip install -e '.[gpu]' (it pulls a CUDA torch; never on the CPU machines), "
+    "or use actor.engine=hf"
+)
+VLLM_NOT_BUILT = (
+    "actor.engine=vllm is not implemented yet (the vLLM worker extension with the "
+    "per-forward-pass lock is issue 12); use actor.engine=hf"
+)
+
+
+def validate_engine(cfg: Any) -> None:
+    """``actor.engine``: only engines that exist here."""
+    if _get(cfg, "actor.engine") == "vllm":
+        import importlib.util
+
+        missing = importlib.util.find_spec("vllm") is None
+        raise ValueError(VLLM_MISSING if missing else VLLM_NOT_BUILT)
 
 
 POOL_DTYPES = ("float32", "bfloat16")
@@ -408,6 +440,11 @@ def load_config(path: str, overrides: list[str] | None = None) -> Any:
         raise ValueError(f"config file {path} does not exist; pass --config RUN_DIR/config.yaml")
     try:
         raw = OmegaConf.load(path)
+        if OmegaConf.select(raw, "engine.kind") is not None:
+            raise ValueError(
+                f"{path}: engine.kind was replaced by actor.engine; write "
+                "actor: {engine: hf} (or vllm) and drop engine.kind"
+            )
         if OmegaConf.select(raw, "preprocessor.reference") is not None:
             raise ValueError(
                 f"{path}: preprocessor.reference was folded into preprocessor.scorers; "

@@ -1,5 +1,5 @@
-"""Actor side of the weight transfer: a thread that takes every announced
-version and installs it in the engine without stopping generation.
+"""Actor side of the weight transfer: a thread that takes every announced version
+and installs it in the engine without stopping generation.
 
 ::
 
@@ -7,14 +7,15 @@ version and installs it in the engine without stopping generation.
     writes  <run>:joins (asking in, again after any failure); the engine's weights
     blocks  only itself; generation waits just for the swap (staged mode)
 
-Staged mode (default): receive into the engine's staging buffers while it
-keeps generating, check the checksums, then ``target.swap`` under the engine's
-per-forward-pass lock. In-place mode (``staged=False``, for memory-tight
-GPUs): ``target.update_in_place`` holds the lock while each bucket is received
-and copied straight into the weights (the engine records that whole hold as the
-swap); if that transfer fails, the weights are marked partial and the engine
-generates nothing until the next whole version has arrived. Either way no
-token is ever produced by a mix of two versions.
+Staged mode (default): ``target.stage`` receives into the engine's staging copy
+while it keeps generating (every bucket checked against its checksum), then
+``target.swap`` installs it under the engine's per-forward-pass lock. In-place
+mode (``staged=False``, for memory-tight GPUs): ``target.update_in_place``
+holds the lock while each bucket is received and copied straight into the
+weights (the engine records that whole hold as the swap); if that transfer
+fails, the weights are marked partial and the engine generates nothing until
+the next whole version has arrived. Either way no token is ever produced by a
+mix of two versions.
 """
 
 from __future__ import annotations
@@ -28,12 +29,11 @@ from collections.abc import Callable
 from typing import Protocol
 
 import redis
-import torch
 
-from pipeline.messages import BucketSpec, WeightAnnouncement, decode
+from pipeline.messages import WeightAnnouncement, decode
 from pipeline.streams import Names
-from pipeline.transfer import make_receiver
-from pipeline.weights import checksum, join_mac
+from pipeline.transfer import BucketSource, ReceiverSource, make_receiver
+from pipeline.weights import join_mac
 
 log = logging.getLogger(__name__)
 HISTORY = 256  # recent transfer times kept for telemetry
@@ -44,23 +44,13 @@ class SwapTarget(Protocol):
 
     version: int | None
 
-    def staging(self, layout: list[BucketSpec], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Flat buffers, one per bucket, to receive a version into while generating."""
-        ...
+    def stage(self, ann: WeightAnnouncement, source: BucketSource, deadline: float) -> None: ...
 
-    def swap(self, version: int, layout: list[BucketSpec], buckets: list[torch.Tensor]) -> None:
-        """Install received staging buffers under the per-forward-pass lock."""
-        ...
+    def swap(self, version: int) -> None: ...
 
     def update_in_place(
-        self,
-        version: int,
-        layout: list[BucketSpec],
-        dtype: torch.dtype,
-        fill: Callable[[int, torch.Tensor], None],
-    ) -> None:
-        """Under the lock, ``fill(i, bucket)`` each bucket and copy it into the weights."""
-        ...
+        self, ann: WeightAnnouncement, source: BucketSource, deadline: float
+    ) -> None: ...
 
 
 class WeightReceiver:
@@ -156,27 +146,9 @@ class WeightReceiver:
         self.applied += 1
         log.info("applied version %d (%.0f ms)", ann.version, self.transfer_ms[-1])
 
-    def _fill(self, buckets: list[torch.Tensor], deadline: float) -> None:
-        """Receive into ``buckets``, through host buffers if the transport needs them."""
-        if all(b.device == self.transport.device for b in buckets):
-            self.transport.receive(buckets, deadline)
-            return
-        for b in buckets:
-            bounce = torch.empty(b.shape, dtype=b.dtype, device=self.transport.device)
-            self.transport.receive([bounce], deadline)
-            b.copy_(bounce)
-
     def _receive_staged(self, ann: WeightAnnouncement, deadline: float) -> None:
-        staging = self.target.staging(ann.buckets, getattr(torch, ann.dtype))
-        self._fill(staging, deadline)
-        if checksum(staging) != ann.checksums:
-            raise RuntimeError(f"version {ann.version} failed its checksum; not applied")
-        self.target.swap(ann.version, ann.buckets, staging)
+        self.target.stage(ann, ReceiverSource(self.transport, ann), deadline)
+        self.target.swap(ann.version)
 
     def _receive_in_place(self, ann: WeightAnnouncement, deadline: float) -> None:
-        def fill(i: int, bucket: torch.Tensor) -> None:
-            self._fill([bucket], deadline)
-            if checksum([bucket])[0] != ann.checksums[i]:
-                raise RuntimeError(f"version {ann.version} failed its checksum")
-
-        self.target.update_in_place(ann.version, ann.buckets, getattr(torch, ann.dtype), fill)
+        self.target.update_in_place(ann, ReceiverSource(self.transport, ann), deadline)

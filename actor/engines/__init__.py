@@ -5,17 +5,9 @@ from __future__ import annotations
 import importlib.util
 
 from actor.engines.base import Completion, Engine, EngineStats, SwapRecord
+from pipeline.config import VLLM_MISSING, VLLM_NOT_BUILT
 
 ENGINES = ("hf", "vllm")
-VLLM_MISSING = (
-    "actor.engine=vllm needs vLLM 0.24.0, which is not installed: on a CUDA host run "
-    "pip install -e '.[gpu]' (it pulls a CUDA torch; never on the CPU machines), "
-    "or use actor.engine=hf"
-)
-VLLM_NOT_BUILT = (
-    "actor.engine=vllm is not implemented yet (the vLLM worker extension with the "
-    "per-forward-pass lock is issue 12); use actor.engine=hf"
-)
 
 
 def make_engine(kind: str, model, tokenizer, **sampling) -> Engine:

@@ -1,17 +1,18 @@
 """The engine interface every actor engine implements (``actor.engine``).
 
 An engine generates completions for token-id prompts and reports, per sampled
-token, its log-prob under the distribution actually sampled from and the
-weight version that produced it. New weights arrive while it generates: the
-weight receiver (pipeline/weight_receiver.py) fills ``staging`` buffers and
-calls ``swap``, which takes the engine's per-forward-pass lock only to install
-them; or, in in-place mode, ``update_in_place`` holds that lock for the whole
+token, its log-prob under the distribution actually sampled from and the weight
+version that produced it. New weights arrive while it generates: the weight
+receiver (pipeline/weight_receiver.py) hands ``stage`` a bucket source
+(pipeline/transfer/) to fill the engine's staging copy from, then calls
+``swap``, which takes the engine's per-forward-pass lock only to install it;
+or, in in-place mode, ``update_in_place`` holds that lock for the whole
 receive. Either way every pause of generation is recorded in ``stats`` as a
 swap with its lock-hold time.
 
-Implementations: ``hf`` (actor/engines/hf.py, CPU and GPU); ``vllm`` is
-planned (issue 12: a worker extension that takes the lock around each
-forward pass in the engine-core process, see device/VLLM_LOCK.md).
+Implementations: ``hf`` (actor/engines/hf.py, CPU and GPU); ``vllm`` is planned
+(issue 12: a worker extension that takes the lock around each forward pass in
+the engine-core process, see device/VLLM_LOCK.md).
 """
 
 from __future__ import annotations
@@ -19,12 +20,10 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
-from pipeline.messages import BucketSpec, Sample, pack_f32, pack_i32, pack_mask, rle_encode
+from pipeline.messages import Sample, WeightAnnouncement, pack_f32, pack_i32, pack_mask, rle_encode
+from pipeline.transfer import BucketSource
 
 HISTORY = 1024  # recent swaps kept (counters keep the totals)
 
@@ -109,23 +108,20 @@ class Engine(ABC):
         """Sample a completion per prompt (token ids); stop early when should_stop()."""
 
     @abstractmethod
-    def staging(self, layout: list[BucketSpec], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Flat buffers, one per bucket, to receive a version into while generating."""
+    def stage(self, ann: WeightAnnouncement, source: BucketSource, deadline: float) -> None:
+        """Receive every bucket of ``ann`` into staging while generating goes on;
+        raise on any failure (the live weights are untouched)."""
 
     @abstractmethod
-    def swap(self, version: int, layout: list[BucketSpec], buckets: list[torch.Tensor]) -> None:
-        """Install filled staging buffers as the weights, under the per-forward-pass lock."""
+    def swap(self, version: int) -> None:
+        """Install the staged ``version`` under the per-forward-pass lock."""
 
     @abstractmethod
     def update_in_place(
-        self,
-        version: int,
-        layout: list[BucketSpec],
-        dtype: torch.dtype,
-        fill: Callable[[int, torch.Tensor], None],
+        self, ann: WeightAnnouncement, source: BucketSource, deadline: float
     ) -> None:
-        """Hold the lock; ``fill(i, bucket)`` receives bucket i; copy it into the
-        weights. A failure leaves the weights partial (version None) until the next
+        """Hold the lock while each bucket is received straight into the weights. A
+        failure leaves them partial (version None: nothing generates) until the next
         whole version. The whole hold is recorded as the swap."""
 
     def close(self) -> None:  # noqa: B027 (optional: most engines hold nothing to release)

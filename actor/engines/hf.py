@@ -15,14 +15,14 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache
 
 from actor.engines.base import Completion, Engine, EngineStats
 from pipeline.logprobs import sampling_logprobs
-from pipeline.messages import BucketSpec
+from pipeline.messages import BucketSpec, WeightAnnouncement
+from pipeline.transfer import BucketSource
 
 
 class HFEngine(Engine):
@@ -52,6 +52,7 @@ class HFEngine(Engine):
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._active: list[torch.Tensor] | None = None  # staging buffers that are the weights
         self._spare: list[torch.Tensor] | None = None  # released buffers, reused as staging
+        self._staged: tuple | None = None  # (version, layout, buffers) received, not yet live
 
     @staticmethod
     def _stop_ids(tokenizer) -> set[int]:
@@ -68,7 +69,7 @@ class HFEngine(Engine):
                 n = math.prod(p.shape)
                 yield self._params[p.name], flat[p.offset : p.offset + n].view(p.shape)
 
-    def staging(self, layout: list[BucketSpec], dtype: torch.dtype) -> list[torch.Tensor]:
+    def _staging(self, layout: list[BucketSpec], dtype: torch.dtype) -> list[torch.Tensor]:
         spare = self._spare
         if (
             spare
@@ -78,8 +79,19 @@ class HFEngine(Engine):
             return spare
         return [torch.empty(b.numel, dtype=dtype, device=self.device) for b in layout]
 
-    def swap(self, version: int, layout: list[BucketSpec], buckets: list[torch.Tensor]) -> None:
-        """Install ``buckets`` as the weights; the buffers they replace become staging."""
+    def stage(self, ann: WeightAnnouncement, source: BucketSource, deadline: float) -> None:
+        self._staged = None
+        buffers = self._staging(ann.buckets, getattr(torch, ann.dtype))
+        for i, buf in enumerate(buffers):
+            source.fetch(i, buf, deadline)
+        self._staged = (ann.version, ann.buckets, buffers)
+
+    def swap(self, version: int) -> None:
+        """Install the staged buffers; the buffers they replace become the next staging."""
+        if self._staged is None or self._staged[0] != version:
+            raise RuntimeError(f"version {version} is not staged; stage() it first")
+        _, layout, buckets = self._staged
+        self._staged = None
         views = list(self._views(layout, buckets))
         pointer = all(v.dtype == p.dtype and v.device == p.device for p, v in views)
         with self.lock:
@@ -97,26 +109,23 @@ class HFEngine(Engine):
             self._spare = buckets
 
     def update_in_place(
-        self,
-        version: int,
-        layout: list[BucketSpec],
-        dtype: torch.dtype,
-        fill: Callable[[int, torch.Tensor], None],
+        self, ann: WeightAnnouncement, source: BucketSource, deadline: float
     ) -> None:
-        scratch = torch.empty(max(b.numel for b in layout), dtype=dtype, device=self.device)
+        dtype = getattr(torch, ann.dtype)
+        scratch = torch.empty(max(b.numel for b in ann.buckets), dtype=dtype, device=self.device)
         with self.lock:
             t0 = time.perf_counter()  # generation is paused from here to the release
             installed = None
             self._set_version(None)  # from here until success, the weights are partial
             try:
-                for i, spec in enumerate(layout):
+                for i, spec in enumerate(ann.buckets):
                     bucket = scratch[: spec.numel]
-                    fill(i, bucket)
+                    source.fetch(i, bucket, deadline)
                     for p in spec.params:
                         param = self._params[p.name].data
                         param.copy_(bucket[p.offset : p.offset + param.numel()].view_as(param))
-                self._set_version(version)
-                installed = version
+                self._set_version(ann.version)
+                installed = ann.version
             finally:
                 self.stats.add_swap(t0, installed, "in-place")
 

@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
-from pipeline.transfer.base import Receiver, Sender
+from pipeline.transfer.base import (
+    BucketSource,
+    Receiver,
+    ReceiverSource,
+    Sender,
+    TensorSource,
+)
 
 TRANSPORTS = ("gloo",)
+__all__ = [
+    "BucketSource",
+    "Receiver",
+    "ReceiverSource",
+    "Sender",
+    "TensorSource",
+    "make_receiver",
+    "make_sender",
+]
 
 
 def _check(name: str) -> None:

@@ -19,6 +19,10 @@ passes, so a dead peer costs at most that. ``send`` may run for several actors
 at once from different threads; each actor has its own channel.
 Implementations: ``gloo`` (pipeline/transfer/gloo.py). ``nccl`` and ``cuda_ipc``
 plug in here (issue 12); ``device`` says where their buckets must live.
+
+Engines take a version through a :class:`BucketSource` (``fetch(i, out, deadline)``,
+buckets in order): :class:`ReceiverSource` reads one from a transport and checks
+each bucket's checksum; :class:`TensorSource` serves buckets already in memory.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+
+from pipeline.messages import WeightAnnouncement
+from pipeline.weights import checksum
 
 
 class Sender(Protocol):
@@ -72,3 +79,37 @@ class Receiver(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class BucketSource(Protocol):
+    """Fills bucket ``index`` of one announced version (in order, 0 to n-1)."""
+
+    def fetch(self, index: int, out: torch.Tensor, deadline: float) -> None: ...
+
+
+class ReceiverSource:
+    """Bucket ``i`` of ``ann`` from a transport, checked against its checksum; staged
+    through host buffers when ``out`` lives where the transport cannot write."""
+
+    def __init__(self, receiver: Receiver, ann: WeightAnnouncement):
+        self.receiver, self.ann = receiver, ann
+
+    def fetch(self, index: int, out: torch.Tensor, deadline: float) -> None:
+        if out.device == self.receiver.device:
+            self.receiver.receive([out], deadline)
+        else:
+            bounce = torch.empty(out.shape, dtype=out.dtype, device=self.receiver.device)
+            self.receiver.receive([bounce], deadline)
+            out.copy_(bounce)
+        if checksum([out])[0] != self.ann.checksums[index]:
+            raise RuntimeError(f"version {self.ann.version} bucket {index} failed its checksum")
+
+
+class TensorSource:
+    """Buckets already in memory (tests, benchmarks, a same-process copy)."""
+
+    def __init__(self, buckets: list[torch.Tensor]):
+        self.buckets = buckets
+
+    def fetch(self, index: int, out: torch.Tensor, deadline: float) -> None:
+        out.copy_(self.buckets[index])
