@@ -106,8 +106,10 @@ class TeacherConfig:
 class PreprocessorConfig:
     num_workers: int = 1
     # scorers run on every rollout group: reference (log-probs of the frozen initial
-    # model), prm (step rewards), teacher (distillation rewards); [] for none
-    scorers: list[str] = field(default_factory=lambda: ["reference"])
+    # model, for the KL term and the trainer's `kl` metric), prm (step rewards), teacher
+    # (distillation rewards). Default none: reference is added (preprocessor/scorers.py)
+    # only when trainer.kl_coef > 0; list it to get the `kl` metric with kl_coef=0
+    scorers: list[str] = field(default_factory=list)
     prm: PRMConfig = field(default_factory=PRMConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     drop_no_signal: bool = True
