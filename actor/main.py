@@ -42,9 +42,7 @@ log = logging.getLogger("actor")
 
 def in_flight_groups(pool: Pool) -> float:
     """Groups produced by every actor and not yet trained, dropped or rejected."""
-    produced, retired = pool.client.mget(
-        pool.names.key("samples_produced"), pool.names.key("samples_retired")
-    )
+    produced, retired = pool.client.mget(pool.names.samples_produced, pool.names.samples_retired)
     return (int(produced or 0) - int(retired or 0)) / pool.cfg.task.group_size
 
 
@@ -136,7 +134,7 @@ def generate_step(
             reward=f"{np.mean(scores):.3f}",
             tokens=int(versions.size),
         )
-        pool.client.incrby(pool.names.key("samples_produced"), len(group.samples))
+        pool.client.incrby(pool.names.samples_produced, len(group.samples))
         pool.status.incr("groups_produced")  # kept in Redis: survives a restart
         pool.record(
             event="group",

@@ -67,10 +67,10 @@ class Turns:
         self.claim = pool.client.register_script(_CLAIM)
         names = pool.names
         self.keys = [
-            names.key("samples_produced"),
-            names.key("samples_retired"),
-            names.key("trainer_version"),
-            names.key("sync_claims"),
+            names.samples_produced,
+            names.samples_retired,
+            names.trainer_version,
+            names.sync_claims,
         ]
         self.waited = 0.0
         pool.record(event="mode", mode=self.mode)

@@ -131,7 +131,7 @@ def run(cfg) -> int:
     check_no_eviction(client)
     names = Names(cfg.redis.prefix, cfg.run.name)
     mark_run(client, names, run_dir=run_dir)
-    client.delete(names.key("rendezvous"))  # a previous trainer's address is stale now
+    client.delete(names.rendezvous)  # a previous trainer's address is stale now
     cmds = pool_commands(cfg, config_path)
     sup = Supervisor(cfg, run_dir, env, cmds, server, groups={"trainer": trainer_names(cfg)})
     start = time.time()
