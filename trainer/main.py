@@ -134,9 +134,10 @@ class Trainer:
         """Rank 0 reads the next step's batches; every rank gets the same plan."""
         if not self.ranks.is_main:
             plan = share_plan(self.ranks, None)
+            self.pool.tick()
             while not plan.stop and not plan.batches:
-                self.pool.tick()
                 plan = share_plan(self.ranks, None)
+                self.pool.tick()
             return plan
         version = self.state["version"]
         idle = lambda: share_plan(self.ranks, Plan(version=version))  # noqa: E731
@@ -162,7 +163,15 @@ class Trainer:
         mine, slots = my_share(self.ranks, plan)
         first = mine[0] if mine else decode(plan.batches[0], TrainBatch)
         metrics = train_step(
-            self.backend, self.ranks, mine, slots, first, cfg, self.pad_id, plan.tokens
+            self.backend,
+            self.ranks,
+            mine,
+            slots,
+            first,
+            cfg,
+            self.pad_id,
+            plan.tokens,
+            on_micro=self.pool.tick,  # a long step is progress, not a hang
         )
         s = self.state
         s["version"] = plan.version + 1
@@ -170,6 +179,7 @@ class Trainer:
             self._account(metrics)
         if s["version"] % cfg.publish_every == 0 or s["version"] == cfg.max_steps:
             self.publish()
+            self.pool.tick()
         if s["version"] % cfg.checkpoint_every == 0 or s["version"] == cfg.max_steps:
             checkpoint.save(self.ckpt_root, self.backend, s, cfg.keep_checkpoints, self.ranks)
             self.checkpoint_id = s["entry_id"]

@@ -60,15 +60,29 @@ def padded(mine: list[TrainBatch], slots: int, all_first: TrainBatch) -> list[tu
 
 
 def train_step(
-    backend, ranks: Ranks, mine, slots: int, first, cfg, pad_id: int, total_tokens: int
+    backend,
+    ranks: Ranks,
+    mine,
+    slots: int,
+    first,
+    cfg,
+    pad_id: int,
+    total_tokens: int,
+    on_micro=lambda: None,
 ) -> dict:
-    """Train on this rank's share; returns metrics summed over all ranks."""
+    """Train on this rank's share; returns metrics summed over all ranks.
+    ``on_micro`` runs before each micro-batch (progress for the watchdog)."""
     micro = []
     for batch, weight in padded(mine, slots, first):
         mb = collate(batch, pad_id, backend.device)
         mb.weight = weight
         micro.append(mb)
-    loss_fn = make_loss_fn(cfg, total_tokens, backend.autocast_dtype)
+    inner = make_loss_fn(cfg, total_tokens, backend.autocast_dtype)
+
+    def loss_fn(model, mb):
+        on_micro()
+        return inner(model, mb)
+
     grad_norm, stats = backend.step(micro, loss_fn)
     loss, clipped, ratio_sum, kl_sum = sum_across(ranks, stats)
     return {
