@@ -460,3 +460,25 @@ def test_a_user_that_may_not_read_the_policy_is_refused_not_skipped(rclient, red
             check_no_eviction(user)
     finally:
         rclient.execute_command("ACL", "DELUSER", "t-blind")
+
+
+def test_stream_and_key_names_are_defined_in_one_place():
+    """No module but pipeline/streams.py spells a run's stream or key name: they use
+    the properties of Names (a renamed stream changes in one place)."""
+    import re
+
+    raw = re.compile(r"""\.(key|stream)\(\s*f?["']""")
+    offenders = []
+    for top in ("actor", "preprocessor", "trainer", "pipeline"):
+        for folder, _dirs, files in os.walk(os.path.join(ROOT, top)):
+            for name in files:
+                path = os.path.join(folder, name)
+                if not name.endswith(".py") or path.endswith(
+                    os.path.join("pipeline", "streams.py")
+                ):
+                    continue
+                with open(path) as f:
+                    for n, line in enumerate(f, 1):
+                        if raw.search(line) and 'names.key("*")' not in line:
+                            offenders.append(f"{os.path.relpath(path, ROOT)}:{n}: {line.strip()}")
+    assert not offenders, "use a Names property instead:\n" + "\n".join(offenders)

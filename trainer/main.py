@@ -111,8 +111,8 @@ class Trainer:
             pool.client.xgroup_setid(pool.names.batches, GROUP, self.state["entry_id"])
             pool.record(event="resume", version=self.state["version"])
         # steps after the checkpoint are undone and their samples come again
-        pool.client.set(pool.names.key("samples_retired"), self.state["samples_retired"])
-        pool.client.set(pool.names.key("trainer_version"), self.state["version"])
+        pool.client.set(pool.names.samples_retired, self.state["samples_retired"])
+        pool.client.set(pool.names.trainer_version, self.state["version"])
         self.checkpoint_id = self.state["entry_id"]
         self.publisher = WeightPublisher(
             pool.client,
@@ -205,9 +205,9 @@ class Trainer:
         s["recent_samples"] = recent | dict.fromkeys(data.sample_ids, s["version"])
         s["sequences_spanning_versions"] += metrics["spanning"]
         s["entry_id"] = data.entry_ids[-1] if data.entry_ids else s["entry_id"]
-        self.pool.client.set(self.pool.names.key("trainer_version"), s["version"])
+        self.pool.client.set(self.pool.names.trainer_version, s["version"])
         self.consumer.ack(data.entry_ids)
-        self.pool.client.incrby(self.pool.names.key("samples_retired"), data.retired)
+        self.pool.client.incrby(self.pool.names.samples_retired, data.retired)
         metrics.update(
             stale=data.stale,
             version=s["version"],
