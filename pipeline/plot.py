@@ -11,9 +11,11 @@
   accuracy too when records carry an ``accuracy`` field.
 - policy_lag: trainer version minus the oldest token version trained in each step,
   with ``trainer.max_lag``, and samples dropped as stale.
-- throughput: trained samples/s and tokens/s per step; generated samples/s.
-- stalls: per-actor weight-swap times (the pause of generation under the forward
-  lock, ``swap`` records) and the trainer's wait for data between steps.
+- throughput: trained samples/s and tokens/s; generated samples/s; each rate taken
+  over at least 1/20 of the run and 3 events (no spike from the first events).
+- stalls: per-actor pauses of generation for new weights (``swap`` records: the
+  forward lock held for a staged swap, or for a whole in-place receive) and the
+  trainer's wait for data between steps.
 
 matplotlib (Agg backend) is needed: ``pip install -e '.[plot]'``.
 """
@@ -74,8 +76,8 @@ class Series:
         self.by_event: dict[str, list[dict]] = defaultdict(list)
         for r in sorted(records, key=lambda r: r["time"]):
             self.by_event[r.get("event", "")].append(r)
-        span = max((r["time"] for r in records), default=0.0) - self.t0
-        self.unit, self.scale = ("min", 60.0) if span > 900 else ("s", 1.0)
+        self.span = max((r["time"] for r in records), default=0.0) - self.t0
+        self.unit, self.scale = ("min", 60.0) if self.span > 900 else ("s", 1.0)
 
     def t(self, rows: list[dict]) -> list[float]:
         return [(r["time"] - self.t0) / self.scale for r in rows]
@@ -156,37 +158,52 @@ def plot_policy_lag(plt, s: Series, max_lag: Any):
     return fig
 
 
-def _rates(times: list[float], amounts: list[float], window: int) -> tuple[list, list]:
-    """Amount per second over the last ``window`` events, at each event's time."""
-    xs, ys = [], []
-    for i in range(1, len(times)):
-        j = max(0, i - window)
-        dt = times[i] - times[j]
-        if dt > 0:
-            xs.append(times[i])
-            ys.append(sum(amounts[j + 1 : i + 1]) / dt)
+RATE_SPAN_FRACTION = 20  # a rate covers at least 1/20 of the run ...
+RATE_MIN_EVENTS = 3  # ... and at least this many events after the window's start
+
+
+def rate_window_s(span_s: float) -> float:
+    """The shortest time a rate is taken over: 1/20 of the run's span."""
+    return span_s / RATE_SPAN_FRACTION
+
+
+def _rates(times: list[float], amounts: list[float], window_s: float) -> tuple[list, list]:
+    """At each event, the amount per second since the latest earlier event that is at
+    least ``window_s`` and RATE_MIN_EVENTS events back; no point before that (so no
+    spike from two events a millisecond apart at the start)."""
+    prefix = [0.0]
+    for a in amounts:
+        prefix.append(prefix[-1] + a)
+    xs, ys, j = [], [], -1
+    for i, t in enumerate(times):
+        while j + 1 <= i - RATE_MIN_EVENTS and t - times[j + 1] >= window_s:
+            j += 1
+        if j >= 0 and t > times[j]:
+            xs.append(t)
+            ys.append((prefix[i + 1] - prefix[j + 1]) / (t - times[j]))
     return xs, ys
 
 
-def plot_throughput(plt, s: Series, window: int, group_size: int):
+def plot_throughput(plt, s: Series, group_size: int):
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     raw = lambda rows: [r["time"] - s.t0 for r in rows]  # noqa: E731
     to_x = lambda xs: [x / s.scale for x in xs]  # noqa: E731
+    w = rate_window_s(s.span)
     if s.steps:
-        xs, ys = _rates(raw(s.steps), [r.get("samples", 0) for r in s.steps], window)
+        xs, ys = _rates(raw(s.steps), [r.get("samples", 0) for r in s.steps], w)
         ax.plot(to_x(xs), ys, color="C3", label="trained samples/s")
-        xs, ys = _rates(raw(s.steps), [r.get("tokens", 0) for r in s.steps], window)
+        xs, ys = _rates(raw(s.steps), [r.get("tokens", 0) for r in s.steps], w)
         ax2.plot(to_x(xs), ys, color="C3", label="trained completion tokens/s")
         ax2.legend(loc="best", fontsize=8)
     groups = s.by_event["group"]
     if groups:
-        xs, ys = _rates(raw(groups), [group_size] * len(groups), window * 4)
+        xs, ys = _rates(raw(groups), [group_size] * len(groups), w)
         ax.plot(to_x(xs), ys, color="C0", label="generated samples/s (all actors)")
     if s.steps or groups:
         ax.legend(loc="best", fontsize=8)
     else:
         _empty(ax, "no throughput recorded yet")
-    ax.set(title="throughput", ylabel="samples / s")
+    ax.set(title=f"throughput (rates over {w:.0f} s windows)", ylabel="samples / s")
     ax2.set(xlabel=s.xlabel, ylabel="tokens / s")
     return fig
 
@@ -197,12 +214,18 @@ def plot_stalls(plt, s: Series):
     for r in s.by_event["swap"]:
         swaps[r.get("pool", "actor")].append(r)
     for i, (pool, rows) in enumerate(sorted(swaps.items())):
-        ax.plot(s.t(rows), [r["swap_ms"] for r in rows], "o-", ms=3, color=f"C{i}", label=pool)
+        modes = ", ".join(sorted({r.get("mode", "staged") for r in rows}))
+        label = f"{pool} ({modes})"
+        ax.plot(s.t(rows), [r["swap_ms"] for r in rows], "o-", ms=3, color=f"C{i}", label=label)
     if swaps:
         ax.legend(loc="best", fontsize=8)
     else:
         _empty(ax, "no weight swaps recorded (no 'swap' records in metrics.jsonl)")
-    ax.set(title="generation paused by weight swaps", xlabel=s.xlabel, ylabel="swap time (ms)")
+    ax.set(
+        title="generation paused by weight updates (forward lock held)",
+        xlabel=s.xlabel,
+        ylabel="lock held (ms)",
+    )
     steps = s.steps
     if len(steps) > 1:
         gaps = [
@@ -238,7 +261,7 @@ def make_plots(run_dir: str, out_dir: str | None = None, window: int = 5) -> lis
     figures = {
         "reward": plot_reward(plt, s, window),
         "policy_lag": plot_policy_lag(plt, s, _config_value(run_dir, "trainer.max_lag")),
-        "throughput": plot_throughput(plt, s, window, group_size),
+        "throughput": plot_throughput(plt, s, group_size),
         "stalls": plot_stalls(plt, s),
     }
     paths = []

@@ -1,9 +1,37 @@
-"""The launcher's live status line: trainer step, reward, versions, lag."""
+"""The launcher's live status line: trainer step, reward, versions, lag, and
+rates (groups generated, samples trained per second) over a sliding window of
+at least ``RATE_MIN_S`` seconds ("-" until that much has passed)."""
 
 from __future__ import annotations
 
 import sys
 import time
+from collections import deque
+
+RATE_MIN_S = 30.0  # a rate is shown only once measured over at least this long
+RATE_WINDOW_S = 120.0  # ... and over at most about this long (recent, not whole-run)
+
+
+class Rate:
+    """Growth per second of a counter over a sliding window of ``min_s`` to ``window_s``."""
+
+    def __init__(self, min_s: float = RATE_MIN_S, window_s: float = RATE_WINDOW_S):
+        self.min_s, self.window_s = min_s, window_s
+        self.samples: deque[tuple[float, float]] = deque()
+
+    def add(self, now: float, total: float) -> float | None:
+        """Record the counter's ``total`` at ``now``; the rate, or None if not yet known."""
+        if self.samples and total < self.samples[-1][1]:
+            self.samples.clear()  # the counter went back (a restart): start over
+        self.samples.append((now, total))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= self.window_s:
+            self.samples.popleft()
+        t0, v0 = self.samples[0]
+        return (total - v0) / (now - t0) if now - t0 >= self.min_s else None
+
+
+def _rate(value: float | None, unit: str) -> str:
+    return f"{value:.2f} {unit}/s" if value is not None else f"- {unit}/s"
 
 
 class Progress:
@@ -16,9 +44,15 @@ class Progress:
         self.last_print = 0.0
         self.last_line = ""
         self.printed = ""
+        self.group_rate, self.sample_rate = Rate(), Rate()
 
     @staticmethod
-    def line(statuses: dict[str, dict[str, str]], total: int, elapsed: float) -> str:
+    def line(
+        statuses: dict[str, dict[str, str]],
+        total: int,
+        elapsed: float,
+        rates: tuple[float | None, float | None] = (None, None),
+    ) -> str:
         trainer = statuses.get("trainer", {})
         step = int(trainer.get("step", 0))
         width = 20
@@ -33,12 +67,17 @@ class Progress:
         return (
             f"[{'#' * done}{'.' * (width - done)}] step {step}/{total} "
             f"reward {reward_s} | trainer v{trainer_v} actors v{versions} lag {lag} | "
-            f"groups {groups} | {elapsed:.0f}s"
+            f"groups {groups} ({_rate(rates[0], 'groups')}, trained "
+            f"{_rate(rates[1], 'samples')}) | {elapsed:.0f}s"
         )
 
     def update(self, statuses: dict[str, dict[str, str]]) -> None:
         now = time.monotonic()
-        self.last_line = self.line(statuses, self.total, now - self.start)
+        actors = [v for v in statuses.values() if v.get("role") == "actor"]
+        groups = sum(int(v.get("groups_produced", 0)) for v in actors)
+        trained = int(statuses.get("trainer", {}).get("samples_trained", 0))
+        rates = self.group_rate.add(now, groups), self.sample_rate.add(now, trained)
+        self.last_line = self.line(statuses, self.total, now - self.start, rates)
         if self.tty:
             self.stream.write("\r" + self.last_line.ljust(110))
             self.stream.flush()

@@ -68,11 +68,11 @@ class WeightPublisher:
         self.secret, self.epoch = secret, secrets.token_hex(8)
         # an epoch per trainer process: actors that joined an earlier trainer see it
         # change and join again; joins addressed to earlier trainers are skipped
-        last_join = client.xrevrange(names.stream("joins"), count=1)
+        last_join = client.xrevrange(names.joins, count=1)
         self.joins_id = last_join[0][0].decode() if last_join else "0"
         rendezvous = {"epoch": self.epoch, **self.sender.rendezvous()}
-        client.pipeline().delete(names.key("rendezvous")).hset(
-            names.key("rendezvous"), mapping=rendezvous
+        client.pipeline().delete(names.rendezvous).hset(
+            names.rendezvous, mapping=rendezvous
         ).execute()
         self.published = 0  # versions received whole by at least one actor
         self.unreceived = 0  # versions no actor received
@@ -164,7 +164,7 @@ class WeightPublisher:
 
     def _accept_joins(self) -> list[str]:
         joined = []
-        reply = self.client.xread({self.names.stream("joins"): self.joins_id}, count=100)
+        reply = self.client.xread({self.names.joins: self.joins_id}, count=100)
         for _s, entries in reply or []:
             for entry_id, fields in entries:
                 self.joins_id = entry_id.decode()
@@ -245,7 +245,7 @@ class WeightPublisher:
         if received and not self._latest_received and self._latest is snapshot:
             self._latest_received = True
             self._count("published", "weight_updates_published")
-            self.client.set(self.names.key("published_version"), version)
+            self.client.set(self.names.published_version, version)
 
     # -- counters -----------------------------------------------------------------
     def _count(self, attr: str, field: str) -> None:

@@ -88,7 +88,7 @@ class WeightReceiver:
 
     def _join(self) -> str:
         """Join the transfer; return the weights-stream id to read after."""
-        key = self.names.key("rendezvous")
+        key = self.names.rendezvous
         while not self._stop.is_set() and not self.client.exists(key):
             time.sleep(0.2)
         info = {k.decode(): v.decode() for k, v in self.client.hgetall(key).items()}
@@ -102,7 +102,7 @@ class WeightReceiver:
         after = last[0][0].decode() if last else "0"
         join = {"actor": self.actor, "nonce": secrets.token_hex(8), "epoch": info.get("epoch", "")}
         join["mac"] = join_mac(self.secret, join)
-        self.client.xadd(self.names.stream("joins"), join)
+        self.client.xadd(self.names.joins, join)
         self.transport.connect(info, join["nonce"], time.monotonic() + self.timeout_s)
         self.joined, self.epoch = True, join["epoch"]
         log.info("joined the weight transfer as %s (trainer epoch %s)", self.actor, self.epoch)
@@ -110,7 +110,7 @@ class WeightReceiver:
 
     def _trainer_changed(self) -> bool:
         """A new trainer process (restart) published a new epoch: join it."""
-        epoch = self.client.hget(self.names.key("rendezvous"), "epoch")
+        epoch = self.client.hget(self.names.rendezvous, "epoch")
         return epoch is not None and epoch.decode() != self.epoch
 
     def _run(self) -> None:

@@ -149,3 +149,46 @@ def test_plot_reads_a_live_file_and_says_what_is_missing(tmp_path):
         timeout=60,
     )
     assert missing.returncode == 2 and "metrics.jsonl" in missing.stderr
+
+
+def test_the_first_throughput_point_is_not_a_spike():
+    from pipeline.plot import _rates, rate_window_s
+
+    # four groups published within 3 ms (one generate call), then one group a second
+    times = [0.0, 0.001, 0.002, 0.003] + [1.0 + i for i in range(120)]
+    window = rate_window_s(times[-1])
+    assert window == pytest.approx(6.0)  # 1/20 of the run
+    xs, ys = _rates(times, [4.0] * len(times), window)
+    assert xs[0] >= window  # no point before a whole window has passed
+    assert max(ys) <= 4.0 * 1.5  # the real rate is 4 samples/s; the old first point was 4000
+    assert abs(ys[-1] - 4.0) < 0.2
+
+
+def test_a_stall_outside_a_gap_is_unmeasured_not_zero():
+    from pipeline.bench.weights import stalls
+
+    passes = [(0.0, 1.0), (1.1, 2.0), (3.0, 4.0)]  # gaps: 0.1 s and 1.0 s
+    measured, unmeasured, usual = stalls(passes, [2.5, 5.0, -1.0])
+    assert measured == [pytest.approx(1000.0)]  # the update at 2.5 s paused 2.0 -> 3.0
+    assert unmeasured == 2  # after the last pass, before the first: counted, not 0
+    assert usual == pytest.approx(550.0)
+
+
+def test_progress_rates_wait_for_a_long_enough_window():
+    from pipeline.progress import RATE_MIN_S, Progress, Rate
+
+    rate = Rate()
+    assert rate.add(0.0, 0) is None
+    assert rate.add(0.5, 16) is None  # a burst right at the start is no rate yet
+    assert rate.add(RATE_MIN_S - 1, 20) is None
+    assert rate.add(RATE_MIN_S + 0.5, 31) == pytest.approx(31 / (RATE_MIN_S + 0.5))
+    for t in range(40, 400, 10):  # then a steady 1 per second over a sliding window
+        value = rate.add(float(t), 31 + (t - 30))
+    assert value == pytest.approx(1.0)
+    assert rate.add(401.0, 0) is None  # a counter that went back (restart) starts over
+    statuses = {
+        "trainer": {"role": "trainer", "step": "2", "version": "2", "samples_trained": "32"},
+        "actor-0": {"role": "actor", "version": "1", "groups_produced": "9"},
+    }
+    line = Progress.line(statuses, 10, 12.0, (0.25, None))
+    assert "0.25 groups/s" in line and "- samples/s" in line and "lag 1" in line

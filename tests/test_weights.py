@@ -52,7 +52,7 @@ def test_published_version_reaches_the_actor_whole(tmp_path, rclient, staged):
     )
     receiver.start()
     try:
-        assert wait_until(lambda: rclient.xlen(names.stream("joins")) == 1, 10)
+        assert wait_until(lambda: rclient.xlen(names.joins) == 1, 10)
         for version in (1, 2):
             with torch.no_grad():
                 for p in trainer_model.parameters():
@@ -90,7 +90,7 @@ def test_a_version_nobody_received_is_not_counted_as_published(tmp_path, rclient
     fields = {k.decode(): v.decode() for k, v in rclient.hgetall(names.status("trainer")).items()}
     assert fields["weight_versions_unreceived"] == "2"
     assert "weight_updates_published" not in fields
-    assert rclient.get(names.key("published_version")) is None
+    assert rclient.get(names.published_version) is None
 
 
 def test_submit_rejects_what_is_not_a_parameter_set(tmp_path, rclient):
@@ -274,7 +274,7 @@ def test_one_hung_actor_does_not_delay_the_others(tmp_path, rclient, redis_serve
         assert fields[b"weight_updates_published"] == b"1"
         assert fields[b"actors_dropped"] == b"1"
         assert b"actor-0" in fields[b"last_publish_error"]
-        assert rclient.get(NAMES.key("published_version")) == b"1"
+        assert rclient.get(NAMES.published_version) == b"1"
     finally:
         hung.kill()
         good.kill()
@@ -309,7 +309,7 @@ def test_join_without_the_run_secret_is_refused(tmp_path, rclient):
     intruder = WeightReceiver(rclient, names, "actor-x", engine, timeout_s=3, secret="guess")
     intruder.start()
     try:
-        assert wait_until(lambda: rclient.xlen(names.stream("joins")) >= 1, 10)
+        assert wait_until(lambda: rclient.xlen(names.joins) >= 1, 10)
         time.sleep(1.5)  # the publisher has read the join by now
         publisher.submit(1, trainer_model)
         assert wait_until(publisher.idle, 10)

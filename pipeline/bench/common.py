@@ -1,4 +1,4 @@
-"""Shared by the benchmarks: percentiles, the table printer, the JSON writer."""
+"""Shared by the benchmarks: percentiles, the device label, the table printer, the JSON writer."""
 
 from __future__ import annotations
 
@@ -14,9 +14,12 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else 0.0
 
 
-def device_name() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
+def device_name(device: str | torch.device = "cpu") -> str:
+    """Where the measured work ran: the GPU's name for a CUDA device, else the CPU
+    (a CPU measurement on a machine that also has a GPU says cpu)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device.index or 0)
     return f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 

@@ -5,16 +5,24 @@ For random-weight models shaped like SmolLM2-135M and Qwen2.5-1.5B, a trainer
 process publishes ``--updates`` versions over the real transfer (Redis
 announcement + gloo buckets) to an hf engine that generates throughout, once
 with staging (the default) and once receiving in place under the lock (a
-pause-for-the-whole-transfer baseline). Per update: transfer time, swap time
-(lock held), generation stall (the gap between the two forward passes around
-the moment the new version took effect), and the floor: an in-memory copy of
-the same bytes on this machine.
+pause-for-the-whole-transfer baseline). Per update:
+
+- transfer: announcement to version installed, as the receiver saw it;
+- swap: the engine's lock hold (staged: installing the received copy; in-place:
+  the whole receive, which happens under the lock);
+- stall: the gap between the two forward passes around the moment the new
+  version took effect. An update with no forward pass on one side of it (before
+  the first or after the last recorded pass) is counted as unmeasured, never as 0;
+- copy floor: copying the model's own parameter tensors into preallocated
+  buffers, in the same process while generation goes on.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import multiprocessing as mp
+import os
 import tempfile
 import threading
 import time
@@ -75,7 +83,7 @@ def trainer_proc(
     model = build(shape, seed=1)
     publisher = WeightPublisher(client, NAMES, "127.0.0.1", bucket_mb, timeout_s, SECRET)
     ready.set()
-    wait_until(lambda: bool(publisher.groups), 120)
+    wait_until(lambda: bool(publisher.members()), 120)
     for version in range(1, updates + 1):
         time.sleep(interval_s)
         with torch.no_grad():
@@ -85,25 +93,35 @@ def trainer_proc(
     publisher.close(timeout_s=timeout_s)
 
 
-def stalls(timeline: list[tuple[float, float]], times: list[float]) -> tuple[list[float], float]:
-    """Per update, the gap between the forward passes around it; and the usual gap."""
-    gaps = [(end, nxt) for (_, end), (nxt, _) in zip(timeline, timeline[1:], strict=False)]
-    usual = percentile([b - a for a, b in gaps if b > a], 50) * 1000
-    out = []
+def stalls(
+    timeline: list[tuple[float, float]], times: list[float]
+) -> tuple[list[float], int, float]:
+    """Per update, the gap (ms) between the forward passes around the moment it took
+    effect; how many updates had no pass on one side (unmeasured, left out, never 0);
+    and the usual gap between passes."""
+    passes = sorted(timeline)
+    starts = [start for start, _ in passes]
+    gaps = [nxt - end for (_, end), (nxt, _) in zip(passes, passes[1:], strict=False)]
+    usual = percentile([g for g in gaps if g > 0], 50) * 1000
+    measured, unmeasured = [], 0
     for t in times:
-        around = [b - a for a, b in gaps if a <= t <= b]
-        out.append(1000 * around[0] if around else 0.0)
-    return out, usual
+        i = bisect.bisect_right(starts, t)  # passes[i] is the first to start after t
+        if i == 0 or i == len(passes) or passes[i - 1][1] > t:
+            unmeasured += 1  # before the first, after the last, or (never) inside a pass
+            continue
+        measured.append(1000 * (starts[i] - passes[i - 1][1]))
+    return measured, unmeasured, usual
 
 
 def copy_floor_ms(model, repeats: int = 5) -> float:
-    total = sum(p.numel() for p in model.parameters())
-    dtype = next(model.parameters()).dtype
-    src, dst = torch.randn(total).to(dtype), torch.empty(total, dtype=dtype)
+    """Copying the model's own parameter tensors into preallocated buffers (median of
+    ``repeats``); called while generation runs, so under the same load as the updates."""
+    params = [p.data for p in model.parameters()]
+    dst = [torch.empty_like(p) for p in params]
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        dst.copy_(src)
+        torch._foreach_copy_(dst, params)
         times.append(1000 * (time.perf_counter() - t0))
     return percentile(times, 50)
 
@@ -144,15 +162,16 @@ def measure(shape: str, staged: bool, args) -> dict:
             gen = threading.Thread(target=_generate, args=(engine, stop, args), daemon=True)
             gen.start()
             trainer.join(timeout=args.updates * (args.interval_s + args.timeout_s) + 300)
+            floor = copy_floor_ms(model)  # generation still running: the same load
             stop.set()
             gen.join(timeout=120)
             receiver.stop()
-            per_update, usual = stalls(
+            per_update, unmeasured, usual = stalls(
                 list(engine.stats.timeline), list(engine.stats.version_times)
             )
             nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
             return {
-                "device": device_name(),
+                "device": device_name("cpu"),  # the engine and the transfer ran on the CPU
                 "model": shape,
                 "mode": "staged" if staged else "in-place",
                 "dtype": SHAPES[shape][2],
@@ -160,14 +179,15 @@ def measure(shape: str, staged: bool, args) -> dict:
                 "updates_applied": receiver.applied,
                 "updates_failed": receiver.failed,
                 "transfer_ms_p50": percentile(receiver.transfer_ms, 50),
-                "swap_ms_p50": percentile(engine.stats.swap_ms, 50)
-                if staged
-                else percentile(receiver.transfer_ms, 50),
+                "swap_ms_p50": percentile(engine.stats.swap_ms, 50),  # lock held, both modes
+                "swap_ms_max": max(engine.stats.swap_ms, default=0.0),
                 "stall_ms_p50": percentile(per_update, 50),
                 "stall_ms_max": max(per_update, default=0.0),
+                "stalls_measured": len(per_update),
+                "stalls_unmeasured": unmeasured,
                 "usual_gap_ms_p50": usual,
                 "forward_passes": engine.stats.forward_passes,
-                "copy_floor_ms": copy_floor_ms(model),
+                "copy_floor_ms": floor,
             }
         finally:
             server.stop()
@@ -203,7 +223,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--note", default="", help="load conditions etc., saved with the results")
     args = p.parse_args(argv)
+    load_start = os.getloadavg()
     torch.set_num_threads(args.threads)
     rows = []
     for shape in args.models.split(","):
@@ -214,13 +236,19 @@ def main(argv: list[str]) -> int:
     print()
     print_table(rows, COLUMNS)
     for r in rows:
-        r["stall_within_2x_copy_floor"] = r["stall_ms_p50"] <= 2 * r["copy_floor_ms"]
+        measured = r["stalls_measured"] > 0
+        r["stall_within_2x_copy_floor"] = (
+            r["stall_ms_p50"] <= 2 * r["copy_floor_ms"] if measured else None
+        )
     write_json(
         args.out,
         {
             "benchmark": "weights",
             "date": time.strftime("%Y-%m-%d"),
             "args": vars(args),
+            "cpu_count": os.cpu_count(),
+            "load_average_start": [round(x, 2) for x in load_start],  # 1, 5, 15 min
+            "load_average_end": [round(x, 2) for x in os.getloadavg()],
             "results": rows,
         },
     )
@@ -234,8 +262,10 @@ COLUMNS = [
     "updates_applied",
     "transfer_ms_p50",
     "swap_ms_p50",
+    "swap_ms_max",
     "stall_ms_p50",
     "stall_ms_max",
+    "stalls_unmeasured",
     "usual_gap_ms_p50",
     "copy_floor_ms",
 ]
