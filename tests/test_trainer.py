@@ -202,3 +202,26 @@ def test_resume_restores_the_dedupe_window_and_retired_count(make_trainer, rclie
     m = run_step(again)
     assert m["sample_ids"] == ["b/0", "b/1"] and m["duplicates"] == 2
     assert retired(again) == 4
+
+
+def test_a_trainer_killed_before_its_first_checkpoint_loses_nothing(make_trainer, rclient):
+    """Its steps are undone (no checkpoint): the next trainer re-reads the stream from the
+    start, including an entry the dead one had read but not acknowledged."""
+    dead = make_trainer(samples_per_step=2, checkpoint_every=10)
+    rng = np.random.default_rng(5)
+    stream = dead.pool.names.batches
+    first = batch("a", [sample(0, 5, 0, 1.0, rng), sample(1, 5, 0, -1.0, rng)], rng)
+    second = batch("b", [sample(0, 5, 0, 1.0, rng), sample(1, 5, 0, -1.0, rng)], rng)
+    publish(rclient, stream, encode(first))
+    run_step(dead)
+    publish(rclient, stream, encode(second))
+    assert len(dead.consumer.read(count=4)) == 1  # read, never acknowledged: it dies now
+    dead.publisher.close(timeout_s=1)
+    again = make_trainer(samples_per_step=2, checkpoint_every=10)
+    assert again.state["version"] == 0 and retired(again) == 0
+    assert run_step(again)["sample_ids"] == ["a/0", "a/1", "b/0", "b/1"]  # one read of 4
+    assert retired(again) == 4
+    records = read_jsonl(f"{again.pool.cfg.run_dir}/metrics.jsonl")
+    assert {"event": "resume", "version": 0}.items() <= next(
+        r for r in records if r.get("event") == "resume"
+    ).items()

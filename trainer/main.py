@@ -26,6 +26,7 @@ import sys
 import time
 
 import torch
+from omegaconf import OmegaConf
 
 from pipeline.config import run_secret
 from pipeline.messages import TrainBatch, decode, encode
@@ -42,7 +43,8 @@ log = logging.getLogger("trainer")
 GROUP = "trainer"
 COUNTERS = ("samples_trained", "stale_samples_dropped", "duplicates_dropped")
 # contract 1: a publisher built with status= keeps weight_updates_published itself
-PUBLISHER_KEEPS_STATUS = "status" in inspect.signature(WeightPublisher.__init__).parameters
+PUBLISHER_PARAMS = inspect.signature(WeightPublisher.__init__).parameters
+PUBLISHER_KEEPS_STATUS = "status" in PUBLISHER_PARAMS
 
 
 class Params(dict):
@@ -107,8 +109,12 @@ class Trainer:
             recover_pending=False,  # resume re-reads from the checkpoint's position instead
             dead_maxlen=cfg.redis.dead_letter_maxlen,
         )
-        if resume_from:
+        if cfg.trainer.resume:
+            # re-read from the checkpoint's position (the stream's start without one): the
+            # steps after it are undone, and entries a killed trainer held come again
             pool.client.xgroup_setid(pool.names.batches, GROUP, self.state["entry_id"])
+        if resume_from or pool.client.exists(pool.names.trainer_version):
+            # a trainer ran before: its steps after this version are undone
             pool.record(event="resume", version=self.state["version"])
         # steps after the checkpoint are undone and their samples come again
         pool.client.set(pool.names.samples_retired, self.state["samples_retired"])
@@ -121,8 +127,15 @@ class Trainer:
             cfg.trainer.bucket_mb,
             cfg.trainer.transfer_timeout_s,
             run_secret(),
-            **({"status": pool.status} if PUBLISHER_KEEPS_STATUS else {}),
+            **self._publisher_options(),
         )
+
+    def _publisher_options(self) -> dict:
+        options = {"status": self.pool.status} if PUBLISHER_KEEPS_STATUS else {}
+        transport = OmegaConf.select(self.pool.cfg, "weights.transport", default=None)
+        if transport and "transport" in PUBLISHER_PARAMS:
+            options["transport"] = transport
+        return options
 
     def publish(self) -> None:
         """Every rank calls this (ZeRO-3 gathers); rank 0 hands the set to the publisher."""
