@@ -190,21 +190,23 @@ PIPELINE_MODES = ("async", "sync")
 
 
 @dataclass
+class CpusConfig:
+    """CPU ids each role's processes are pinned to (os.sched_setaffinity); [] = any."""
+
+    actor: list[int] = field(default_factory=list)
+    preprocessor: list[int] = field(default_factory=list)
+    trainer: list[int] = field(default_factory=list)
+    evaluator: list[int] = field(default_factory=list)
+
+
+@dataclass
 class PipelineConfig:
     # async: pools never wait for each other; sync: actors generate one step's worth of
     # groups with the current weights, then wait for the trainer's next version
     mode: str = "async"
-    # role -> CPU ids the pool's process is pinned to (os.sched_setaffinity); {} = no pinning
-    cpus: dict[str, list[int]] = field(default_factory=dict)
+    cpus: CpusConfig = field(default_factory=CpusConfig)  # e.g. pipeline.cpus.actor=[0]
     # sync: a step waiting this long with nothing moving is topped up (lost samples)
     sync_stall_s: float = 120.0
-
-
-@dataclass
-class WeightsConfig:
-    """How new weights travel from the trainer to the actors (pipeline/transfer/)."""
-
-    transport: str = "gloo"  # gloo (CPU, TCP); nccl and cuda_ipc: issue 12
 
 
 @dataclass
@@ -294,8 +296,8 @@ def validate(cfg: Any) -> None:
     if _get(cfg, "actor.max_lag") < 0 or _get(cfg, "trainer.max_lag") < 0:
         raise ValueError("actor.max_lag and trainer.max_lag must be >= 0")
     validate_scorers(_get(cfg, "preprocessor"))
-    validate_eval_and_mode(cfg)
     validate_devices(cfg)
+    validate_eval_and_mode(cfg)
     validate_engine(cfg)
 
 
@@ -400,13 +402,8 @@ def validate_eval_and_mode(cfg: Any) -> None:
             f"pipeline.mode=sync needs trainer.samples_per_step ({per_step}) to be a multiple "
             f"of task.group_size ({g}): a step is made of whole groups"
         )
-    for role, cpus in (_get(cfg, "pipeline.cpus") or {}).items():
-        if role not in ("actor", "preprocessor", "trainer", "evaluator"):
-            raise ValueError(
-                f"pipeline.cpus names an unknown role {role!r}; use actor, preprocessor, "
-                "trainer or evaluator (e.g. pipeline.cpus={actor:[0],trainer:[1]})"
-            )
-        if not cpus or any(c < 0 or c >= (os.cpu_count() or 1) for c in cpus):
+    for role, cpus in _get(cfg, "pipeline.cpus").items():
+        if any(c < 0 or c >= (os.cpu_count() or 1) for c in cpus):
             raise ValueError(
                 f"pipeline.cpus.{role}={list(cpus)}: give CPU ids in 0..{(os.cpu_count() or 1) - 1}"
             )

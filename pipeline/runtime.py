@@ -114,11 +114,12 @@ def start_pool(role: str, argv: list[str] | None = None) -> Pool:
     return pool
 
 
-def pin_cpus(role: str, cpus: dict) -> None:
+def pin_cpus(role: str, cpus: Any) -> None:
     """``pipeline.cpus.<role>``: run this process (and its threads) on those CPUs only."""
-    if cpus and role in cpus:
-        os.sched_setaffinity(0, set(cpus[role]))
-        logging.getLogger(role).info("pinned to CPUs %s", sorted(cpus[role]))
+    chosen = list(getattr(cpus, role, None) or [])
+    if chosen:
+        os.sched_setaffinity(0, set(chosen))
+        logging.getLogger(role).info("pinned to CPUs %s", sorted(chosen))
 
 
 def run_main(main) -> None:

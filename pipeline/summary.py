@@ -49,10 +49,13 @@ class Summary:
     in_flight: dict[str, list[str]] = field(default_factory=dict)  # per stream
     dead_letter_entries: list[dict] = field(default_factory=list)
     pools: dict[str, dict[str, str]] = field(default_factory=dict)
+    mode: str = "async"  # pipeline.mode: async (pipelined) or sync (phases alternate)
+    last_eval: dict = field(default_factory=dict)  # the evaluator's last ``eval`` record
 
     def render(self) -> str:
         rows = [
             ("outcome", self.outcome),
+            ("mode", self.mode),
             ("trainer steps", self.trainer_steps),
             ("samples trained", self.samples_trained),
             (
@@ -81,6 +84,7 @@ class Summary:
                 f"reward first/last {self.reward_window_steps} steps",
                 f"{_fmt(self.reward_mean_first_window)} -> {_fmt(self.reward_mean_last_window)}",
             ),
+            ("held-out eval, last version", _eval_text(self.last_eval)),
             ("dead-lettered entries", self.dead_lettered),
             (
                 "reward errors",
@@ -108,6 +112,23 @@ def _fmt(x: float | None) -> str:
 
 def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
+
+
+def _eval_text(r: dict) -> str:
+    if not r:
+        return "-"
+    return (
+        f"v{r['version']}: greedy accuracy {r['greedy_accuracy']:.3f}, "
+        f"mean reward {r['mean_reward']:.3f}, pass@{r['k']} {r['pass_at_k']:.3f}"
+    )
+
+
+def _config_str(run_dir: str, key: str, default: str) -> str:
+    from omegaconf import OmegaConf
+
+    path = os.path.join(run_dir, "config.yaml")
+    value = OmegaConf.select(OmegaConf.load(path), key) if os.path.exists(path) else None
+    return default if value is None else str(value)
 
 
 def _group_size(run_dir: str) -> int:
@@ -149,7 +170,10 @@ def build_summary(
     flight, dead = in_flight(client, names), dead_letters(client, names)
     terms = account(records, flight, dead, _group_size(run_dir))
     errors, reasons = reward_errors(statuses)
+    evals = [r for r in records if r.get("event") == "eval"]
     return Summary(
+        mode=_config_str(run_dir, "pipeline.mode", "async"),
+        last_eval=max(evals, key=lambda r: r["version"], default={}),
         outcome=outcome,
         trainer_steps=int(trainer.get("step", 0)),
         samples_trained=int(trainer.get("samples_trained", 0)),

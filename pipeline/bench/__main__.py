@@ -14,6 +14,7 @@ def available() -> list[str]:
 
 def main(argv: list[str]) -> int:
     names = available()
+    argv = [{"async": "async_"}.get(argv[0], argv[0]), *argv[1:]] if argv else argv  # keyword
     if not argv or argv[0] not in names:
         print(f"usage: python -m pipeline.bench {{{','.join(names)}}} --out FILE [...]")
         return 2
