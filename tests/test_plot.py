@@ -192,3 +192,15 @@ def test_progress_rates_wait_for_a_long_enough_window():
     }
     line = Progress.line(statuses, 10, 12.0, (0.25, None))
     assert "0.25 groups/s" in line and "- samples/s" in line and "lag 1" in line
+
+
+def test_the_device_label_names_where_the_work_ran(monkeypatch):
+    import torch
+
+    from pipeline.bench.common import device_name
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with a GPU
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: f"GPU{index}")
+    assert device_name("cpu").startswith("cpu: ")  # ... measured on its CPU says cpu
+    assert device_name() == device_name("cpu")
+    assert device_name("cuda:1") == "GPU1" and device_name("cuda") == "GPU0"

@@ -10,9 +10,10 @@ or, in in-place mode, ``update_in_place`` holds that lock for the whole
 receive. Either way every pause of generation is recorded in ``stats`` as a
 swap with its lock-hold time.
 
-Implementations: ``hf`` (actor/engines/hf.py, CPU and GPU); ``vllm`` is planned
-(issue 12: a worker extension that takes the lock around each forward pass in
-the engine-core process, see device/VLLM_LOCK.md).
+Implementations: ``hf`` (actor/engines/hf.py, CPU and GPU). ``vllm`` is issue
+12: its worker extension (actor/vllm_worker.py) already stages from a bucket
+source in the engine-core process and swaps under a lock around each forward
+pass; the Engine wrapper around it is still to be written.
 """
 
 from __future__ import annotations
