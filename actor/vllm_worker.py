@@ -58,8 +58,6 @@ class BucketSource(Protocol):
 
     def fetch(self, index: int, out: torch.Tensor, deadline: float) -> None: ...
 
-    def close(self) -> None: ...
-
 
 def external_id(internal: str) -> str:
     """vLLM appends ``-<8 random chars>`` to the client's request id."""
@@ -274,8 +272,20 @@ class NonstopWorkerExtension:
         }
         return self._nonstop_info
 
-    def nonstop_update(self, announcement: bytes, source: dict) -> None:
-        """Queue one version: receive into staging while generating, then swap."""
+    def nonstop_connect(self, transport: str, rendezvous: dict, nonce: str) -> None:
+        """Open this worker's channel of ``weights.transport`` for a signed join (the
+        actor process did the Redis side: read the rendezvous, XADD the join)."""
+        from pipeline.transfer import make_receiver
+
+        if getattr(self, "_nonstop_receiver", None) is not None:
+            self._nonstop_receiver.close()
+        receiver = make_receiver(transport, self._nonstop_timeout)
+        receiver.connect(rendezvous, nonce, time.monotonic() + self._nonstop_timeout)
+        self._nonstop_receiver = receiver
+
+    def nonstop_update(self, announcement: bytes, source: dict | None = None) -> None:
+        """Queue one version: receive into staging while generating, then swap.
+        ``source`` names a BucketSource factory (tests); default: the connected channel."""
         self._nonstop_jobs.put((decode(announcement, WeightAnnouncement), source))
 
     def nonstop_poll(self, request_ids: list[str] | None = None) -> dict:
@@ -292,6 +302,16 @@ class NonstopWorkerExtension:
             "versions": w.steps.take(request_ids or []),
         }
 
+    def _nonstop_source(self, ann: WeightAnnouncement, spec: dict | None) -> BucketSource:
+        if spec is not None:
+            return load_source(spec)
+        receiver = getattr(self, "_nonstop_receiver", None)
+        if receiver is None:
+            raise RuntimeError("no transfer channel: call nonstop_connect after joining")
+        from pipeline.transfer import ReceiverSource
+
+        return ReceiverSource(receiver, ann)
+
     def _nonstop_loop(self) -> None:
         w = self._nonstop
         if w.cuda:
@@ -299,11 +319,9 @@ class NonstopWorkerExtension:
         while True:
             ann, spec = self._nonstop_jobs.get()
             try:
-                source = load_source(spec)
-                try:
-                    w.stage(ann, source, time.monotonic() + self._nonstop_timeout)
-                finally:
-                    source.close()
+                w.stage(
+                    ann, self._nonstop_source(ann, spec), time.monotonic() + self._nonstop_timeout
+                )
                 w.swap(ann.version)
             except Exception as e:  # the old weights stay whole; the client sees the error
                 w.failed += 1

@@ -289,3 +289,41 @@ def test_step_versions_count_sampling_steps_only():
 def test_locked_weights_refuse_non_contiguous_parameters():
     with pytest.raises(ValueError, match="contiguous"):
         LockedWeights([("w", torch.zeros(4, 4).t())], 1.0)
+
+
+def test_worker_receives_a_version_over_the_gloo_transport_while_stepping():
+    """The same channel code the trainer uses (pipeline/transfer): the worker connects
+    in its own process space, receives bucket by bucket, checks sums, swaps."""
+    from pipeline.transfer.gloo import GlooSender
+
+    old, new = hf_state(hf_model(0)), hf_state(hf_model(1))
+    worker = FakeWorker(FakeVllmModel(vllm_layout(old)), step_s=0.005)
+    worker.nonstop_install(lock_timeout_s=5.0, transfer_timeout_s=20.0)
+    sender = GlooSender("127.0.0.1", 20.0)
+    deadline = time.monotonic() + 20
+    accept = threading.Thread(target=sender.accept, args=("actor-0", "n1", deadline))
+    accept.start()
+    worker.nonstop_connect("gloo", sender.rendezvous(), "n1")
+    accept.join()
+    stop = threading.Event()
+
+    def engine():
+        while not stop.is_set():
+            worker.execute_model(sched(cached=[("r-abcdefgh", 5)], scheduled={"r-abcdefgh": 1}))
+            worker.sample_tokens(None)
+
+    t = threading.Thread(target=engine)
+    t.start()
+    ann, flat = announcement(7, new)
+    worker.nonstop_update(encode(ann))
+    sender.send("actor-0", flat, time.monotonic() + 20)
+    worker._nonstop_jobs.join()
+    stop.set()
+    t.join()
+    status = worker.nonstop_poll(["r"])
+    assert status["failed"] == 0, status["last_error"]
+    assert status["live_version"] == 7 and [v for v, _ in status["versions"]["r"]][-1] == 7
+    live = dict(worker.model.named_parameters())
+    for name, t in vllm_layout(new).items():
+        assert torch.equal(live[name], t), name
+    sender.close()
