@@ -130,8 +130,9 @@ def worker(args) -> None:
             comp_tokens += n_comp
             tokens += n_comp + args.micro * args.rows * args.prompt
     publish_s = publish_times(backend, ranks, args)
+    params = backend.full_parameters()  # every rank: a gather under ZeRO-3
     if ranks.is_main:
-        n_params = sum(p.numel() for p in backend.full_parameters().values())
+        n_params = sum(p.numel() for p in params.values())
         result = {
             "step_s": statistics.median(times),
             "tokens_per_s": tokens / sum(times),
@@ -246,6 +247,7 @@ def main(argv: list[str]) -> int:
         return 0
     from pipeline.redis_server import EmbeddedRedis
 
+    load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp_dir:
         tmp = Path(tmp_dir)
         args.model = args.model or build_model(args.shape, tmp / "model")
@@ -274,6 +276,8 @@ def main(argv: list[str]) -> int:
         "torch_threads_per_rank": args.threads,
         "tokens_per_step": args.micro * args.rows * (args.prompt + args.completion),
         "steps_timed": args.steps,
+        # other processes on the machine skew CPU numbers: the load while this ran
+        "load_avg_1m": {"start": load_start, "end": os.getloadavg()[0]},
         "rows": rows,
     }
     write_json(args.out, payload)
