@@ -180,7 +180,9 @@ def main(argv: list[str] | None = None) -> None:
         add_totals(pool, counts)
         pool.status.set(state="working")
     pool.status.set(state="stopped")
-    log.info("stopped")
+    totals = pool.client.hmget(pool.status.key, ["kept", "dropped", "batches"])
+    kept, dropped, batches = ((t or b"0").decode() for t in totals)
+    log.info("stopped: kept %s, dropped %s, batches %s (run totals)", kept, dropped, batches)
 
 
 def count_dead_letters(pool: Pool, consumer: Consumer, seen: int) -> int:
