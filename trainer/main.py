@@ -19,14 +19,12 @@ whole rank group resumes from, with the dedupe window saved alongside.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import sys
 import time
 
 import torch
-from omegaconf import OmegaConf
 
 from pipeline.config import run_secret
 from pipeline.messages import TrainBatch, decode, encode
@@ -42,17 +40,6 @@ from trainer.step import sample_metrics, train_step
 log = logging.getLogger("trainer")
 GROUP = "trainer"
 COUNTERS = ("samples_trained", "stale_samples_dropped", "duplicates_dropped")
-# contract 1: a publisher built with status= keeps weight_updates_published itself
-PUBLISHER_PARAMS = inspect.signature(WeightPublisher.__init__).parameters
-PUBLISHER_KEEPS_STATUS = "status" in PUBLISHER_PARAMS
-
-
-class Params(dict):
-    """A parameter mapping that also answers ``named_parameters()``, so any
-    WeightPublisher.submit (module or mapping) takes it."""
-
-    def named_parameters(self):
-        return iter(self.items())
 
 
 def resolve_device(device: str, local_rank: int) -> str:
@@ -127,21 +114,15 @@ class Trainer:
             cfg.trainer.bucket_mb,
             cfg.trainer.transfer_timeout_s,
             run_secret(),
-            **self._publisher_options(),
+            status=pool.status,  # the publisher keeps its own counters there (HINCRBY)
+            transport=cfg.weights.transport,
         )
-
-    def _publisher_options(self) -> dict:
-        options = {"status": self.pool.status} if PUBLISHER_KEEPS_STATUS else {}
-        transport = OmegaConf.select(self.pool.cfg, "weights.transport", default=None)
-        if transport and "transport" in PUBLISHER_PARAMS:
-            options["transport"] = transport
-        return options
 
     def publish(self) -> None:
         """Every rank calls this (ZeRO-3 gathers); rank 0 hands the set to the publisher."""
         params = self.backend.full_parameters()
         if self.ranks.is_main:
-            self.publisher.submit(self.state["version"], Params(params))
+            self.publisher.submit(self.state["version"], params)
 
     def next_plan(self) -> Plan:
         """Rank 0 reads the next step's batches; every rank gets the same plan."""
@@ -236,8 +217,6 @@ class Trainer:
         s = self.state
         self.pool.record(event="step", step=s["version"], **metrics)
         fields = {k: s[k] for k in COUNTERS + ("sequences_spanning_versions",)}
-        if not PUBLISHER_KEEPS_STATUS:
-            fields["weight_updates_published"] = self.publisher.published
         self.pool.status.set(
             state="training",
             step=s["version"],
@@ -262,10 +241,7 @@ class Trainer:
         done = self.state["version"] >= cfg.max_steps
         if self.ranks.is_main:
             self.publisher.close(timeout_s=cfg.transfer_timeout_s)
-            fields = {}
-            if not PUBLISHER_KEEPS_STATUS:
-                fields["weight_updates_published"] = self.publisher.published
-            self.pool.status.set(state="finished" if done else "stopped", **fields)
+            self.pool.status.set(state="finished" if done else "stopped")
         else:
             self.pool.status.set(state="finished" if done else "stopped")
         close(self.ranks)
