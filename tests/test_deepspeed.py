@@ -2,8 +2,10 @@
 
 Tolerance: ZeRO-2 and ZeRO-3 reduce gradients in another order than the torch
 backend's single all-reduce, so fp32 losses of later steps differ in the last
-bits; they must agree to a relative 1e-5 (measured: well below that). The first
-step's loss, computed before any update, must be equal to 1e-7.
+bits; they must agree to a relative 1e-5 (grad norms 1e-4). Measured on the 2-core
+CPU over 4 steps: losses differ by at most 1.4e-7 relative (ZeRO-3; ZeRO-2 5.9e-8),
+grad norms by 2.5e-7. The first step's loss, computed before any update, must agree
+to 1e-7 (it was identical).
 """
 
 from __future__ import annotations
