@@ -4,7 +4,8 @@
 ::
 
     reads   <run>:samples_produced, <run>:samples_retired, <run>:trainer_version,
-            <run>:sync_claims (sync: what other actors are generating right now)
+            <run>:sync_claims (sync: what other actors are generating right now),
+            the trainer's status ``state`` (sync: is it waiting for data?)
     writes  <run>:sync_claims (sync: this actor's claim, released after publishing);
             a ``turn`` metrics record per batch (wait and generate seconds, mode)
     blocks  async: while behind or backlogged (actor.main.wait_for_room);
@@ -20,7 +21,9 @@ exceed one step. Groups dropped for no signal are retired by the preprocessor, s
 step's shortfall is generated again at the same version. A claim expires after
 ``launch.watchdog_s`` (an actor that died mid-batch does not block the step); a step
 stuck for ``pipeline.sync_stall_s`` with nothing moving (samples lost on the way,
-e.g. dead-lettered) is topped up with one more step's worth, with a warning.
+e.g. dead-lettered) is topped up: a step's worth is generated as if those were not in
+flight, with a warning. Stuck means: the trainer's status says it waits for data, this
+actor cannot claim, and no counter moved.
 """
 
 from __future__ import annotations
@@ -103,18 +106,27 @@ class Turns:
             n = self._call(prompts * g, slack)
             if n > 0:
                 return n // g
-            state = (n, pool.client.mget(self.keys[:3]))
-            if state != seen:
+            counters = pool.client.mget(self.keys[:3])
+            trainer, buffered = pool.client.hmget(
+                pool.names.status("trainer"), ["state", "buffered_samples"]
+            )
+            # stuck: the trainer waits for data, this actor waits for room, nothing moves
+            state = (n, counters, trainer, buffered)
+            if state != seen or trainer != b"waiting for data":
                 stuck_since, seen = time.monotonic(), state
             elif n == 0 and time.monotonic() - stuck_since > cfg.pipeline.sync_stall_s:
+                # counted in flight but neither in the trainer's buffer nor moving
+                in_flight = int(counters[0] or 0) - int(counters[1] or 0) - int(buffered or 0)
                 log.warning(
-                    "sync: version %s has been waiting %.0fs for samples that never came "
-                    "(lost or dead-lettered?); generating one more step's worth",
+                    "sync: version %s: the trainer has waited %.0fs for samples counted in "
+                    "flight (%d) that never came (lost, dead-lettered, or a counter reset); "
+                    "generating a step's worth without them",
                     self.engine.version,
                     time.monotonic() - stuck_since,
+                    in_flight,
                 )
-                pool.record(event="sync_stall", version=self.engine.version)
-                slack, stuck_since = slack + cfg.trainer.samples_per_step, time.monotonic()
+                pool.record(event="sync_stall", version=self.engine.version, in_flight=in_flight)
+                slack, stuck_since = max(in_flight, 0), time.monotonic()
             pool.status.set(state="waiting (sync)", version=self.engine.version)
             pool.tick()
             time.sleep(0.02)

@@ -205,8 +205,9 @@ class PipelineConfig:
     # groups with the current weights, then wait for the trainer's next version
     mode: str = "async"
     cpus: CpusConfig = field(default_factory=CpusConfig)  # e.g. pipeline.cpus.actor=[0]
-    # sync: a step waiting this long with nothing moving is topped up (lost samples)
-    sync_stall_s: float = 120.0
+    # sync: when the trainer has waited this long for samples counted in flight while
+    # nothing moved, they are taken as lost and a step's worth is generated again
+    sync_stall_s: float = 60.0
 
 
 @dataclass

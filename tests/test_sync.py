@@ -92,3 +92,32 @@ def test_sync_mode_needs_whole_groups_per_step(tmp_path):
         tmp_path, tmp_path / "run", "pipeline.mode=sync", "trainer.samples_per_step=6"
     )
     assert code == 2 and "multiple of task.group_size" in out
+
+
+def test_sync_mode_recovers_when_samples_counted_in_flight_never_come(tmp_path):
+    """A group counted as produced that never reaches the trainer (lost on the way):
+    the trainer waits for data, the actor cannot claim; after pipeline.sync_stall_s the
+    actor generates the step without it, still at lag 0."""
+    import time
+
+    import redis
+
+    from tests.launching import launch_tiny
+
+    run_dir = tmp_path / "run"
+    proc = launch_tiny(
+        tmp_path, run_dir, "pipeline.mode=sync", "trainer.max_steps=2", "pipeline.sync_stall_s=2"
+    )
+    port, auth = run_dir / "redis" / "port", run_dir / "redis" / "auth"
+    deadline = time.monotonic() + 60
+    while not (port.exists() and auth.exists() and auth.read_text().strip()):
+        assert proc.poll() is None and time.monotonic() < deadline, "no embedded redis"
+        time.sleep(0.05)
+    client = redis.Redis(port=int(port.read_text()), password=auth.read_text().strip())
+    client.incrby("nonstop:tiny:samples_produced", G)  # before any generation: a phantom group
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    records = read_jsonl(str(run_dir / "metrics.jsonl"))
+    check_sync_run(run_dir, 2)
+    stalls = [r for r in records if r.get("event") == "sync_stall"]
+    assert len(stalls) >= 2 and all(r["in_flight"] == G for r in stalls)  # one per step

@@ -53,10 +53,10 @@ COMMON = [
     "launch.final_sync_timeout_s=1",
 ]
 SETTINGS = {
-    "normal": ["engine.max_new_tokens=24", "engine.temperature=0.7"],
-    # temperature 1 and room for 96 tokens: most answers stay short, a few per group
+    "normal": ["engine.max_new_tokens=16", "engine.temperature=0.7"],
+    # temperature 1 and room for 64 tokens: most answers stay short, a few per group
     # ramble to the limit, and a batch lasts as long as its longest answer
-    "longtail": ["engine.max_new_tokens=96", "engine.temperature=1.0"],
+    "longtail": ["engine.max_new_tokens=64", "engine.temperature=1.0"],
 }
 
 
@@ -118,10 +118,15 @@ def measure(run_dir: Path, window: dict, budget_s: float) -> dict:
     trained_tokens = sum(r.get("tokens", 0) for r in steps)
     rewards = [r["reward_mean"] for r in steps]
     half = max(1, len(rewards) // 2)
+    steady = None  # between the first and the last step: start-up left out
+    if len(steps) > 1:
+        span = steps[-1]["time"] - steps[0]["time"]
+        steady = round(sum(r["samples"] for r in steps[1:]) / span, 4) if span > 0 else None
     return {
         "steps": len(steps),
         "samples_trained": samples,
         "samples_per_s": round(samples / budget_s, 4),
+        "samples_per_s_between_steps": steady,
         "trainer_idle_frac": round(1 - min(sum(r["step_s"] for r in steps) / budget_s, 1), 3),
         "actor_idle_frac": round(1 - min(sum(r["generate_s"] for r in turns) / budget_s, 1), 3),
         "policy_lag": {str(k): v for k, v in sorted(lags.items())},
@@ -193,7 +198,13 @@ def plot(rows: list[dict], path: str) -> None:
 
 def markdown(rows: list[dict], meta: dict) -> str:
     cols = ["setting", "mode", "steps", "samples_per_s", "async_vs_sync_samples_per_s"]
-    cols += ["trainer_idle_frac", "actor_idle_frac", "policy_lag", "mean_completion_tokens"]
+    cols += [
+        "samples_per_s_between_steps",
+        "trainer_idle_frac",
+        "actor_idle_frac",
+        "policy_lag",
+        "mean_completion_tokens",
+    ]
     cols += ["reward_first_half", "reward_second_half", "accuracy"]
     lines = [
         f"# async vs sync on the CPU ({meta['date']})",
@@ -212,18 +223,54 @@ def markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines + ["", *meta["notes"], ""])
 
 
+def notes(rows: list[dict]) -> list[str]:
+    """Plain statements about what the numbers can and cannot show."""
+    out = []
+    for r in rows:
+        acc = [a[2] for a in r.get("accuracy_curve") or []]
+        if acc:
+            moved = max(acc) - min(acc) >= 0.1
+            out.append(
+                f"- {r['setting']}/{r['mode']}: held-out greedy accuracy "
+                f"{' -> '.join(f'{a:.2f}' for a in acc)} over {r['steps']} steps"
+                + ("" if moved else ": the run is too short for accuracy to move")
+            )
+    lags = [r for r in rows if r["mode"] == "sync" and set(r["policy_lag"]) - {"0"}]
+    if lags:
+        out.append(f"- WARNING: sync rows with non-zero lag: {[r['setting'] for r in lags]}")
+    return out
+
+
+def render(path: str) -> None:
+    """Rewrite the Markdown table and the plot from a saved JSON."""
+    import json
+
+    with open(path) as f:
+        payload = json.load(f)
+    meta, rows = payload["meta"], payload["rows"]
+    meta["notes"] = notes(rows) + meta.get("extra_notes", [])
+    base = os.path.splitext(path)[0]
+    with open(base + ".md", "w") as f:
+        f.write(markdown(rows, meta))
+    plot(rows, base + ".png")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipeline.bench async")
     p.add_argument("--out", default="bench/results/async-cpu.json")
     p.add_argument("--budget-s", type=float, default=120.0, help="generation seconds per run")
     p.add_argument("--settings", default="normal,longtail")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint-every", type=int, default=4)
-    p.add_argument("--eval-problems", type=int, default=32)
+    p.add_argument("--checkpoint-every", type=int, default=2)
+    p.add_argument("--eval-problems", type=int, default=16)
     p.add_argument("--no-eval", action="store_true", help="skip held-out accuracy")
     p.add_argument("--set", nargs="*", default=[], help="extra overrides for every run")
     p.add_argument("--keep", action="store_true", help="keep the run directories")
+    p.add_argument("--render", metavar="JSON", help="only rewrite the table and plot of JSON")
     args = p.parse_args(argv)
+    if args.render:
+        render(args.render)
+        return 0
     start, work = time.time(), Path(tempfile.mkdtemp(prefix="bench-async-"))
     rows = []
     for setting in args.settings.split(","):
@@ -241,10 +288,11 @@ def main(argv: list[str] | None = None) -> int:
             r["async_vs_sync_samples_per_s"] = round(ratio, 3)
     if not args.no_eval:  # after every run, so evaluation never competes with them
         ev = [f"eval.problems={args.eval_problems}", "eval.samples=1", "eval.batch_size=16"]
+        init = None  # the same initial model in both modes: evaluated once
         for r in rows:
             if r["setting"] == "normal":
                 print(f"evaluating {r['setting']} / {r['mode']} checkpoints ...", flush=True)
-                init = initial_accuracy(Path(r["run_dir"]), ev)
+                init = init if init is not None else initial_accuracy(Path(r["run_dir"]), ev)
                 curve = accuracy_curve(Path(r["run_dir"]), r["t0"], r["t_end"], ev)
                 r["accuracy_curve"] = [[0.0, 0, init], *curve]
     for r in rows:
@@ -263,11 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.time() - start,
         "load_note": "1-min load average before each run is in the rows (other processes "
         "shared both cores)",
-        "notes": [],
     }
     write_json(args.out, {"meta": meta, "rows": rows})
-    base = os.path.splitext(args.out)[0]
-    with open(base + ".md", "w") as f:
-        f.write(markdown(rows, meta))
-    plot(rows, base + ".png")
+    render(args.out)
     return 0
