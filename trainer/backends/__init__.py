@@ -43,6 +43,20 @@ class Backend(Protocol):
     def set_lr(self, lr: float) -> None: ...
 
 
+class OptimizerLR:
+    """The learning rate of ``self.optimizer``'s parameter groups (both backends)."""
+
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+
 def make_backend(cfg, ranks: Ranks, model_path: str, resume_from: str | None) -> Backend:
     """The configured backend, with weights and optimizer restored from ``resume_from``."""
     kind = cfg.trainer.backend

@@ -21,6 +21,7 @@ import torch
 
 from pipeline.config import pool_dtype
 from pipeline.models import DTYPES, load_model
+from trainer.backends import OptimizerLR
 from trainer.ranks import Ranks
 
 TAG = "deepspeed"
@@ -58,7 +59,7 @@ def ds_config(t, dtype: str) -> dict:
     }
 
 
-class DeepSpeedBackend:
+class DeepSpeedBackend(OptimizerLR):
     def __init__(self, cfg, ranks: Ranks, model_path: str, resume_from: str | None):
         t = cfg.trainer
         deepspeed = import_deepspeed(t.device)
@@ -114,11 +115,3 @@ class DeepSpeedBackend:
                 path, state_dict=dict(params), safe_serialization=True
             )
             self.tokenizer.save_pretrained(path)
-
-    @property
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
-
-    def set_lr(self, lr: float) -> None:
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr

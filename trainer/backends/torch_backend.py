@@ -17,12 +17,13 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from pipeline.config import pool_dtype
 from pipeline.models import DTYPES, load_model
+from trainer.backends import OptimizerLR
 from trainer.ranks import Ranks
 
 OPTIMIZER_FILE = "optimizer.pt"
 
 
-class TorchBackend:
+class TorchBackend(OptimizerLR):
     def __init__(self, cfg, ranks: Ranks, model_path: str, resume_from: str | None):
         t = cfg.trainer
         self.ranks, self.grad_clip = ranks, t.grad_clip
@@ -35,11 +36,8 @@ class TorchBackend:
             self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay
         )
         if resume_from:
-            state = torch.load(
-                os.path.join(resume_from, OPTIMIZER_FILE),
-                weights_only=True,
-                map_location=self.device,
-            )
+            path = os.path.join(resume_from, OPTIMIZER_FILE)
+            state = torch.load(path, weights_only=True, map_location=self.device)  # no pickle
             self.optimizer.load_state_dict(state)
 
     def step(self, micro, loss_fn) -> tuple[float, list[float]]:
@@ -75,11 +73,3 @@ class TorchBackend:
         self.model.save_pretrained(path, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
         torch.save(self.optimizer.state_dict(), os.path.join(path, OPTIMIZER_FILE))
-
-    @property
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
-
-    def set_lr(self, lr: float) -> None:
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
