@@ -56,11 +56,6 @@ def acl_redis(tmp_path):
     proc.wait()
 
 
-@pytest.mark.xfail(
-    reason="known defect (stop 2): the split trainer runs a Redis command users.acl "
-    "does not grant it; fix the ACL, then drop this",
-    strict=False,
-)
 def test_pools_run_as_their_own_restricted_redis_users(tmp_path, acl_redis):
     env = {f"NONSTOP_REDIS_URL_{r.upper()}": acl_redis[r] for r in ROLES[:3]}
     code, out = run_tiny(
