@@ -225,3 +225,28 @@ def test_a_trainer_killed_before_its_first_checkpoint_loses_nothing(make_trainer
     assert {"event": "resume", "version": 0}.items() <= next(
         r for r in records if r.get("event") == "resume"
     ).items()
+
+
+def test_a_restarted_trainer_keeps_the_preprocessors_retirements(make_trainer, rclient):
+    """samples_retired is shared: a restart takes back only the trainer's undone steps, never
+    the no-signal drops and dead letters the preprocessors added (sync mode and the actors'
+    back-pressure read it)."""
+    names = Names("test", "trainer")
+    rclient.incrby(names.samples_retired, 3)  # a preprocessor dropped a no-signal group
+    first = make_trainer(samples_per_step=2, checkpoint_every=1)
+    rng = np.random.default_rng(6)
+    a = batch("a", [sample(0, 5, 0, 1.0, rng), sample(1, 5, 0, -1.0, rng)], rng)
+    b = batch("b", [sample(0, 5, 1, 1.0, rng), sample(1, 5, 1, -1.0, rng)], rng)
+    publish(rclient, names.batches, encode(a))
+    run_step(first)  # checkpointed
+    rclient.incrby(names.samples_retired, 5)  # the preprocessor again, while training
+    first.pool.cfg.trainer.checkpoint_every = 100
+    publish(rclient, names.batches, encode(b))
+    run_step(first)  # not checkpointed: undone by the restart
+    assert retired(first) == 3 + 2 + 5 + 2
+    first.publisher.close(timeout_s=1)
+    again = make_trainer(samples_per_step=2, checkpoint_every=1)
+    assert again.state["version"] == 1
+    assert retired(again) == 3 + 2 + 5  # only the undone step's 2 are taken back
+    assert run_step(again)["sample_ids"] == ["b/0", "b/1"]
+    assert retired(again) == 3 + 2 + 5 + 2

@@ -39,6 +39,8 @@ from trainer.step import sample_metrics, train_step
 
 log = logging.getLogger("trainer")
 GROUP = "trainer"
+# the status-hash field that holds the trainer's own share of samples_retired
+RETIRED_FIELD = "samples_retired_by_trainer"
 COUNTERS = ("samples_trained", "stale_samples_dropped", "duplicates_dropped")
 
 
@@ -103,8 +105,7 @@ class Trainer:
         if resume_from or pool.client.exists(pool.names.trainer_version):
             # a trainer ran before: its steps after this version are undone
             pool.record(event="resume", version=self.state["version"])
-        # steps after the checkpoint are undone and their samples come again
-        pool.client.set(pool.names.samples_retired, self.state["samples_retired"])
+        self._undo_retired(self.state["samples_retired"])
         pool.client.set(pool.names.trainer_version, self.state["version"])
         self.checkpoint_id = self.state["entry_id"]
         self.publisher = WeightPublisher(
@@ -117,6 +118,24 @@ class Trainer:
             status=pool.status,  # the publisher keeps its own counters there (HINCRBY)
             transport=cfg.weights.transport,
         )
+
+    def _undo_retired(self, kept: int) -> None:
+        """Take back the retirements of the steps after the checkpoint: their samples come again.
+
+        `samples_retired` is shared: the preprocessors add no-signal drops and dead letters to it.
+        The trainer's own share lives in its status hash (RETIRED_FIELD, kept with HINCRBY beside
+        each INCRBY), so only the difference between that share and the checkpoint's is taken back;
+        the preprocessors' part stays.
+        """
+        client, names = self.pool.client, self.pool.names
+        live = int(client.hget(names.status(self.pool.name), RETIRED_FIELD) or 0)
+        undone = live - kept
+        with client.pipeline(transaction=True) as tx:
+            tx.incrby(names.samples_retired, -undone)
+            tx.hset(names.status(self.pool.name), RETIRED_FIELD, kept)
+            tx.execute()
+        if undone:
+            log.info("%d retired samples of undone steps come again", undone)
 
     def publish(self) -> None:
         """Every rank calls this (ZeRO-3 gathers); rank 0 hands the set to the publisher."""
@@ -201,7 +220,10 @@ class Trainer:
         s["entry_id"] = data.entry_ids[-1] if data.entry_ids else s["entry_id"]
         self.pool.client.set(self.pool.names.trainer_version, s["version"])
         self.consumer.ack(data.entry_ids)
-        self.pool.client.incrby(self.pool.names.samples_retired, data.retired)
+        with self.pool.client.pipeline(transaction=True) as tx:
+            tx.incrby(self.pool.names.samples_retired, data.retired)
+            tx.hincrby(self.pool.names.status(self.pool.name), RETIRED_FIELD, data.retired)
+            tx.execute()
         metrics.update(
             stale=data.stale,
             version=s["version"],
