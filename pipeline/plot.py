@@ -2,9 +2,9 @@
 
 ::
 
-    reads   RUN_DIR/metrics.jsonl (events "group", "preprocessed", "step", "swap"),
+    reads   RUN_DIR/metrics.jsonl (events "group", "preprocessed", "step", "swap", "eval"),
             RUN_DIR/config.yaml (limits drawn as reference lines), RUN_DIR/summary.json
-    writes  RUN_DIR/plots/{reward,policy_lag,throughput,stalls}.png
+    writes  RUN_DIR/plots/{reward,policy_lag,throughput,stalls,eval}.png
     blocks  never (works on a live run too: a half-written last line is skipped)
 
 - reward: mean reward of each trainer step and of generated groups (rolling mean);
@@ -16,6 +16,9 @@
 - stalls: per-actor pauses of generation for new weights (``swap`` records: the
   forward lock held for a staged swap, or for a whole in-place receive) and the
   trainer's wait for data between steps.
+- eval: held-out greedy accuracy, pass@k and mean reward per policy version (``eval``
+  records of the evaluator pool), against the version and against the wall time its
+  checkpoint was written.
 
 matplotlib (Agg backend) is needed: ``pip install -e '.[plot]'``.
 """
@@ -31,7 +34,7 @@ from typing import Any
 
 from pipeline.telemetry import surviving_steps
 
-PLOTS = ("reward", "policy_lag", "throughput", "stalls")
+PLOTS = ("reward", "policy_lag", "throughput", "stalls", "eval")
 
 
 def read_records(path: str) -> list[dict]:
@@ -240,6 +243,40 @@ def plot_stalls(plt, s: Series):
     return fig
 
 
+def plot_eval(plt, s: Series):
+    """Held-out evaluation per policy version: against the version and against wall time."""
+    rows = sorted(
+        (r for r in s.by_event["eval"] if "greedy_accuracy" in r), key=lambda r: r["version"]
+    )
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 7))
+    if not rows:
+        _empty(ax, "no eval records (the evaluator pool writes them: eval.every_steps)")
+        _empty(ax2, "no eval records")
+    else:
+        versions = [r["version"] for r in rows]
+        ax.plot(versions, [r["greedy_accuracy"] for r in rows], "o-", color="C2", label="greedy")
+        if all("pass_at_k" in r for r in rows):
+            k = rows[-1].get("k", "k")
+            ax.plot(versions, [r["pass_at_k"] for r in rows], "s--", color="C1", label=f"pass@{k}")
+        ax.set_ylim(-0.02, 1.02)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend(loc="best", fontsize=8)
+        # a policy existed from when its checkpoint was written (the record's own time is
+        # when the evaluation finished, later)
+        when = [(r.get("checkpoint_time", r["time"]) - s.t0) / s.scale for r in rows]
+        ax2.plot(when, [r["greedy_accuracy"] for r in rows], "o-", color="C2", label="greedy acc.")
+        twin = ax2.twinx()
+        twin.plot(when, [r["mean_reward"] for r in rows], "^:", color="C0", label="mean reward")
+        twin.set_ylabel("mean reward")
+        ax2.legend(loc="upper left", fontsize=8)
+        twin.legend(loc="lower right", fontsize=8)
+    problems = rows[-1].get("problems", "?") if rows else "?"
+    ax.set(title=f"held-out evaluation ({problems} problems)", xlabel="policy version")
+    ax.set_ylabel("accuracy")
+    ax2.set(xlabel=f"checkpoint written, {s.xlabel}", ylabel="greedy accuracy")
+    return fig
+
+
 # ------------------------------------------------------------------ command line
 
 
@@ -263,6 +300,7 @@ def make_plots(run_dir: str, out_dir: str | None = None, window: int = 5) -> lis
         "policy_lag": plot_policy_lag(plt, s, _config_value(run_dir, "trainer.max_lag")),
         "throughput": plot_throughput(plt, s, group_size),
         "stalls": plot_stalls(plt, s),
+        "eval": plot_eval(plt, s),
     }
     paths = []
     for name, fig in figures.items():

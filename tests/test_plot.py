@@ -17,7 +17,8 @@ from pipeline.telemetry import MetricsFile
 from tests.launching import run_tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PNGS = ("reward", "policy_lag", "throughput", "stalls")
+PNGS = ("reward", "policy_lag", "throughput", "stalls", "eval")
+C2 = (0x2C, 0xA0, 0x2C)  # green: held-out greedy accuracy
 # matplotlib's default colour cycle: C0 blue, C1 orange, C3 red, C4 purple
 C0, C1, C3, C4 = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E), (0xD6, 0x27, 0x28), (0x94, 0x67, 0xBD)
 
@@ -130,6 +131,12 @@ def test_plot_reads_a_live_file_and_says_what_is_missing(tmp_path):
         | {"samples": 8, "tokens": 100, "version": i, "oldest_version": i - 1, "step_s": 0.5}
         for i in range(1, 6)
     ]
+    lines += [
+        {"event": "eval", "pool": "evaluator", "step": v, "version": v, "time": 103.0 + v}
+        | {"greedy_accuracy": 0.2 * v, "pass_at_k": 0.25 * v, "k": 4, "mean_reward": 0.1 * v}
+        | {"checkpoint_time": 100.5 + v, "problems": 16}
+        for v in (1, 2, 3)
+    ]
     text = "\n".join(json.dumps(r) for r in lines) + '\n{"event": "gro'  # half-written line
     (tmp_path / "metrics.jsonl").write_text(text)
     proc = subprocess.run(
@@ -141,6 +148,11 @@ def test_plot_reads_a_live_file_and_says_what_is_missing(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert sorted(os.listdir(tmp_path / "p")) == sorted(f"{n}.png" for n in PNGS)
+    import matplotlib.image
+
+    evals = matplotlib.image.imread(str(tmp_path / "p" / "eval.png"))
+    assert _pixels_of(evals, C2) > 300  # the held-out accuracy curve is drawn
+    assert _pixels_of(evals, C1) > 100  # pass@k
     missing = subprocess.run(
         [sys.executable, "-m", "pipeline.plot", str(tmp_path / "nothing")],
         cwd=ROOT,
