@@ -24,6 +24,7 @@ import numpy as np
 from actor.engines import Completion, Engine, make_engine
 from actor.sync import Turns
 from actor.task import DEFAULT_SYSTEM_PROMPT, RewardErrors, build_prompt_ids, make_task, score
+from pipeline import lora
 from pipeline.config import pool_dtype, run_secret
 from pipeline.messages import (
     SCHEMA_VERSION,
@@ -158,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     pool = start_pool("actor", argv)
     cfg = pool.cfg
     model, tokenizer = load_model(model_path(cfg), pool_dtype(cfg, "actor"), cfg.actor.device)
+    if lora.settings(cfg.model.lora):  # the trainer's initial adapter (same seed), then its
+        model = lora.apply_lora(model, cfg.model.lora, cfg.run.seed).eval()  # published ones
     engine = make_engine(
         cfg.actor.engine,
         model,

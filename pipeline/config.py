@@ -33,10 +33,27 @@ class RedisConfig:
 
 
 @dataclass
+class LoraConfig:
+    """``model.lora``: train and publish a LoRA adapter only (pipeline/lora.py).
+    ``rank: 0`` (the default) or ``model.lora=null``: full fine-tuning."""
+
+    rank: int = 0
+    alpha: float = 32.0  # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0
+    # leaf names of the model's linear modules that get an adapter
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+
+
+@dataclass
 class ModelConfig:
     name: str = "smollm2-135m-instruct"  # a local folder, "tiny", or a hub id
     path: str = ""  # filled by the launcher with the materialized local folder
     dtype: str = "float32"
+    lora: LoraConfig | None = field(default_factory=LoraConfig)  # rank 0 / null: full FT
+
+
 
 
 @dataclass
@@ -300,6 +317,9 @@ def validate(cfg: Any) -> None:
     validate_devices(cfg)
     validate_eval_and_mode(cfg)
     validate_engine(cfg)
+    from pipeline.lora import validate_lora
+
+    validate_lora(_get(cfg, "model.lora"))
 
 
 VLLM_MISSING = (

@@ -166,6 +166,7 @@ class WeightAnnouncement(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     checksums: list[int]  # sum of each bucket's bit patterns, checked by the receiver
     targets: list[str]
     created: float = 0.0
+    kind: str = "full"  # "full": every weight; "lora": a LoRA adapter only (model.lora)
 
 
 class StatsEvent(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

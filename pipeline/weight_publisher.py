@@ -61,8 +61,10 @@ class WeightPublisher:
         *,
         status=None,
         transport: str = "gloo",
+        kind: str = "full",
     ):
         self.client, self.names, self.status = client, names, status
+        self.kind = kind  # announced: "full" weights, or a "lora" adapter (model.lora)
         self.bucket_bytes, self.timeout_s = int(bucket_mb * 1024 * 1024), timeout_s
         self.sender = make_sender(transport, host, timeout_s)
         self.secret, self.epoch = secret, secrets.token_hex(8)
@@ -194,6 +196,7 @@ class WeightPublisher:
             checksums=checksum(flat),
             targets=targets,
             created=time.time(),
+            kind=self.kind,
         )
         publish(
             self.client,
@@ -201,6 +204,7 @@ class WeightPublisher:
             encode(ann),
             maxlen=100,
             version=version,
+            kind=self.kind,
             targets=",".join(targets),
             buckets=len(layout),
             bytes=sum(b.numel() * b.element_size() for b in flat),

@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from pipeline import lora
 from pipeline.config import run_secret
 from pipeline.messages import TrainBatch, decode, encode
 from pipeline.runtime import Pool, model_path, start_pool
@@ -117,6 +118,7 @@ class Trainer:
             run_secret(),
             status=pool.status,  # the publisher keeps its own counters there (HINCRBY)
             transport=cfg.weights.transport,
+            kind=lora.KIND_LORA if lora.settings(cfg.model.lora) else lora.KIND_FULL,
         )
 
     def _undo_retired(self, kept: int) -> None:

@@ -8,6 +8,10 @@ new weights. The log-prob recorded for each token is taken under the
 distribution actually sampled from (temperature, then top-k/top-p). The
 sampling loop stays on the model's device: per-token results are gathered
 as tensors and turned into lists once per generate() call.
+
+A peft LoRA model (``model.lora``, pipeline/lora.py) swaps its adapter alone:
+the announcements say ``kind="lora"`` and name the adapter's tensors, staged
+and swapped under the same lock as full weights; the base never changes.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from actor.engines.base import Completion, Engine, EngineStats
+from pipeline import lora
 from pipeline.logprobs import sampling_logprobs
 from pipeline.messages import BucketSpec, WeightAnnouncement
 from pipeline.transfer import BucketSource
@@ -45,7 +50,10 @@ class HFEngine(Engine):
         self.lock = threading.Condition()
         self.version: int | None = 0
         self.stats = EngineStats()
-        self._params = dict(model.named_parameters())
+        self.kind = lora.KIND_LORA if lora.is_lora(model) else lora.KIND_FULL
+        # what a new version replaces: the adapter only, or every weight
+        adapter = self.kind == lora.KIND_LORA
+        self._params = lora.adapter_parameters(model) if adapter else dict(model.named_parameters())
         self.device = next(iter(self._params.values())).device
         self.stop_ids = self._stop_ids(tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -79,7 +87,15 @@ class HFEngine(Engine):
             return spare
         return [torch.empty(b.numel, dtype=dtype, device=self.device) for b in layout]
 
+    def _check_kind(self, ann: WeightAnnouncement) -> None:
+        if ann.kind != self.kind:
+            raise ValueError(
+                f"the trainer publishes {ann.kind!r} weights but this actor's model takes "
+                f"{self.kind!r} ones; give every pool the same model.lora settings"
+            )
+
     def stage(self, ann: WeightAnnouncement, source: BucketSource, deadline: float) -> None:
+        self._check_kind(ann)
         self._staged = None
         buffers = self._staging(ann.buckets, getattr(torch, ann.dtype))
         for i, buf in enumerate(buffers):
@@ -111,6 +127,7 @@ class HFEngine(Engine):
     def update_in_place(
         self, ann: WeightAnnouncement, source: BucketSource, deadline: float
     ) -> None:
+        self._check_kind(ann)
         dtype = getattr(torch, ann.dtype)
         scratch = torch.empty(max(b.numel for b in ann.buckets), dtype=dtype, device=self.device)
         with self.lock:

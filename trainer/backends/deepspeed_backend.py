@@ -10,6 +10,9 @@ multiplied by the world size to keep the token-mean over all ranks.
 
 Checkpoints: ``engine.save_checkpoint`` (every rank writes its shards into the
 same folder) plus an HF copy of the gathered weights for people and tools.
+With ``model.lora``: the engine wraps the peft model, the optimizer holds the
+adapter only, the DeepSpeed checkpoint leaves the frozen base out, and the HF
+copy is a peft adapter folder with the base model's identity (pipeline/lora.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import warnings
 
 import torch
 
+from pipeline import lora
 from pipeline.config import pool_dtype
 from pipeline.models import DTYPES, load_model
 from trainer.backends import OptimizerLR
@@ -70,14 +74,25 @@ class DeepSpeedBackend(OptimizerLR):
         self.autocast_dtype = None  # the engine holds the module in the compute dtype
         model, self.tokenizer = load_model(model_path, "float32", "cpu")
         self.vocab_size = model.get_input_embeddings().num_embeddings
-        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        self.lora = lora.settings(cfg.model.lora)  # set: the base frozen, the adapter trains
+        if self.lora:
+            self.base_identity = lora.base_identity(cfg.model.name, model_path)
+            model = lora.apply_lora(model, self.lora, cfg.run.seed)
+        if resume_from:  # refuse another kind, adapter shape or base model, saying why
+            lora.check_resume(resume_from, self.lora, getattr(self, "base_identity", None))
+        trainable = lora.trainable_parameters(model)  # every parameter without model.lora
+        optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config(t, pool_dtype(cfg, "trainer"))
         )
         self.hf_config = model.config
         if resume_from:
             path, _ = self.engine.load_checkpoint(
-                resume_from, tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+                resume_from,
+                tag=TAG,
+                load_module_strict=not self.lora,  # a LoRA checkpoint leaves the base out
+                load_optimizer_states=True,
+                load_lr_scheduler_states=False,
             )
             if path is None:
                 raise ValueError(f"{resume_from} holds no DeepSpeed checkpoint (tag {TAG!r})")
@@ -97,6 +112,8 @@ class DeepSpeedBackend(OptimizerLR):
 
     def full_parameters(self) -> dict[str, torch.Tensor] | None:
         """Every rank calls this; under ZeRO-3 it gathers the partitioned parameters."""
+        if self.lora:
+            return self._adapter(self.dtype)
         names = [n for n, _ in self.engine.module.named_parameters()]
         if self.stage == 3:
             sd = self.engine._zero3_consolidated_16bit_state_dict()
@@ -107,11 +124,35 @@ class DeepSpeedBackend(OptimizerLR):
             return None
         return {n: p.detach().to(self.dtype) for n, p in self.engine.module.named_parameters()}
 
+    def _adapter(self, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+        """The adapter under peft's state-dict names (ZeRO-3: gathered, adapter only)."""
+        params = lora.adapter_parameters(self.engine.module)
+        if self.stage != 3:
+            return lora.adapter_tensors(self.engine.module, dtype) if self.ranks.is_main else None
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+            if not self.ranks.is_main:
+                return None
+            return {n: p.detach().to(dtype).clone() for n, p in params.items()}
+
     def save(self, path: str) -> None:
-        self.engine.save_checkpoint(path, tag=TAG, save_latest=False)
+        self.engine.save_checkpoint(
+            path, tag=TAG, save_latest=False, exclude_frozen_parameters=bool(self.lora)
+        )
+        if self.lora:
+            self._save_adapter(path)
+            return
         params = self.full_parameters()
         if params is not None:
             self.engine.module.save_pretrained(
                 path, state_dict=dict(params), safe_serialization=True
             )
+            self.tokenizer.save_pretrained(path)
+
+    def _save_adapter(self, path: str) -> None:
+        """Rank 0 writes the peft adapter folder (fp32 adapter, gathered under ZeRO-3)."""
+        adapter = self._adapter(torch.float32)
+        if adapter is not None:
+            lora.save_adapter(self.engine.module, path, self.base_identity, adapter)
             self.tokenizer.save_pretrained(path)

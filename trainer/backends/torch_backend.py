@@ -5,6 +5,10 @@ parameters and the optimizer stay fp32; publishing casts to bf16. With
 several ranks every rank holds the whole model and the gradients are summed
 with one all-reduce per step (the loss is already divided by the step's
 global token count).
+
+With ``model.lora`` the model is the base wrapped in a peft adapter: the optimizer
+holds the adapter parameters only, checkpoints are peft adapter folders, and
+publishing sends the adapter (pipeline/lora.py).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from pipeline import lora
 from pipeline.config import pool_dtype
 from pipeline.models import DTYPES, load_model
 from trainer.backends import OptimizerLR
@@ -30,11 +35,20 @@ class TorchBackend(OptimizerLR):
         self.device = torch.device(t.device)
         self.dtype = DTYPES[pool_dtype(cfg, "trainer")]
         self.autocast_dtype = None if self.dtype == torch.float32 else self.dtype
-        self.model, self.tokenizer = load_model(resume_from or model_path, "float32", t.device)
+        self.lora = lora.settings(cfg.model.lora)  # set: the base frozen, the adapter trains
+        if resume_from:
+            lora.check_resume(resume_from, self.lora, None)
+        base = model_path if self.lora or not resume_from else resume_from
+        self.model, self.tokenizer = load_model(base, "float32", t.device)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay
-        )
+        if self.lora:
+            self.base_identity = lora.base_identity(cfg.model.name, model_path)
+            self.model = lora.apply_lora(self.model, self.lora, cfg.run.seed).eval()
+            if resume_from:
+                lora.check_resume(resume_from, self.lora, self.base_identity)
+                lora.load_adapter_weights(self.model, resume_from)
+        self.params = lora.trainable_parameters(self.model)  # everything without model.lora
+        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, weight_decay=t.weight_decay)
         if resume_from:
             path = os.path.join(resume_from, OPTIMIZER_FILE)
             state = torch.load(path, weights_only=True, map_location=self.device)  # no pickle
@@ -50,13 +64,13 @@ class TorchBackend(OptimizerLR):
             stats = s if stats is None else [a + b for a, b in zip(stats, s, strict=True)]
         if self.ranks.world_size > 1:
             self._all_reduce_grads()
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         self.optimizer.step()
         self.model.eval()
         return float(norm), stats or [0.0, 0.0, 0.0, 0.0]
 
     def _all_reduce_grads(self) -> None:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in self.params if p.grad is not None]
         flat = _flatten_dense_tensors(grads)
         dist.all_reduce(flat)  # the default group: nccl on CUDA, gloo on the CPU
         for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
@@ -65,11 +79,16 @@ class TorchBackend(OptimizerLR):
     def full_parameters(self) -> dict[str, torch.Tensor] | None:
         if not self.ranks.is_main:
             return None
+        if self.lora:  # the adapter alone, under peft's state-dict names
+            return lora.adapter_tensors(self.model, self.dtype)
         return {n: p.detach().to(self.dtype) for n, p in self.model.named_parameters()}
 
     def save(self, path: str) -> None:
         if not self.ranks.is_main:  # every rank holds the same weights and moments
             return
-        self.model.save_pretrained(path, safe_serialization=True)
+        if self.lora:  # a peft adapter folder and the base model's identity
+            lora.save_adapter(self.model, path, self.base_identity)
+        else:
+            self.model.save_pretrained(path, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
         torch.save(self.optimizer.state_dict(), os.path.join(path, OPTIMIZER_FILE))

@@ -1,0 +1,245 @@
+"""LoRA adapters (model.lora, pipeline/lora.py) on the tiny model: adapter-only
+training, checkpoints as peft folders with the base's identity, exact resume,
+adapter-only publishing to a real actor engine over redis-server and gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from actor.engines.hf import HFEngine
+from pipeline import lora
+from pipeline.config import Config, validate
+from pipeline.messages import WeightAnnouncement, decode
+from pipeline.models import load_model, materialize_model
+from pipeline.streams import Names, wait_until
+from pipeline.weight_publisher import WeightPublisher
+from pipeline.weight_receiver import WeightReceiver
+from tests.trainer_ranks import synthetic_batches
+from trainer.backends.torch_backend import TorchBackend
+from trainer.ranks import Ranks
+from trainer.step import train_step
+
+SECRET = "test-lora-secret"
+ONE = Ranks(0, 1, 0, None)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("m"))
+    return materialize_model("tiny", cache), materialize_model("tiny-teacher", cache)
+
+
+def lora_cfg(path: str, rank: int = 4, targets=("q_proj", "v_proj")):
+    cfg = OmegaConf.structured(Config)
+    cfg.model.name, cfg.model.path = "tiny", path
+    cfg.model.lora.rank, cfg.model.lora.alpha = rank, 2.0 * rank
+    cfg.model.lora.target_modules = list(targets)
+    cfg.trainer.lr = 1e-2
+    return cfg
+
+
+def step(backend: TorchBackend, version: int) -> float:
+    """One optimizer step on the fixed synthetic batches of ``version``; its loss."""
+    batches = synthetic_batches(version)
+    tokens = sum(len(s.tokens()) for b in batches for s in b.samples)
+    trainer_cfg = OmegaConf.structured(Config).trainer
+    return train_step(backend, ONE, batches, len(batches), batches[0], trainer_cfg, 0, tokens)[
+        "loss"
+    ]
+
+
+def make(cfg, path: str, resume: str | None = None) -> TorchBackend:
+    return TorchBackend(cfg, ONE, path, resume)
+
+
+def base_weights(peft_model) -> dict[str, torch.Tensor]:
+    """The wrapped model's base weights under the plain model's names."""
+    return {
+        n.removeprefix("base_model.model.").replace(".base_layer.", "."): p
+        for n, p in peft_model.named_parameters()
+        if ".lora_" not in n
+    }
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_bad_lora_settings_name_the_key(models):
+    tiny, _ = models
+    cfg = lora_cfg(tiny)
+    validate(cfg)
+    for key, value, match in [
+        ("rank", -1, "model.lora.rank"),
+        ("alpha", 0.0, "model.lora.alpha"),
+        ("dropout", 1.0, "model.lora.dropout"),
+        ("target_modules", [], "model.lora.target_modules"),
+    ]:
+        bad = lora_cfg(tiny)
+        bad.model.lora[key] = value
+        with pytest.raises(ValueError, match=match):
+            validate(bad)
+    off = lora_cfg(tiny, rank=0)
+    validate(off)
+    assert lora.settings(off.model.lora) is None
+    off.model.lora = None
+    validate(off)
+    assert lora.settings(off.model.lora) is None
+
+
+def test_unknown_target_module_lists_the_models_linear_modules(models):
+    tiny, _ = models
+    model, _ = load_model(tiny)
+    cfg = lora_cfg(tiny, targets=("q_proj", "query"))
+    with pytest.raises(ValueError, match=r"\['query'\].*'k_proj'.*'o_proj'.*'q_proj'"):
+        lora.apply_lora(model, cfg.model.lora)
+
+
+# ---------------------------------------------------------------- training and checkpoints
+
+
+def test_adapter_training_leaves_the_base_bit_identical(models):
+    tiny, _ = models
+    base, _ = load_model(tiny)
+    backend = make(lora_cfg(tiny), tiny)
+    adapter0 = {n: t.clone() for n, t in lora.adapter_tensors(backend.model).items()}
+    for version in range(3):
+        step(backend, version)
+    trained = base_weights(backend.model)
+    assert set(trained) == {n for n, _ in base.named_parameters()}
+    for name, p in base.named_parameters():
+        assert torch.equal(p, trained[name]), name  # bit for bit
+        assert not trained[name].requires_grad
+    optimized = {id(p) for g in backend.optimizer.param_groups for p in g["params"]}
+    assert optimized == {id(p) for p in lora.adapter_parameters(backend.model).values()}
+    adapter = lora.adapter_tensors(backend.model)
+    moved = [n for n in adapter if not torch.equal(adapter[n], adapter0[n])]
+    assert len(moved) == len(adapter), "every adapter tensor trained"
+    published = backend.full_parameters()
+    assert set(published) == set(adapter) and all(".lora_" in n for n in published)
+    full = sum(p.numel() for p in base.parameters())
+    assert sum(t.numel() for t in published.values()) < full / 10
+
+
+def test_restart_resumes_the_adapter_exactly_and_exports_a_peft_folder(models, tmp_path):
+    tiny, _ = models
+    cfg = lora_cfg(tiny)
+    first = make(cfg, tiny)
+    step(first, 0)
+    step(first, 1)
+    first.save(str(tmp_path))
+    saved = {n: t.clone() for n, t in lora.adapter_tensors(first.model).items()}
+    loss_next = step(first, 2)
+    assert {lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS, lora.IDENTITY_FILE} <= set(
+        os.listdir(tmp_path)
+    )
+    assert not any(f.startswith("model") for f in os.listdir(tmp_path))  # no base copy
+    again = make(cfg, tiny, resume=str(tmp_path))
+    for n, t in lora.adapter_tensors(again.model).items():
+        assert torch.equal(t, saved[n]), n
+    assert step(again, 2) == loss_next  # same adapter, same optimizer moments
+
+    from peft import PeftModel  # the checkpoint is a standard peft adapter folder
+
+    plain, _ = load_model(tiny)
+    exported = PeftModel.from_pretrained(plain, str(tmp_path))
+    for n, t in lora.adapter_tensors(exported).items():
+        assert torch.equal(t, saved[n]), n
+
+
+def test_a_restart_on_another_base_or_kind_is_refused(models, tmp_path):
+    tiny, teacher = models
+    cfg = lora_cfg(tiny)
+    make(cfg, tiny).save(str(tmp_path / "lora"))
+    other = lora_cfg(teacher)
+    other.model.name = "tiny-teacher"
+    with pytest.raises(ValueError, match="trained on base model.*tiny"):
+        make(other, teacher, resume=str(tmp_path / "lora"))
+    bigger = lora_cfg(tiny, rank=8)
+    with pytest.raises(ValueError, match="model.lora asks for"):
+        make(bigger, tiny, resume=str(tmp_path / "lora"))
+    full = lora_cfg(tiny, rank=0)
+    with pytest.raises(ValueError, match="holds a LoRA adapter but model.lora is null"):
+        make(full, tiny, resume=str(tmp_path / "lora"))
+    make(full, tiny).save(str(tmp_path / "full"))
+    with pytest.raises(ValueError, match="holds full weights but model.lora is set"):
+        make(cfg, tiny, resume=str(tmp_path / "full"))
+    identity = json.loads((tmp_path / "lora" / lora.IDENTITY_FILE).read_text())
+    assert identity == lora.base_identity("tiny", tiny)
+
+
+# ---------------------------------------------------------------- publishing
+
+
+def actor_engine(cfg, path: str) -> HFEngine:
+    model, tok = load_model(path)
+    model = lora.apply_lora(model, cfg.model.lora, cfg.run.seed).eval()
+    return HFEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0)
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "in-place"])
+def test_the_actors_adapter_equals_the_trainers_after_each_publish(models, rclient, staged):
+    tiny, _ = models
+    cfg = lora_cfg(tiny)
+    backend = make(cfg, tiny)
+    engine = actor_engine(cfg, tiny)
+    for n, t in lora.adapter_tensors(engine.model).items():  # same seed: same start
+        assert torch.equal(t, lora.adapter_tensors(backend.model)[n]), n
+    base_before = {n: p.clone() for n, p in base_weights(engine.model).items()}
+    names = Names("test", f"lora-{staged}")
+    publisher = WeightPublisher(
+        rclient, names, "127.0.0.1", bucket_mb=0.01, timeout_s=10, secret=SECRET, kind="lora"
+    )
+    receiver = WeightReceiver(
+        rclient, names, "actor-0", engine, timeout_s=10, secret=SECRET, staged=staged
+    )
+    receiver.start()
+    try:
+        assert wait_until(lambda: rclient.xlen(names.joins) == 1, 10)
+        for version in (1, 2, 3):
+            step(backend, version - 1)
+            publisher.submit(version, backend.full_parameters())
+            assert wait_until(lambda v=version: engine.version == v, 20), receiver.failed
+            ours = lora.adapter_tensors(engine.model)
+            for n, t in lora.adapter_tensors(backend.model).items():
+                assert torch.equal(ours[n], t), (version, n)
+        for n, p in base_weights(engine.model).items():
+            assert torch.equal(p, base_before[n]), n
+        entries = rclient.xrange(names.weights)
+        ann = decode(entries[-1][1][b"data"], WeightAnnouncement)
+        assert ann.kind == "lora" and entries[-1][1][b"kind"] == b"lora"
+        adapter_bytes = sum(t.numel() * 4 for t in lora.adapter_tensors(backend.model).values())
+        assert int(entries[-1][1][b"bytes"]) == adapter_bytes
+        out = engine.generate([[5, 6, 7]], max_new_tokens=4)  # the adapter is live
+        assert out[0].versions == [3] * len(out[0].tokens)
+    finally:
+        receiver.stop()
+        publisher.close(timeout_s=5)
+
+
+def test_an_actor_without_the_adapter_refuses_adapter_weights(models, rclient):
+    tiny, _ = models
+    cfg = lora_cfg(tiny)
+    model, tok = load_model(tiny)
+    engine = HFEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0)  # full weights
+    names = Names("test", "lora-mismatch")
+    errors: list[str] = []
+    publisher = WeightPublisher(
+        rclient, names, "127.0.0.1", bucket_mb=0.01, timeout_s=5, secret=SECRET, kind="lora"
+    )
+    receiver = WeightReceiver(
+        rclient, names, "actor-0", engine, timeout_s=5, secret=SECRET, on_error=errors.append
+    )
+    receiver.start()
+    try:
+        assert wait_until(lambda: rclient.xlen(names.joins) == 1, 10)
+        publisher.submit(1, make(cfg, tiny).full_parameters())
+        assert wait_until(lambda: errors, 20)
+        assert "same model.lora settings" in errors[0] and engine.version == 0
+    finally:
+        receiver.stop()
+        publisher.close(timeout_s=5)
