@@ -243,3 +243,92 @@ def test_an_actor_without_the_adapter_refuses_adapter_weights(models, rclient):
     finally:
         receiver.stop()
         publisher.close(timeout_s=5)
+
+
+# ---------------------------------------------------------------- vLLM (actor/engines/vllm_lora.py)
+
+
+def test_vllm_engine_kwargs_and_rank_rounding(models):
+    from actor.engines import vllm_lora
+
+    tiny, _ = models
+    assert vllm_lora.engine_kwargs(lora_cfg(tiny, rank=0).model.lora) == {}
+    kwargs = vllm_lora.engine_kwargs(lora_cfg(tiny, rank=12).model.lora)
+    assert kwargs == {"enable_lora": True, "max_loras": 1, "max_cpu_loras": 2, "max_lora_rank": 16}
+    assert [vllm_lora.max_lora_rank(r) for r in (1, 2, 8, 9, 320, 512)] == [
+        1, 8, 8, 16, 320, 512,
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="model.lora.rank=513"):
+        vllm_lora.max_lora_rank(513)
+
+
+def test_vllm_initial_adapter_is_the_trainers_version_0(models, tmp_path):
+    from peft import PeftModel
+
+    from actor.engines import vllm_lora
+    from pipeline.weights import bucket_layout, flatten
+
+    tiny, _ = models
+    cfg = lora_cfg(tiny)
+    folder = vllm_lora.write_initial_adapter(tiny, cfg.model.lora, cfg.run.seed, str(tmp_path))
+    trainer = make(cfg, tiny)
+    theirs = lora.adapter_tensors(trainer.model)
+    plain, _ = load_model(tiny)
+    loaded = lora.adapter_tensors(PeftModel.from_pretrained(plain, folder))
+    assert set(loaded) == set(theirs)
+    for n, t in theirs.items():
+        assert torch.equal(loaded[n], t), n
+    # a published version, split back into peft-named tensors in the engine core
+    layout = bucket_layout(list(theirs.items()), bucket_bytes=4096)
+    buckets = flatten(theirs, layout)
+    split = vllm_lora.adapter_tensors_from_buckets(layout, buckets)
+    assert set(split) == set(theirs) and all(torch.equal(split[n], theirs[n]) for n in theirs)
+
+
+@pytest.mark.gpu
+def test_vllm_swaps_the_adapter_in_place_and_matches_peft(models, tmp_path):
+    """vLLM 0.24 on a GPU: after AdapterSwap rewrites the slot, vLLM's greedy tokens and
+    their log-probs under the adapter match the peft model's with the same adapter."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU and vLLM 0.24")
+    vllm = pytest.importorskip("vllm")
+    from actor.engines import vllm_lora
+
+    tiny, _ = models
+    cfg = lora_cfg(tiny, rank=8)
+    request = vllm_lora.initial_adapter(tiny, cfg.model.lora, 0, str(tmp_path / "v0"))
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of a function
+    llm = vllm.LLM(
+        model=tiny, enforce_eager=True, gpu_memory_utilization=0.3, dtype="float32",
+        **vllm_lora.engine_kwargs(cfg.model.lora),
+    )  # fmt: skip
+    backend = make(cfg, tiny)
+    for version in range(2):
+        step(backend, version)
+    with torch.no_grad():  # make the adapter's effect large enough to see
+        for p in lora.adapter_parameters(backend.model).values():
+            p.add_(0.05 * torch.randn_like(p))
+    adapter = {n: t.float().cpu() for n, t in lora.adapter_tensors(backend.model).items()}
+    folder = str(tmp_path / "v0")
+
+    def swap(worker):
+        swapper = vllm_lora.AdapterSwap(worker, folder)
+        swapper.stage(1, adapter)
+        swapper.swap(1)
+        return True
+
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=6, logprobs=1)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    llm.generate([prompt], params, lora_request=request)  # loads version 0 into the slot
+    assert llm.collective_rpc(swap) == [True]
+    out = llm.generate([prompt], params, lora_request=request)[0].outputs[0]
+    model = backend.model.eval()
+    ids = torch.tensor([[5, 6, 7, 8] + list(out.token_ids)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, 3:-1].float(), -1)
+    ours = logp.gather(-1, ids[0, 4:, None]).squeeze(-1)
+    assert list(out.token_ids) == logp.argmax(-1).tolist()
+    theirs = torch.tensor(
+        [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
+    )
+    torch.testing.assert_close(theirs, ours, atol=1e-3, rtol=0)
