@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from pipeline import lora
 from pipeline.config import Config, validate
 from pipeline.messages import WeightAnnouncement, decode
 from pipeline.models import load_model, materialize_model
+from pipeline.redis_server import free_port
 from pipeline.streams import Names, wait_until
 from pipeline.weight_publisher import WeightPublisher
 from pipeline.weight_receiver import WeightReceiver
@@ -25,6 +28,7 @@ from trainer.ranks import Ranks
 from trainer.step import train_step
 
 SECRET = "test-lora-secret"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE = Ranks(0, 1, 0, None)
 
 
@@ -43,14 +47,13 @@ def lora_cfg(path: str, rank: int = 4, targets=("q_proj", "v_proj")):
     return cfg
 
 
-def step(backend: TorchBackend, version: int) -> float:
+def step(backend, version: int, ranks: Ranks = ONE) -> float:
     """One optimizer step on the fixed synthetic batches of ``version``; its loss."""
     batches = synthetic_batches(version)
     tokens = sum(len(s.tokens()) for b in batches for s in b.samples)
     trainer_cfg = OmegaConf.structured(Config).trainer
-    return train_step(backend, ONE, batches, len(batches), batches[0], trainer_cfg, 0, tokens)[
-        "loss"
-    ]
+    metrics = train_step(backend, ranks, batches, len(batches), batches[0], trainer_cfg, 0, tokens)
+    return metrics["loss"]
 
 
 def make(cfg, path: str, resume: str | None = None) -> TorchBackend:
@@ -59,11 +62,7 @@ def make(cfg, path: str, resume: str | None = None) -> TorchBackend:
 
 def base_weights(peft_model) -> dict[str, torch.Tensor]:
     """The wrapped model's base weights under the plain model's names."""
-    return {
-        n.removeprefix("base_model.model.").replace(".base_layer.", "."): p
-        for n, p in peft_model.named_parameters()
-        if ".lora_" not in n
-    }
+    return base_weights_of(dict(peft_model.named_parameters()))
 
 
 # ---------------------------------------------------------------- config
@@ -245,6 +244,82 @@ def test_an_actor_without_the_adapter_refuses_adapter_weights(models, rclient):
         publisher.close(timeout_s=5)
 
 
+# ---------------------------------------------------------------- DeepSpeed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_trains_publishes_and_resumes_the_adapter_alone(models, tmp_path, stage):
+    """One DeepSpeed rank in its own process (python -m tests.test_lora ...)."""
+    tiny, _ = models
+    out = tmp_path / "out.json"
+    env = {**os.environ, "MASTER_PORT": str(free_port("127.0.0.1"))}
+    cmd = [sys.executable, "-m", "tests.test_lora", tiny, str(stage), str(out), str(tmp_path)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["base_identical"]
+    # the optimizer holds the adapter alone (ZeRO pads its flat partition a little)
+    assert result["adapter_numel"] <= result["optimized_numel"] < result["adapter_numel"] + 1024
+    assert result["adapter_moved"] and result["published_is_adapter"]
+    assert result["export_equals_published"]
+    assert result["loss_resumed"] == result["loss_next"]
+
+
+def deepspeed_rank(tiny: str, stage: int, out: str, tmp: str) -> None:
+    """Train 2 steps, checkpoint, 1 more; resume from the checkpoint and redo the third."""
+    from peft import PeftModel
+
+    from trainer.backends.deepspeed_backend import DeepSpeedBackend
+    from trainer.ranks import init_ranks
+
+    ranks = init_ranks(1, "cpu", 60.0, need_dist=True)
+    cfg = lora_cfg(tiny)
+    cfg.trainer.backend, cfg.trainer.zero_stage = "deepspeed", stage
+    base, _ = load_model(tiny)
+    backend = DeepSpeedBackend(cfg, ranks, tiny, None)
+    adapter0 = {n: t.clone() for n, t in backend.full_parameters().items()}
+    step(backend, 0, ranks)
+    step(backend, 1, ranks)
+    backend.save(tmp)
+    saved = {n: t.clone() for n, t in backend.full_parameters().items()}
+    loss_next = step(backend, 2, ranks)
+    module = backend.engine.module
+    if stage == 3:
+        state = backend.engine._zero3_consolidated_16bit_state_dict()
+        trained = {n: state[n] for n, _ in module.named_parameters()}
+    else:
+        trained = dict(module.named_parameters())
+    trained_base = base_weights_of(trained)
+    inner = getattr(backend.optimizer, "optimizer", backend.optimizer)  # ZeRO wraps AdamW
+    flat = [p for g in inner.param_groups for p in g["params"]]
+    if stage == 3:  # ZeRO-3 hands AdamW its fp32 partitions only inside step()
+        flat = backend.optimizer.fp32_partitioned_groups_flat
+    optimized = sum(p.numel() for p in flat)
+    exported = lora.adapter_tensors(PeftModel.from_pretrained(load_model(tiny)[0], tmp))
+    again = DeepSpeedBackend(cfg, ranks, tiny, tmp)
+    result = {
+        "base_identical": all(torch.equal(p, trained_base[n]) for n, p in base.named_parameters()),
+        "optimized_numel": optimized,  # ZeRO's flat fp32 partitions (may hold padding)
+        "adapter_numel": sum(t.numel() for t in saved.values()),
+        "adapter_moved": all(not torch.equal(saved[n], adapter0[n]) for n in adapter0),
+        "published_is_adapter": set(saved) == set(adapter0) == set(exported),
+        "export_equals_published": all(torch.equal(exported[n], saved[n]) for n in saved),
+        "loss_next": loss_next,
+        "loss_resumed": step(again, 2, ranks),
+    }
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+def base_weights_of(named: dict) -> dict[str, torch.Tensor]:
+    return {
+        n.removeprefix("base_model.model.").replace(".base_layer.", "."): p
+        for n, p in named.items()
+        if ".lora_" not in n
+    }
+
+
 # ---------------------------------------------------------------- vLLM (actor/engines/vllm_lora.py)
 
 
@@ -332,3 +407,7 @@ def test_vllm_swaps_the_adapter_in_place_and_matches_peft(models, tmp_path):
         [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
     )
     torch.testing.assert_close(theirs, ours, atol=1e-3, rtol=0)
+
+
+if __name__ == "__main__":  # one DeepSpeed rank for the slow test above
+    deepspeed_rank(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])
