@@ -15,6 +15,11 @@ pause-for-the-whole-transfer baseline). Per update:
   the first or after the last recorded pass) is counted as unmeasured, never as 0;
 - copy floor: copying the model's own parameter tensors into preallocated
   buffers, in the same process while generation goes on.
+
+``--kinds full,lora``: the same measurements for full weights and for a LoRA
+adapter alone (``model.lora``, pipeline/lora.py: rank ``--lora-rank`` on the
+attention projections; the actor's engine holds the peft model, the trainer
+publishes only the adapter, announced ``kind=lora``), side by side in one run.
 """
 
 from __future__ import annotations
@@ -66,29 +71,58 @@ NAMES = Names("bench", "weights")
 SECRET = "bench-weights-run-secret"  # both processes of this local benchmark
 
 
-def build(shape: str, seed: int):
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def build(shape: str, seed: int, lora_rank: int = 0):
+    """A random-weight model of ``shape``; with ``lora_rank`` wrapped in a peft adapter."""
     cls, kwargs, dtype = SHAPES[shape]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cls(**kwargs), dtype=getattr(torch, dtype))
+    if lora_rank:
+        from omegaconf import OmegaConf
+
+        from pipeline.config import LoraConfig
+        from pipeline.lora import apply_lora
+
+        settings = OmegaConf.structured(LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank))
+        settings.target_modules = LORA_TARGETS
+        model = apply_lora(model, settings, seed)
     return model.eval()
 
 
+def published(model) -> dict[str, torch.Tensor]:
+    """What the trainer publishes: the adapter alone for a peft model, else every weight."""
+    from pipeline.lora import adapter_parameters, is_lora
+
+    return adapter_parameters(model) if is_lora(model) else dict(model.named_parameters())
+
+
 def trainer_proc(
-    url: str, shape: str, updates: int, interval_s: float, timeout_s: float, bucket_mb: float, ready
+    url: str,
+    shape: str,
+    updates: int,
+    interval_s: float,
+    timeout_s: float,
+    bucket_mb: float,
+    lora_rank: int,
+    ready,
 ) -> None:
     from pipeline.weight_publisher import WeightPublisher
 
     torch.set_num_threads(1)
     client = connect(url)
-    model = build(shape, seed=1)
-    publisher = WeightPublisher(client, NAMES, "127.0.0.1", bucket_mb, timeout_s, SECRET)
+    model = build(shape, seed=1, lora_rank=lora_rank)
+    kind = "lora" if lora_rank else "full"
+    publisher = WeightPublisher(client, NAMES, "127.0.0.1", bucket_mb, timeout_s, SECRET, kind=kind)
     ready.set()
     wait_until(lambda: bool(publisher.members()), 120)
+    params = published(model)
     for version in range(1, updates + 1):
         time.sleep(interval_s)
         with torch.no_grad():
-            next(model.parameters()).add_(1e-3)
-        publisher.submit(version, model)
+            next(iter(params.values())).add_(1e-3)
+        publisher.submit(version, {n: p.detach() for n, p in params.items()})
         wait_until(publisher.idle, timeout_s + 5)
     publisher.close(timeout_s=timeout_s)
 
@@ -116,7 +150,7 @@ def stalls(
 def copy_floor_ms(model, repeats: int = 5) -> float:
     """Copying the model's own parameter tensors into preallocated buffers (median of
     ``repeats``); called while generation runs, so under the same load as the updates."""
-    params = [p.data for p in model.parameters()]
+    params = [p.data for p in published(model).values()]
     dst = [torch.empty_like(p) for p in params]
     times = []
     for _ in range(repeats):
@@ -126,7 +160,7 @@ def copy_floor_ms(model, repeats: int = 5) -> float:
     return percentile(times, 50)
 
 
-def measure(shape: str, staged: bool, args) -> dict:
+def measure(shape: str, staged: bool, lora_rank: int, args) -> dict:
     from actor.engine import HFEngine
     from pipeline.weight_receiver import WeightReceiver
 
@@ -135,7 +169,7 @@ def measure(shape: str, staged: bool, args) -> dict:
         server.start()
         try:
             client = connect(server.url)
-            model = build(shape, seed=0)
+            model = build(shape, seed=0, lora_rank=lora_rank)
             engine = HFEngine(model, _NoTokenizer(), temperature=1.0, top_p=1.0, top_k=0)
             engine.stop_ids = set()
             receiver = WeightReceiver(
@@ -152,6 +186,7 @@ def measure(shape: str, staged: bool, args) -> dict:
                     args.interval_s,
                     args.timeout_s,
                     args.bucket_mb,
+                    lora_rank,
                     ready,
                 ),
             )
@@ -169,10 +204,12 @@ def measure(shape: str, staged: bool, args) -> dict:
             per_update, unmeasured, usual = stalls(
                 list(engine.stats.timeline), list(engine.stats.version_times)
             )
-            nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            sent = published(model).values()
+            nbytes = sum(p.numel() * p.element_size() for p in sent)  # per update
             return {
                 "device": device_name("cpu"),  # the engine and the transfer ran on the CPU
                 "model": shape,
+                "kind": f"lora-r{lora_rank}" if lora_rank else "full",
                 "mode": "staged" if staged else "in-place",
                 "dtype": SHAPES[shape][2],
                 "bytes": nbytes,
@@ -215,6 +252,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", default="outputs/bench-weights.json")
     p.add_argument("--models", default=",".join(SHAPES), help="comma-separated shapes")
     p.add_argument("--modes", default="staged,in-place")
+    p.add_argument("--kinds", default="full,lora", help="full weights and/or a LoRA adapter")
+    p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--updates", type=int, default=5)
     p.add_argument("--interval-s", type=float, default=2.0)
     p.add_argument("--timeout-s", type=float, default=120.0)
@@ -229,10 +268,14 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(args.threads)
     rows = []
     for shape in args.models.split(","):
-        for mode in args.modes.split(","):
-            print(f"measuring {shape} ({mode}), {args.updates} updates ...", flush=True)
-            rows.append(measure(shape, mode == "staged", args))
-            print_table(rows[-1:], COLUMNS)
+        for kind in args.kinds.split(","):
+            if kind not in ("full", "lora"):
+                raise ValueError(f"--kinds names {kind!r}; use full and/or lora")
+            rank = args.lora_rank if kind == "lora" else 0
+            for mode in args.modes.split(","):
+                print(f"measuring {shape} {kind} ({mode}), {args.updates} updates", flush=True)
+                rows.append(measure(shape, mode == "staged", rank, args))
+                print_table(rows[-1:], COLUMNS)
     print()
     print_table(rows, COLUMNS)
     for r in rows:
@@ -257,6 +300,7 @@ def main(argv: list[str]) -> int:
 
 COLUMNS = [
     "model",
+    "kind",
     "mode",
     "bytes",
     "updates_applied",
