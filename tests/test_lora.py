@@ -20,6 +20,7 @@ from pipeline.messages import WeightAnnouncement, decode
 from pipeline.models import load_model, materialize_model
 from pipeline.redis_server import free_port
 from pipeline.streams import Names, wait_until
+from pipeline.telemetry import read_jsonl
 from pipeline.weight_publisher import WeightPublisher
 from pipeline.weight_receiver import WeightReceiver
 from tests.trainer_ranks import synthetic_batches
@@ -242,6 +243,41 @@ def test_an_actor_without_the_adapter_refuses_adapter_weights(models, rclient):
     finally:
         receiver.stop()
         publisher.close(timeout_s=5)
+
+
+# ---------------------------------------------------------------- the pipeline
+
+
+@pytest.mark.slow
+def test_pipeline_trains_publishes_and_resumes_an_adapter(tmp_path):
+    """Launcher, redis-server and the three pools as real processes, model.lora on the
+    tiny model with the KL term (the reference scorer scores with the bare base); then
+    the run again with more steps resumes from the adapter checkpoint."""
+    from tests.launching import run_tiny
+
+    run_dir = tmp_path / "run"
+    lora_args = ["model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]"]
+    args = [*lora_args, "trainer.kl_coef=0.05", "trainer.checkpoint_every=2"]
+    code, out = run_tiny(tmp_path, run_dir, "trainer.max_steps=2", *args)
+    assert code == 0, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["outcome"] == "finished" and summary["trainer_steps"] == 2
+    assert summary["weight_updates_published"] == 2 and summary["weight_publish_failures"] == 0
+    assert summary["weight_updates_applied"]["actor-0"] >= 1
+    ckpt = run_dir / "checkpoints" / "step-000002"
+    files = set(os.listdir(ckpt))
+    assert {lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS, lora.IDENTITY_FILE} <= files
+    assert "model.safetensors" not in files  # the adapter, not the base
+    actor_log = (run_dir / "logs" / "actor-0.log").read_text()
+    assert "applied version 2" in actor_log and "same model.lora" not in actor_log
+    records = read_jsonl(str(run_dir / "metrics.jsonl"))  # the KL term's reference scorer ran
+    assert sum(r.get("reference_scored_groups", 0) for r in records) > 0
+
+    code, out = run_tiny(tmp_path, run_dir, "trainer.max_steps=3", *args)
+    assert code == 0, out[-3000:]
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert f"resumed from {ckpt}" in trainer_log
+    assert json.loads((run_dir / "summary.json").read_text())["trainer_steps"] == 3
 
 
 # ---------------------------------------------------------------- DeepSpeed
