@@ -107,6 +107,8 @@ def _placement(cfg: Any) -> tuple[str, str]:
 
 
 def _reference(cfg: Any, ctx: dict) -> Scorer:
+    # the base model folder: with model.lora that is exactly the model the adapter is
+    # applied to, without the adapter (this process never holds one: one copy of the base)
     model, tokenizer = load_model(ctx["policy_path"], *_placement(cfg))
     return ReferenceScorer(model, pad_id_of(tokenizer), cfg.preprocessor.token_budget)
 
