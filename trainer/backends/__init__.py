@@ -2,6 +2,7 @@
 
 ``torch``: plain AdamW, gradients summed over ranks with an all-reduce.
 ``deepspeed``: a DeepSpeed engine, ZeRO stage ``trainer.zero_stage`` (0-3).
+Both train a LoRA adapter alone when ``model.lora`` asks for one (pipeline/lora.py).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ class Backend(Protocol):
         ...
 
     def full_parameters(self) -> dict[str, torch.Tensor] | None:
-        """Every parameter under its HF name, in the publish dtype. Collective under
-        ZeRO-3 (every rank calls it); rank 0 gets the dict, the others None."""
+        """Every parameter under its HF name, in the publish dtype (with ``model.lora``:
+        the adapter alone, under peft's names). Collective under ZeRO-3 (every rank
+        calls it); rank 0 gets the dict, the others None."""
         ...
 
     def save(self, path: str) -> None:
