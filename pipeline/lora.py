@@ -190,8 +190,9 @@ def check_resume(path: str, lora: Any, identity: dict | None) -> None:
     if lora is None:
         if has_adapter:
             raise ValueError(
-                f"checkpoint {path} holds a LoRA adapter but model.lora is null; resume with "
-                "the run's model.lora settings, or start a fresh run_dir for full fine-tuning"
+                f"checkpoint {path} holds a LoRA adapter but model.lora is off (rank 0 or "
+                "null); resume with the run's model.lora settings, or start a fresh run_dir "
+                "for full fine-tuning"
             )
         return
     if not has_adapter:

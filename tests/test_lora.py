@@ -163,7 +163,7 @@ def test_a_restart_on_another_base_or_kind_is_refused(models, tmp_path):
     with pytest.raises(ValueError, match="model.lora asks for"):
         make(bigger, tiny, resume=str(tmp_path / "lora"))
     full = lora_cfg(tiny, rank=0)
-    with pytest.raises(ValueError, match="holds a LoRA adapter but model.lora is null"):
+    with pytest.raises(ValueError, match="holds a LoRA adapter but model.lora is off"):
         make(full, tiny, resume=str(tmp_path / "lora"))
     make(full, tiny).save(str(tmp_path / "full"))
     with pytest.raises(ValueError, match="holds full weights but model.lora is set"):
