@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         staged=cfg.engine.weight_staging,
         on_error=lambda msg: pool.status.set(last_error=msg),
         transport=cfg.weights.transport,
+        nccl_backend=cfg.weights.nccl_backend,
     )
     receiver.start()
     rewards, produced, swaps, errors = Window(200), 0, 0, RewardErrors()

@@ -231,7 +231,10 @@ class PipelineConfig:
 class WeightsConfig:
     """How new weights travel from the trainer to the actors (pipeline/transfer/)."""
 
-    transport: str = "gloo"  # gloo (CPU, TCP); nccl and cuda_ipc: issue 12
+    # gloo: CPU, TCP pair groups, any hosts; nccl: one broadcast group over NCCL (a GPU
+    # per rank); cuda_ipc: the actor maps the trainer's GPU buffers (same host)
+    transport: str = "gloo"
+    nccl_backend: str = "nccl"  # gloo: the nccl transport's code on the CPU (tests)
 
 
 @dataclass
@@ -261,7 +264,8 @@ def register() -> None:
 
 _CHOICES = {
     "actor.engine": ("hf", "vllm"),
-    "weights.transport": ("gloo",),
+    "weights.transport": ("gloo", "nccl", "cuda_ipc"),
+    "weights.nccl_backend": ("nccl", "gloo"),
     "task.kind": ("arithmetic", "file"),
     "trainer.backend": ("torch", "deepspeed"),
     "trainer.zero_stage": (0, 1, 2, 3),

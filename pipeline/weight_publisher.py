@@ -40,7 +40,7 @@ import torch
 
 from pipeline.messages import SCHEMA_VERSION, BucketSpec, WeightAnnouncement, encode
 from pipeline.streams import Names, publish
-from pipeline.transfer import make_sender
+from pipeline.transfer import Sender, make_sender
 from pipeline.weights import bucket_layout, checksum, flatten, join_mac, named_tensors
 
 log = logging.getLogger(__name__)
@@ -61,12 +61,15 @@ class WeightPublisher:
         *,
         status=None,
         transport: str = "gloo",
+        nccl_backend: str = "nccl",
+        sender: Sender | None = None,
         kind: str = "full",
     ):
         self.client, self.names, self.status = client, names, status
         self.kind = kind  # announced: "full" weights, or a "lora" adapter (model.lora)
         self.bucket_bytes, self.timeout_s = int(bucket_mb * 1024 * 1024), timeout_s
-        self.sender = make_sender(transport, host, timeout_s)
+        # ``sender``: a ready transport end (tests inject fakes); else weights.transport's
+        self.sender = sender or make_sender(transport, host, timeout_s, nccl_backend=nccl_backend)
         self.secret, self.epoch = secret, secrets.token_hex(8)
         # an epoch per trainer process: actors that joined an earlier trainer see it
         # change and join again; joins addressed to earlier trainers are skipped
@@ -214,25 +217,8 @@ class WeightPublisher:
         """Send to every target at once; drop the ones that fail or miss the deadline."""
         version, _, flat = snapshot
         self._announce(snapshot, targets)
-        t0 = time.monotonic()
-        deadline = t0 + self.timeout_s
-        results: dict[str, float | Exception] = {}
-
-        def send_one(actor: str) -> None:
-            try:
-                self.sender.send(actor, flat, deadline)
-                results[actor] = 1000 * (time.monotonic() - t0)
-            except Exception as e:
-                results[actor] = e
-
-        threads = [
-            threading.Thread(target=send_one, args=(a,), name=f"send-{a}", daemon=True)
-            for a in targets
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=max(deadline - time.monotonic(), 0.0) + 2.0)
+        deadline = time.monotonic() + self.timeout_s
+        results = self.sender.send(targets, version, flat, deadline)
         received = []
         for actor in targets:
             outcome = results.get(actor, TimeoutError("no answer by the deadline"))

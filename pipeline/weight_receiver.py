@@ -32,7 +32,7 @@ import redis
 
 from pipeline.messages import WeightAnnouncement, decode
 from pipeline.streams import Names
-from pipeline.transfer import BucketSource, ReceiverSource, make_receiver
+from pipeline.transfer import BucketSource, Receiver, ReceiverSource, make_receiver
 from pipeline.weights import join_mac
 
 log = logging.getLogger(__name__)
@@ -65,11 +65,14 @@ class WeightReceiver:
         staged: bool = True,
         on_error: Callable[[str], None] | None = None,
         transport: str = "gloo",
+        nccl_backend: str | None = None,
+        receiver: Receiver | None = None,
     ):
         self.client, self.names, self.actor = client, names, actor
         self.target, self.timeout_s, self.staged = target, timeout_s, staged
         self.on_error = on_error or (lambda msg: None)
-        self.transport = make_receiver(transport, timeout_s)
+        # ``receiver``: a ready transport end (tests inject fakes); else weights.transport's
+        self.transport = receiver or make_receiver(transport, timeout_s, nccl_backend=nccl_backend)
         self.applied = 0
         self.failed = 0
         self.transfer_ms: deque[float] = deque(maxlen=HISTORY)

@@ -316,7 +316,8 @@ def test_worker_receives_a_version_over_the_gloo_transport_while_stepping():
     t.start()
     ann, flat = announcement(7, new)
     worker.nonstop_update(encode(ann))
-    sender.send("actor-0", flat, time.monotonic() + 20)
+    sent = sender.send(["actor-0"], 7, flat, time.monotonic() + 20)
+    assert isinstance(sent["actor-0"], float), sent  # milliseconds, not an error
     worker._nonstop_jobs.join()
     stop.set()
     t.join()

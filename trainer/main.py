@@ -118,6 +118,7 @@ class Trainer:
             run_secret(),
             status=pool.status,  # the publisher keeps its own counters there (HINCRBY)
             transport=cfg.weights.transport,
+            nccl_backend=cfg.weights.nccl_backend,
             kind=lora.KIND_LORA if lora.settings(cfg.model.lora) else lora.KIND_FULL,
         )
 

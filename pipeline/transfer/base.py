@@ -11,14 +11,19 @@ for that join's nonce. A transport only moves tensors::
       rendezvous() -> fields for <run>:rendezvous
                                                      connect(rendezvous, nonce, deadline)
       accept(actor, nonce, deadline)   <-------->    (the channel is up on both sides)
-      send(actor, buckets, deadline)   -------->     receive(buckets, deadline)
+      send(targets, version,           -------->     begin(version, n, deadline)
+           buckets, deadline)                         receive([bucket], deadline) x n
+        -> {actor: ms | error}         <--------     finish(error or None)
       drop(actor)                                    close()
 
 Every call takes a deadline (``time.monotonic()`` seconds) and raises when it
-passes, so a dead peer costs at most that. ``send`` may run for several actors
-at once from different threads; each actor has its own channel.
-Implementations: ``gloo`` (pipeline/transfer/gloo.py). ``nccl`` and ``cuda_ipc``
-plug in here (issue 12); ``device`` says where their buckets must live.
+passes, so a dead peer costs at most that. ``send`` reaches every target in one
+call (the transport decides how: a pair group per actor in threads, one
+broadcast group, IPC handles) and reports each target's outcome, so the
+publisher can drop the failed ones. Implementations: ``gloo`` (gloo.py, CPU),
+``nccl`` (nccl.py: one broadcast group; backend nccl on GPUs or gloo for CI)
+and ``cuda_ipc`` (cuda_ipc.py: same host, the actor maps the trainer's buffers).
+``device`` says where a side's buckets must live.
 
 Engines take a version through a :class:`BucketSource` (``fetch(i, out, deadline)``,
 buckets in order): :class:`ReceiverSource` reads one from a transport and checks
@@ -49,8 +54,11 @@ class Sender(Protocol):
         """Open the channel for a verified join; raise if the actor never connects."""
         ...
 
-    def send(self, actor: str, buckets: list[torch.Tensor], deadline: float) -> None:
-        """Send every bucket to ``actor`` before ``deadline``; raise otherwise."""
+    def send(
+        self, targets: list[str], version: int, buckets: list[torch.Tensor], deadline: float
+    ) -> dict[str, float | Exception]:
+        """Send every bucket of ``version`` to each target before ``deadline``; per
+        target the milliseconds it took, or the error that stopped it."""
         ...
 
     def drop(self, actor: str) -> None:
@@ -74,8 +82,16 @@ class Receiver(Protocol):
         """Open the channel announced in ``rendezvous`` for the join ``nonce``."""
         ...
 
+    def begin(self, version: int, buckets: int, deadline: float) -> None:
+        """A version of ``buckets`` buckets starts (before its first receive)."""
+        ...
+
     def receive(self, buckets: list[torch.Tensor], deadline: float) -> None:
         """Fill ``buckets`` (preallocated, in order) before ``deadline``; raise otherwise."""
+        ...
+
+    def finish(self, error: str | None) -> None:
+        """The version ended: every bucket arrived and passed its checksum (None), or not."""
         ...
 
     def close(self) -> None: ...
@@ -95,6 +111,17 @@ class ReceiverSource:
         self.receiver, self.ann = receiver, ann
 
     def fetch(self, index: int, out: torch.Tensor, deadline: float) -> None:
+        try:
+            if index == 0:
+                self.receiver.begin(self.ann.version, len(self.ann.buckets), deadline)
+            self._fetch(index, out, deadline)
+        except Exception as e:  # tell the trainer now rather than at its deadline
+            self.receiver.finish(f"{type(e).__name__}: {e}")
+            raise
+        if index == len(self.ann.buckets) - 1:
+            self.receiver.finish(None)
+
+    def _fetch(self, index: int, out: torch.Tensor, deadline: float) -> None:
         if out.device == self.receiver.device:
             self.receiver.receive([out], deadline)
         else:

@@ -3,7 +3,8 @@ TCPStore whose address the trainer writes to the run's Redis.
 
 Each actor has its own pair group (rank 0 the trainer, rank 1 the actor), so
 one dead or slow actor times out alone while the others receive, and sends to
-several actors run at once from separate threads. Buckets live on the CPU.
+several actors run at once from separate threads (the trainer sends the bytes
+once per actor; ``nccl`` broadcasts them once). Buckets live on the CPU.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.redis_server import free_port
+from pipeline.transfer.channel import local_address
 
 
 def pair_group(store: dist.Store, nonce: str, rank: int, host: str, timeout_s: float):
@@ -60,10 +62,30 @@ class GlooSender:
         with self._lock:
             self._groups[actor] = group
 
-    def send(self, actor: str, buckets: list[torch.Tensor], deadline: float) -> None:
-        with self._lock:
-            group = self._groups[actor]
-        broadcast_buckets(group, buckets, deadline)
+    def send(
+        self, targets: list[str], version: int, buckets: list[torch.Tensor], deadline: float
+    ) -> dict[str, float | Exception]:
+        """One thread per target, all at once: a hung actor holds back only itself."""
+        t0, results = time.monotonic(), {}
+
+        def send_one(actor: str) -> None:
+            try:
+                with self._lock:
+                    group = self._groups[actor]
+                broadcast_buckets(group, buckets, deadline)
+                results[actor] = 1000 * (time.monotonic() - t0)
+            except Exception as e:
+                results[actor] = e
+
+        threads = [
+            threading.Thread(target=send_one, args=(a,), name=f"send-{a}", daemon=True)
+            for a in targets
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=max(deadline - time.monotonic(), 0.0) + 2.0)
+        return {a: results.get(a, TimeoutError("no answer by the deadline")) for a in targets}
 
     def drop(self, actor: str) -> None:
         with self._lock:
@@ -94,7 +116,14 @@ class GlooReceiver:
             is_master=False,
             timeout=datetime.timedelta(seconds=remaining),
         )
-        self.group = pair_group(store, nonce, 1, rendezvous["host"], remaining)
+        here = local_address(rendezvous["host"], int(rendezvous["port"]))
+        self.group = pair_group(store, nonce, 1, here, remaining)
+
+    def begin(self, version: int, buckets: int, deadline: float) -> None:
+        pass  # the pair group carries nothing but the buckets
+
+    def finish(self, error: str | None) -> None:
+        pass  # the trainer learns the outcome from the broadcast itself
 
     def receive(self, buckets: list[torch.Tensor], deadline: float) -> None:
         if self.group is None:

@@ -1,0 +1,93 @@
+"""The key-value channel the ``nccl`` and ``cuda_ipc`` transports speak over: a
+TCPStore served by the trainer, whose address the trainer writes to the run's
+Redis (``<run>:rendezvous``). Only an actor whose signed join the trainer
+accepted knows its nonce, and every key of its channel is under that nonce.
+
+Keys (one store per trainer process; the sender deletes a round's keys after it)::
+
+    hello/<nonce>               actor: "I reached the store" (accept() waits for it)
+    plan/<nonce>/<version>      trainer: what the actor needs to take this version
+    ack/<nonce>/<version>       actor: "ok" once every bucket arrived and checked, else
+                                "error: <why>"
+
+Every wait has a deadline (``time.monotonic()`` seconds) and raises TimeoutError
+naming the key when it passes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import socket
+import time
+
+import torch.distributed as dist
+
+from pipeline.redis_server import free_port
+
+OK = "ok"
+
+
+def _delta(deadline: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.05))
+
+
+def serve(host: str, timeout_s: float) -> tuple[dist.TCPStore, int]:
+    """The trainer's store on a free port of ``host``."""
+    port = free_port(host)
+    store = dist.TCPStore(
+        host,
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return store, port
+
+
+def join(host: str, port: int, deadline: float) -> dist.TCPStore:
+    """An actor's client of the trainer's store (raises if it cannot be reached in time)."""
+    return dist.TCPStore(host, port, is_master=False, timeout=_delta(deadline))
+
+
+def wait_get(store: dist.Store, key: str, deadline: float) -> str:
+    """The value of ``key`` once it is set; TimeoutError at the deadline."""
+    try:
+        store.wait([key], _delta(deadline))
+    except Exception as e:  # torch raises DistStoreError (a RuntimeError) on timeout
+        if time.monotonic() >= deadline - 0.01 or "timeout" in str(e).lower():
+            raise TimeoutError(f"no {key!r} from the peer by the deadline") from e
+        raise
+    return store.get(key).decode()
+
+
+def peek(store: dist.Store, key: str) -> str | None:
+    """The value of ``key`` if it is set now, else None (no waiting)."""
+    return store.get(key).decode() if store.check([key]) else None
+
+
+def forget(store: dist.Store, *keys: str) -> None:
+    for key in keys:  # best effort: a leftover key costs a few bytes, nothing else
+        with contextlib.suppress(Exception):
+            store.delete_key(key)
+
+
+def local_address(peer_host: str, peer_port: int) -> str:
+    """This host's address on the route to ``peer_host`` (what a gloo device binds)."""
+    if peer_host in ("127.0.0.1", "localhost", "::1"):
+        return peer_host
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((peer_host, peer_port))  # UDP: picks the route, sends nothing
+        return s.getsockname()[0]
+
+
+def wait_work(work, deadline: float, what: str) -> None:
+    """Wait for a collective's completion, polling, so the deadline holds whatever the
+    backend's own blocking rules; then order the caller's stream after it."""
+    pause = 0.0002
+    while not work.is_completed():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{what} passed its deadline")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+    work.wait()  # raises the collective's error, if it failed; syncs streams (NCCL)
