@@ -1,8 +1,11 @@
 """Peer processes for the weight-transfer fault tests: a real actor, and a
 trainer or actor that dies halfway through a transfer.
 
-``python -m tests.weight_peers ROLE REDIS_URL MODEL_DIR NAME`` prints one line
-per event (``joined``, ``applied <v>``, ``half``) and runs until killed.
+``python -m tests.weight_peers ROLE REDIS_URL MODEL_DIR NAME [TRANSPORT]`` prints
+one line per event (``joined``, ``applied <v>`` then ``sum <v> <sum>``, ``half``)
+and runs until killed. TRANSPORT is gloo (default) or nccl (with the gloo backend: the nccl
+transport's code on the CPU). ``<sum>``: exact checksum of every parameter, for bit-exact
+comparisons with the trainer's. ``ipc_actor`` (GPU): see tests/test_transfer_cuda_ipc.py.
 """
 
 import sys
@@ -14,6 +17,7 @@ from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement, decode, encode
 from pipeline.models import load_model
 from pipeline.streams import Names, connect, publish
 from pipeline.transfer.gloo import broadcast_buckets
+from pipeline.transfer.nccl import broadcast as nccl_broadcast
 from pipeline.weight_publisher import WeightPublisher
 from pipeline.weight_receiver import WeightReceiver
 from pipeline.weights import bucket_layout, checksum, flatten
@@ -28,22 +32,32 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def real_actor(client, model_dir: str, name: str) -> None:
+def params_sum(model) -> int:
+    """Exact checksum of every parameter, in order (tests compare it with the trainer's)."""
+    return sum(checksum([p.detach().reshape(-1) for _, p in model.named_parameters()]))
+
+
+def real_actor(client, model_dir: str, name: str, transport: str = "gloo") -> None:
     model, tok = load_model(model_dir)
     engine = HFEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0)
-    receiver = WeightReceiver(client, NAMES, name, engine, timeout_s=TIMEOUT_S, secret=SECRET)
+    receiver = WeightReceiver(
+        client, NAMES, name, engine, timeout_s=TIMEOUT_S, secret=SECRET, transport=transport
+    )
     receiver.start()
     seen = 0
     while True:
         if receiver.applied > seen:
             seen = receiver.applied
             say(f"applied {engine.version}")
+            say(f"sum {engine.version} {params_sum(model)}")
         time.sleep(0.05)
 
 
-def half_actor(client, model_dir: str, name: str) -> None:
+def half_actor(client, model_dir: str, name: str, transport: str = "gloo") -> None:
     """Joins, takes the first bucket of the first announcement, then hangs."""
-    receiver = WeightReceiver(client, NAMES, name, target=None, timeout_s=TIMEOUT_S, secret=SECRET)
+    receiver = WeightReceiver(
+        client, NAMES, name, None, timeout_s=TIMEOUT_S, secret=SECRET, transport=transport
+    )
     after = receiver._join()
     say("joined")
     while True:
@@ -52,15 +66,18 @@ def half_actor(client, model_dir: str, name: str) -> None:
             import torch
 
             first = torch.empty(ann.buckets[0].numel, dtype=getattr(torch, ann.dtype))
+            receiver.transport.begin(ann.version, len(ann.buckets), time.monotonic() + 30)
             receiver.transport.receive([first], time.monotonic() + 30)
             say("half")
             threading.Event().wait()
 
 
-def half_trainer(client, model_dir: str, name: str) -> None:
+def half_trainer(client, model_dir: str, name: str, transport: str = "gloo") -> None:
     """Waits for one actor, announces a version, sends half its buckets, then hangs."""
     model, _ = load_model(model_dir)
-    publisher = WeightPublisher(client, NAMES, "127.0.0.1", BUCKET_MB, timeout_s=30, secret=SECRET)
+    publisher = WeightPublisher(
+        client, NAMES, "127.0.0.1", BUCKET_MB, 30, SECRET, transport=transport, nccl_backend="gloo"
+    )
     publisher.close(timeout_s=0)  # drive it by hand below
     while not publisher.members():
         publisher._accept_joins()
@@ -77,14 +94,44 @@ def half_trainer(client, model_dir: str, name: str) -> None:
         targets=publisher.members(),
     )
     publish(client, NAMES.weights, encode(ann), version=1)
-    group = publisher.sender._groups[publisher.members()[0]]  # the gloo pair group
-    broadcast_buckets(group, flat[: len(flat) // 2], time.monotonic() + 30)
+    deadline, half = time.monotonic() + 30, flat[: len(flat) // 2]
+    sender = publisher.sender
+    if transport == "nccl":  # form the broadcast group as send() would, then stop halfway
+        sender._ensure_group(sender.members(), dict(sender._nonces), 1, deadline)
+        nccl_broadcast(sender._group, half, deadline)
+    else:
+        broadcast_buckets(sender._groups[publisher.members()[0]], half, deadline)
     say("half")
     threading.Event().wait()
 
 
+def ipc_actor(rendezvous_json: str, nonce: str, count: str) -> None:
+    """GPU: receive ``count`` buckets of version 1 over cuda_ipc, print each one's sum."""
+    import json
+
+    import torch
+
+    from pipeline.transfer.cuda_ipc import IpcReceiver
+
+    spec = json.loads(rendezvous_json)
+    receiver = IpcReceiver(TIMEOUT_S * 10)
+    receiver.connect(spec["rendezvous"], nonce, time.monotonic() + 30)
+    say("joined")
+    receiver.begin(1, int(count), time.monotonic() + 30)
+    outs = [
+        torch.empty(n, dtype=getattr(torch, d), device=receiver.device) for n, d in spec["buckets"]
+    ]
+    for out in outs:
+        receiver.receive([out], time.monotonic() + 30)
+    receiver.finish(None)
+    say("sums " + " ".join(str(s) for s in checksum(outs)))
+    threading.Event().wait()
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "ipc_actor":
+        ipc_actor(*sys.argv[2:5])
+        sys.exit(0)
     role, url, model_dir, name = sys.argv[1:5]
-    {"real_actor": real_actor, "half_actor": half_actor, "half_trainer": half_trainer}[role](
-        connect(url), model_dir, name
-    )
+    roles = {"real_actor": real_actor, "half_actor": half_actor, "half_trainer": half_trainer}
+    roles[role](connect(url), model_dir, name, *sys.argv[5:6])

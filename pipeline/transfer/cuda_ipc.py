@@ -193,6 +193,8 @@ class IpcSender:
     def send(
         self, targets: list[str], version: int, buckets: list[torch.Tensor], deadline: float
     ) -> dict[str, float | Exception]:
+        if not targets:
+            return {}
         t0 = time.monotonic()
         self.buffers.load(buckets)
         offer = encode_offer(

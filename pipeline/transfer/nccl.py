@@ -161,6 +161,8 @@ class NcclSender:
             a: KeyError(f"{a} has no open channel") for a in targets if a not in nonces
         }
         members = sorted(nonces)
+        if not members:  # nobody to send to: no group (a one-rank group would be a waste)
+            return failed
         try:
             self._ensure_group(members, nonces, version, deadline)
             broadcast(self._group, buckets, deadline)
