@@ -105,8 +105,17 @@ def half_trainer(client, model_dir: str, name: str, transport: str = "gloo") -> 
     threading.Event().wait()
 
 
+def digest(t) -> str:
+    """sha256 of a tensor's bytes (bit-exact comparisons across processes)."""
+    import hashlib
+
+    import torch
+
+    return hashlib.sha256(t.detach().cpu().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+
+
 def ipc_actor(rendezvous_json: str, nonce: str, count: str) -> None:
-    """GPU: receive ``count`` buckets of version 1 over cuda_ipc, print each one's sum."""
+    """GPU: receive ``count`` buckets of version 1 over cuda_ipc, print their digests."""
     import json
 
     import torch
@@ -124,7 +133,7 @@ def ipc_actor(rendezvous_json: str, nonce: str, count: str) -> None:
     for out in outs:
         receiver.receive([out], time.monotonic() + 30)
     receiver.finish(None)
-    say("sums " + " ".join(str(s) for s in checksum(outs)))
+    say("digests " + " ".join(digest(out) for out in outs))
     threading.Event().wait()
 
 
