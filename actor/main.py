@@ -155,9 +155,17 @@ def record_swaps(pool: Pool, engine: Engine, logged: int) -> int:
     return total
 
 
-def main(argv: list[str] | None = None) -> None:
-    pool = start_pool("actor", argv)
+def build_engine(pool: Pool) -> tuple[Engine, object]:
+    """``actor.engine``: hf loads the model here; vllm loads it in its engine process."""
     cfg = pool.cfg
+    seed = cfg.run.seed + zlib.crc32(pool.name.encode()) % 10_000
+    if cfg.actor.engine == "vllm":
+        from transformers import AutoTokenizer
+
+        from actor.engines.vllm import from_config
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path(cfg))
+        return from_config(cfg, model_path(cfg), tokenizer, seed), tokenizer
     model, tokenizer = load_model(model_path(cfg), pool_dtype(cfg, "actor"), cfg.actor.device)
     if lora.settings(cfg.model.lora):  # the trainer's initial adapter (same seed), then its
         model = lora.apply_lora(model, cfg.model.lora, cfg.run.seed).eval()  # published ones
@@ -168,9 +176,16 @@ def main(argv: list[str] | None = None) -> None:
         temperature=cfg.engine.temperature,
         top_p=cfg.engine.top_p,
         top_k=cfg.engine.top_k,
-        seed=cfg.run.seed + zlib.crc32(pool.name.encode()) % 10_000,
+        seed=seed,
         keep_sampling_mask=cfg.engine.keep_sampling_mask,
     )
+    return engine, tokenizer
+
+
+def main(argv: list[str] | None = None) -> None:
+    pool = start_pool("actor", argv)
+    cfg = pool.cfg
+    engine, tokenizer = build_engine(pool)
     task = make_task(
         cfg.task.kind,
         cfg.task.difficulty,
@@ -188,6 +203,10 @@ def main(argv: list[str] | None = None) -> None:
         on_error=lambda msg: pool.status.set(last_error=msg),
         transport=cfg.weights.transport,
         nccl_backend=cfg.weights.nccl_backend,
+        # vllm: the channel opens in the engine's own process (the worker extension)
+        receiver=engine.remote_receiver(cfg.weights.transport)
+        if hasattr(engine, "remote_receiver")
+        else None,
     )
     receiver.start()
     rewards, produced, swaps, errors = Window(200), 0, 0, RewardErrors()
@@ -224,3 +243,4 @@ def main(argv: list[str] | None = None) -> None:
             swap_ms_max=max(swap_ms) if swap_ms else 0.0,
         )
         log.info("stopped: %d groups, %d weight updates applied", produced, receiver.applied)
+        engine.close()

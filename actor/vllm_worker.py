@@ -15,8 +15,13 @@ names start with ``nonstop_`` so they never clash with its own)::
                                               staging (actor/vllm_layout.py), then takes
                                               the lock (with a deadline) and enqueues
                                               staging -> parameters on the engine's stream
-    collective_rpc("nonstop_poll", ids) -->   live version, swaps, errors, and per request
-                                              the versions of the steps that sampled it
+    collective_rpc("nonstop_update",    -->   stage only (the engine interface's stage());
+                   ..., swap=False)           then "nonstop_swap" (lock mode: the same
+                                              locked swap, queued) or, with the engine
+                                              paused, "nonstop_swap_paused" (pause mode)
+    collective_rpc("nonstop_poll", ids) -->   live and staged version, swaps, errors, and
+                                              per request the versions of the steps that
+                                              sampled it
 
 The lock is taken on entry of ``execute_model`` and released on exit of the
 matching ``sample_tokens`` (model runner V2 computes the logits there), so no
@@ -129,6 +134,7 @@ class LockedWeights:
         self.lock = threading.Lock()
         self.lock_timeout_s = lock_timeout_s
         self.live_version = 0
+        self.staged_version: int | None = None  # staging holds this whole version
         self.steps = StepVersions()
         self.swaps: deque[dict] = deque(maxlen=1024)
         self.failed, self.last_error, self.orphans = 0, "", 0
@@ -187,6 +193,7 @@ class LockedWeights:
     # -- receive and swap ---------------------------------------------------------
     def stage(self, ann: WeightAnnouncement, source: BucketSource, deadline: float) -> None:
         """Receive every bucket of ``ann`` into staging; raise on any failure."""
+        self.staged_version = None  # from here staging is partial until the end
         if self.plan is None:
             hf = {p.name: tuple(p.shape) for b in ann.buckets for p in b.params}
             self.plan = build_plan(
@@ -210,9 +217,15 @@ class LockedWeights:
                     )
             if self.cuda:
                 self.side.synchronize()  # paced: one bucket in flight, buf reused next
+        self.staged_version = ann.version
 
     def swap(self, version: int) -> dict:
         """Enqueue staging -> parameters under the lock; the next step runs ``version``."""
+        if self.staged_version != version:
+            raise RuntimeError(
+                f"version {version} is not staged (staging holds {self.staged_version}); "
+                "stage it first"
+            )
         t0 = time.perf_counter()
         if not self.lock.acquire(timeout=self.lock_timeout_s):
             raise TimeoutError(
@@ -283,17 +296,49 @@ class NonstopWorkerExtension:
         receiver.connect(rendezvous, nonce, time.monotonic() + self._nonstop_timeout)
         self._nonstop_receiver = receiver
 
-    def nonstop_update(self, announcement: bytes, source: dict | None = None) -> None:
-        """Queue one version: receive into staging while generating, then swap.
-        ``source`` names a BucketSource factory (tests); default: the connected channel."""
-        self._nonstop_jobs.put((decode(announcement, WeightAnnouncement), source))
+    def nonstop_disconnect(self) -> None:
+        """Close this worker's transfer channel (the actor rejoins with a new one)."""
+        receiver, self._nonstop_receiver = getattr(self, "_nonstop_receiver", None), None
+        if receiver is not None:
+            receiver.close()
 
-    def nonstop_poll(self, request_ids: list[str] | None = None) -> dict:
+    def nonstop_update(
+        self, announcement: bytes, source: dict | None = None, swap: bool = True
+    ) -> None:
+        """Queue one version: receive into staging while generating, then (``swap``)
+        swap. ``source`` names a BucketSource factory (tests, in-memory buckets);
+        default: the connected channel. Returns at once: poll for the outcome."""
+        ann = decode(announcement, WeightAnnouncement)
+        self._nonstop_jobs.put(("update" if swap else "stage", ann, source))
+
+    def nonstop_swap(self, version: int) -> None:
+        """Queue the locked swap of the staged ``version`` (lock mode). Never takes the
+        lock here: this runs on the engine thread, which may hold it between a step's
+        execute_model and sample_tokens. Returns at once: poll for the outcome."""
+        self._nonstop_jobs.put(("swap", version, None))
+
+    def nonstop_swap_paused(self, version: int) -> dict:
+        """Pause mode: the engine is paused (no step runs), so swap right here on the
+        engine thread and wait for the copy; raises if ``version`` is not staged."""
+        w = self._nonstop
+        if self._nonstop_jobs.unfinished_tasks:
+            raise RuntimeError(f"version {version}: a receive is still running; poll first")
+        try:
+            return w.swap(version)
+        except Exception as e:
+            w.failed += 1
+            w.last_error = f"version {version}: {e}"
+            raise
+
+    def nonstop_poll(self, request_ids: list[str] | None = None, take_swaps: bool = True) -> dict:
+        """The worker's state; ``take_swaps``: hand over (and forget) the swap records."""
         w = self._nonstop
         swaps = list(w.swaps)
-        w.swaps.clear()
+        if take_swaps:
+            w.swaps.clear()
         return {
             "live_version": w.live_version,
+            "staged_version": w.staged_version,
             "swaps": swaps,
             "failed": w.failed,
             "last_error": w.last_error,
@@ -317,15 +362,17 @@ class NonstopWorkerExtension:
         if w.cuda:
             torch.cuda.set_device(w.device)
         while True:
-            ann, spec = self._nonstop_jobs.get()
+            kind, job, spec = self._nonstop_jobs.get()
+            version = job if kind == "swap" else job.version
             try:
-                w.stage(
-                    ann, self._nonstop_source(ann, spec), time.monotonic() + self._nonstop_timeout
-                )
-                w.swap(ann.version)
+                if kind in ("update", "stage"):
+                    deadline = time.monotonic() + self._nonstop_timeout
+                    w.stage(job, self._nonstop_source(job, spec), deadline)
+                if kind in ("update", "swap"):
+                    w.swap(version)
             except Exception as e:  # the old weights stay whole; the client sees the error
                 w.failed += 1
-                w.last_error = f"version {ann.version}: {e}"
+                w.last_error = f"version {version}: {e}"
                 log.error("weight update failed, keeping version %d: %s", w.live_version, e)
             finally:
                 self._nonstop_jobs.task_done()

@@ -54,8 +54,6 @@ class ModelConfig:
     lora: LoraConfig | None = field(default_factory=LoraConfig)  # rank 0 / null: full FT
 
 
-
-
 @dataclass
 class EngineConfig:
     """Sampling and batching, for every engine (``actor.engine`` picks the engine)."""
@@ -85,13 +83,29 @@ class TaskConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """``actor.engine=vllm`` (actor/engines/vllm.py; vLLM 0.24.0 AsyncLLM)."""
+
+    in_flight: int = 64  # requests kept in flight (a finished one is replaced at once)
+    gpu_memory_utilization: float = 0.5  # fraction of the GPU vLLM may take
+    max_num_seqs: int = 256  # sequences the scheduler runs together
+    tensor_parallel_size: int = 1  # only 1 is built (one worker, one transfer channel)
+    enforce_eager: bool = False  # true: no CUDA graphs / torch.compile (faster start)
+    enable_prefix_caching: bool = True  # salted per weight version (no stale KV reuse)
+    max_model_len: int = 2048  # prompt + completion tokens
+    lock_timeout_s: float = 10.0  # weights.update_mode=lock: longest wait for the lock
+    rpc_timeout_s: float = 120.0  # deadline of every call into the engine process
+
+
+@dataclass
 class ActorConfig:
     num_actors: int = 1
     max_lag: int = 2  # hold back new groups when this many versions behind
     max_queue_groups: int = 8  # hold back while this many rollouts wait unread
-    engine: str = "hf"  # hf (transformers) | vllm (GPU; issue 12, not built yet)
+    engine: str = "hf"  # hf (transformers) | vllm (vLLM 0.24.0 on a CUDA host)
     device: str = "cpu"  # cpu, cuda, cuda:N
     dtype: str = ""  # float32 | bfloat16; empty: model.dtype
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
 SCORERS = ("reference", "prm", "teacher")  # names allowed in preprocessor.scorers
@@ -235,6 +249,9 @@ class WeightsConfig:
     # per rank); cuda_ipc: the actor maps the trainer's GPU buffers (same host)
     transport: str = "gloo"
     nccl_backend: str = "nccl"  # gloo: the nccl transport's code on the CPU (tests)
+    # actor.engine=vllm: lock (swap between two forward passes under the per-forward
+    # lock) | pause (vLLM's pause_generation(mode="keep") + swap + resume: the baseline)
+    update_mode: str = "lock"
 
 
 @dataclass
@@ -266,6 +283,7 @@ _CHOICES = {
     "actor.engine": ("hf", "vllm"),
     "weights.transport": ("gloo", "nccl", "cuda_ipc"),
     "weights.nccl_backend": ("nccl", "gloo"),
+    "weights.update_mode": ("lock", "pause"),
     "task.kind": ("arithmetic", "file"),
     "trainer.backend": ("torch", "deepspeed"),
     "trainer.zero_stage": (0, 1, 2, 3),
@@ -327,23 +345,53 @@ def validate(cfg: Any) -> None:
 
 
 VLLM_MISSING = (
-    "actor.engine=vllm needs vLLM 0.24.0, which is not installed: on a CUDA host run "
-    "pip install -e '.[gpu]' (it pulls a CUDA torch; never on the CPU machines), "
-    "or use actor.engine=hf"
-)
-VLLM_NOT_BUILT = (
-    "actor.engine=vllm is not implemented yet (the vLLM worker extension with the "
-    "per-forward-pass lock is issue 12); use actor.engine=hf"
+    "actor.engine=vllm needs vLLM 0.24.0: pip install -e '.[vllm]' on a CUDA host "
+    "(it pulls a CUDA torch; never on the CPU machines), or use actor.engine=hf"
 )
 
 
 def validate_engine(cfg: Any) -> None:
-    """``actor.engine``: only engines that exist here."""
-    if _get(cfg, "actor.engine") == "vllm":
-        import importlib.util
+    """``actor.engine``, and ``actor.vllm.*`` when it is vllm."""
+    if _get(cfg, "actor.engine") != "vllm":
+        return
+    import importlib.util
 
-        missing = importlib.util.find_spec("vllm") is None
-        raise ValueError(VLLM_MISSING if missing else VLLM_NOT_BUILT)
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(VLLM_MISSING)
+    validate_vllm(cfg)
+
+
+def validate_vllm(cfg: Any) -> None:
+    """``actor.vllm.*`` and what the vllm engine does not do."""
+    v = _get(cfg, "actor.vllm")
+    for key in ("in_flight", "max_num_seqs", "max_model_len", "lock_timeout_s", "rpc_timeout_s"):
+        if v[key] <= 0:
+            raise ValueError(f"actor.vllm.{key}={v[key]} must be > 0")
+    if not 0 < v.gpu_memory_utilization <= 1:
+        raise ValueError(
+            f"actor.vllm.gpu_memory_utilization={v.gpu_memory_utilization} must be in (0, 1]"
+        )
+    if v.in_flight > v.max_num_seqs:
+        raise ValueError(
+            f"actor.vllm.in_flight={v.in_flight} > actor.vllm.max_num_seqs={v.max_num_seqs}: "
+            "the extra requests would only wait; lower in_flight or raise max_num_seqs"
+        )
+    if v.tensor_parallel_size != 1:
+        raise ValueError(
+            f"actor.vllm.tensor_parallel_size={v.tensor_parallel_size}: only 1 is built (each "
+            "TP worker would need its own transfer channel and a swap at the same step); "
+            "run one actor per GPU instead"
+        )
+    if not _get(cfg, "engine.weight_staging"):
+        raise ValueError(
+            "engine.weight_staging=false is for actor.engine=hf; the vllm engine always "
+            "receives into a staging copy (set engine.weight_staging=true)"
+        )
+    if _get(cfg, "engine.keep_sampling_mask"):
+        raise ValueError(
+            "engine.keep_sampling_mask=true is not supported by actor.engine=vllm "
+            "(vLLM does not report the kept vocabulary); use top_p=1, top_k=0 or actor.engine=hf"
+        )
 
 
 POOL_DTYPES = ("float32", "bfloat16")

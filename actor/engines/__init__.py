@@ -1,11 +1,13 @@
-"""Actor engines (``actor.engine``): the interface in base.py, ``hf`` in hf.py."""
+"""Actor engines (``actor.engine``): the interface in base.py, ``hf`` in hf.py,
+``vllm`` in vllm.py (built from the config by ``actor.engines.vllm.from_config``: it
+takes a model folder, not a loaded model)."""
 
 from __future__ import annotations
 
 import importlib.util
 
 from actor.engines.base import Completion, Engine, EngineStats, SwapRecord
-from pipeline.config import VLLM_MISSING, VLLM_NOT_BUILT
+from pipeline.config import VLLM_MISSING
 
 ENGINES = ("hf", "vllm")
 
@@ -17,8 +19,11 @@ def make_engine(kind: str, model, tokenizer, **sampling) -> Engine:
 
         return HFEngine(model, tokenizer, **sampling)
     if kind == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise ValueError(VLLM_MISSING)
         raise ValueError(
-            VLLM_MISSING if importlib.util.find_spec("vllm") is None else VLLM_NOT_BUILT
+            "actor.engine=vllm is built from the config (a model folder, not a loaded "
+            "model): use actor.engines.vllm.from_config(cfg, model_path, tokenizer, seed)"
         )
     raise ValueError(f"actor.engine={kind!r} is not an engine; use one of {ENGINES}")
 

@@ -1,0 +1,178 @@
+"""actor/engines/vllm.py against a fake AsyncLLM (tests/vllm_fake.py, written from
+vLLM 0.24.0's source) whose engine-core thread drives the real worker extension:
+requests held in flight, per-token versions across a swap, lock vs pause call
+sequences, a lock timeout, prefix-cache salting, and the clear error without vLLM.
+What is not run here: vLLM itself on a GPU (tests/test_vllm_gpu.py)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from actor.engines.vllm import VLLMEngine, load_vllm
+from pipeline.config import VLLM_MISSING
+from pipeline.transfer import TensorSource
+from tests import vllm_fake
+from tests.test_vllm_worker import announcement, hf_model, hf_state, vllm_layout
+
+
+def settings(**kw):
+    base = dict(
+        in_flight=8,
+        gpu_memory_utilization=0.5,
+        max_num_seqs=64,
+        tensor_parallel_size=1,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        max_model_len=512,
+        lock_timeout_s=2.0,
+        rpc_timeout_s=20.0,
+    )
+    return SimpleNamespace(**{**base, **kw})
+
+
+@pytest.fixture
+def make():
+    engines = []
+
+    def build(update_mode="lock", step_s=0.002, **kw):
+        vllm_fake.AsyncLLM.model_tensors = vllm_layout(hf_state(hf_model(0)))
+        vllm_fake.AsyncLLM.step_s = step_s
+        engine = VLLMEngine(
+            "unused-folder",
+            None,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            settings=settings(**kw),
+            update_mode=update_mode,
+            api=vllm_fake.API,
+        )
+        engines.append(engine)
+        return engine, vllm_fake.AsyncLLM.last
+
+    yield build
+    for e in engines:
+        e.close()
+
+
+def new_version(engine, version: int, seed: int):
+    ann, flat = announcement(version, hf_state(hf_model(seed)))
+    engine.stage(ann, TensorSource(flat), time.monotonic() + 20)
+    engine.swap(version)
+
+
+def prompts(n: int, length: int = 10, shared: bool = False):
+    return [[(i * 0 if shared else i) + j for j in range(length)] for i in range(n)]
+
+
+def test_in_flight_count_is_held_at_the_configured_number(make):
+    engine, fake = make(in_flight=8, step_s=0.003)
+    outs = engine.generate(prompts(40), max_new_tokens=6)
+    assert [len(o.tokens) for o in outs] == [6] * 40
+    log = fake.core.active_log
+    assert max(r for r, _ in log) == 8 and engine.in_flight_peak == 8
+    # while prompts remain, a finished request is replaced before the next steps
+    busy = [r for r, _ in log[: len(log) - 8]]
+    assert sum(r == 8 for r in busy) >= 0.8 * len(busy), busy
+
+
+def test_versions_are_stamped_per_token_across_a_swap(make):
+    engine, fake = make(in_flight=16, step_s=0.01)
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("outs", engine.generate(prompts(16), 40)))
+    t.start()
+    time.sleep(0.15)
+    new_version(engine, 1, seed=1)
+    t.join()
+    outs = result["outs"]
+    assert engine.version == 1 and engine.stats.swaps == 1
+    mixed = [o for o in outs if o.versions[0] == 0 and o.versions[-1] == 1]
+    assert mixed, [o.versions for o in outs]
+    # every stamp is the version of the step that sampled that token (the fake's record)
+    ids = [f"nonstop{engine._ids.prefix}-{n}" for n in range(1, 17)]
+    assert [o.versions for o in outs] == [fake.core.truth[i] for i in ids]
+    assert all(len(o.versions) == len(o.tokens) == 40 for o in outs)
+    after = engine.generate(prompts(4), 5)
+    assert all(o.versions == [1] * 5 for o in after)
+
+
+def test_lock_and_pause_modes_call_vllm_differently(make):
+    for mode in ("lock", "pause"):
+        engine, fake = make(update_mode=mode)
+        calls = fake.core.calls
+        start = len(calls)
+        new_version(engine, 1, seed=1)
+        seq = [c for c in calls[start:] if c != "nonstop_poll"]
+        if mode == "lock":
+            assert seq == ["nonstop_update", "nonstop_swap"], seq
+            assert engine.stats.recent_swaps[-1].mode == "staged"
+        else:
+            assert seq == [
+                "nonstop_update",
+                "pause_generation(mode=keep,clear_cache=False)",
+                "nonstop_swap_paused",
+                "resume_generation",
+            ], seq
+            assert engine.stats.recent_swaps[-1].mode == "pause"
+        outs = engine.generate(prompts(4), 5)
+        assert all(o.versions == [1] * 5 for o in outs)
+        live = dict(fake.worker.get_model().named_parameters())
+        for name, t in vllm_layout(hf_state(hf_model(1))).items():
+            assert torch.equal(live[name], t), name
+
+
+def test_lock_timeout_fails_the_update_and_generation_goes_on(make):
+    engine, fake = make(lock_timeout_s=0.3)
+    ann, flat = announcement(1, hf_state(hf_model(1)))
+    engine.stage(ann, TensorSource(flat), time.monotonic() + 20)
+    lock = fake.worker._nonstop.lock
+    lock.acquire()  # a forward pass that will not end in time
+    try:
+        with pytest.raises(RuntimeError, match="lock was not free"):
+            engine.swap(1)
+    finally:
+        lock.release()
+    assert engine.version == 0
+    outs = engine.generate(prompts(4), 5)
+    assert all(o.versions == [0] * 5 for o in outs)
+    live = dict(fake.worker.get_model().named_parameters())
+    for name, t in vllm_layout(hf_state(hf_model(0))).items():
+        assert torch.equal(live[name], t), name
+    engine.swap(1)  # the staged copy is still whole: the next try goes through
+    assert engine.version == 1
+    assert all(o.versions == [1] * 5 for o in engine.generate(prompts(4), 5))
+
+
+def test_no_request_under_a_new_version_hits_a_block_computed_under_the_old(make):
+    engine, fake = make(in_flight=4)
+    shared = prompts(8, length=13, shared=True)  # 3 full blocks each, the same tokens
+    engine.generate(shared, 3)
+    hits0 = list(fake.core.hits)
+    assert hits0 and all(v == 0 for _, v in hits0)  # caching works within a version
+    new_version(engine, 1, seed=1)
+    outs = engine.generate(shared, 3)
+    later = fake.core.hits[len(hits0) :]
+    assert later, "the new version's requests share blocks among themselves"
+    assert all(v == 1 for _, v in later), later  # never a block computed under version 0
+    assert {s for s, _ in later}.isdisjoint({s for s, _ in hits0})
+    assert all(o.versions[0] == 1 for o in outs)
+
+
+def test_without_prefix_caching_no_salt_is_sent(make):
+    engine, fake = make(enable_prefix_caching=False)
+    engine.generate(prompts(4, length=13, shared=True), 2)
+    assert fake.core.hits == []
+
+
+def test_missing_vllm_gives_the_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
+    with pytest.raises(ValueError) as e:
+        load_vllm()
+    assert str(e.value) == VLLM_MISSING
+    assert "needs vLLM 0.24.0: pip install -e '.[vllm]' on a CUDA host" in VLLM_MISSING
