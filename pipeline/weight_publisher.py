@@ -7,8 +7,9 @@ newest snapshot of the weights to every actor that joined, all at once.
     writes  <run>:weights announcements, <run>:rendezvous, <run>:published_version;
             the buckets over the transport (weights.transport, pipeline/transfer/);
             with ``status``: the trainer status hash's publish counters (HINCRBY)
-    blocks  never the training loop: submit() copies and returns; the sends to all
-            actors run concurrently, so a dead or slow actor costs at most
+    blocks  never the training loop: submit() copies and returns; the transport reaches
+            all actors in one send (gloo: threads; nccl: one broadcast group;
+            cuda_ipc: one export), so a dead or slow actor costs at most
             ``timeout_s`` once (not per actor) and is dropped
 
 When several versions are submitted while one is in flight, only the newest

@@ -107,6 +107,8 @@ def trainer_proc(
     bucket_mb: float,
     lora_rank: int,
     ready,
+    transport: str = "gloo",
+    nccl_backend: str = "gloo",
 ) -> None:
     from pipeline.weight_publisher import WeightPublisher
 
@@ -114,7 +116,10 @@ def trainer_proc(
     client = connect(url)
     model = build(shape, seed=1, lora_rank=lora_rank)
     kind = "lora" if lora_rank else "full"
-    publisher = WeightPublisher(client, NAMES, "127.0.0.1", bucket_mb, timeout_s, SECRET, kind=kind)
+    publisher = WeightPublisher(
+        client, NAMES, "127.0.0.1", bucket_mb, timeout_s, SECRET, kind=kind,
+        transport=transport, nccl_backend=nccl_backend,
+    )  # fmt: skip
     ready.set()
     wait_until(lambda: bool(publisher.members()), 120)
     params = published(model)
@@ -173,8 +178,9 @@ def measure(shape: str, staged: bool, lora_rank: int, args) -> dict:
             engine = HFEngine(model, _NoTokenizer(), temperature=1.0, top_p=1.0, top_k=0)
             engine.stop_ids = set()
             receiver = WeightReceiver(
-                client, NAMES, "actor-0", engine, args.timeout_s, SECRET, staged=staged
-            )
+                client, NAMES, "actor-0", engine, args.timeout_s, SECRET, staged=staged,
+                transport=args.transport,
+            )  # fmt: skip
             ctx = mp.get_context("spawn")
             ready = ctx.Event()
             trainer = ctx.Process(
@@ -188,6 +194,8 @@ def measure(shape: str, staged: bool, lora_rank: int, args) -> dict:
                     args.bucket_mb,
                     lora_rank,
                     ready,
+                    args.transport,
+                    args.nccl_backend,
                 ),
             )
             trainer.start()
@@ -211,6 +219,8 @@ def measure(shape: str, staged: bool, lora_rank: int, args) -> dict:
                 "model": shape,
                 "kind": f"lora-r{lora_rank}" if lora_rank else "full",
                 "mode": "staged" if staged else "in-place",
+                "transport": args.transport
+                + (f"/{args.nccl_backend}" if args.transport == "nccl" else ""),
                 "dtype": SHAPES[shape][2],
                 "bytes": nbytes,
                 "updates_applied": receiver.applied,
@@ -262,6 +272,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--transport", default="gloo", help="weights.transport: gloo|nccl|cuda_ipc")
+    p.add_argument("--nccl-backend", default="gloo", help="nccl transport's backend: nccl|gloo")
     p.add_argument("--note", default="", help="load conditions etc., saved with the results")
     args = p.parse_args(argv)
     load_start = os.getloadavg()
@@ -302,6 +314,7 @@ COLUMNS = [
     "model",
     "kind",
     "mode",
+    "transport",
     "bytes",
     "updates_applied",
     "transfer_ms_p50",
