@@ -218,3 +218,17 @@ def test_transports_that_need_cuda_say_so_at_start_up():
         make_sender("nccl", "127.0.0.1", 1, nccl_backend="mpi")
     with pytest.raises(ValueError, match=r"weights.transport='rdma' .* \('gloo', 'nccl'"):
         make_receiver("rdma", 1)
+
+
+def test_config_takes_the_transports_and_names_bad_values():
+    from pipeline.config import validate
+    from tests.test_config import _compose
+
+    for name in ("gloo", "nccl", "cuda_ipc"):
+        validate(_compose([f"weights.transport={name}", "weights.nccl_backend=gloo"]))
+    for override, key in (
+        ("weights.transport=shm", "weights.transport='shm'"),
+        ("weights.nccl_backend=mpi", "weights.nccl_backend='mpi'"),
+    ):
+        with pytest.raises(ValueError, match=f"{key} is not supported; use one of"):
+            validate(_compose([override]))

@@ -61,11 +61,6 @@ def wait_get(store: dist.Store, key: str, deadline: float) -> str:
     return store.get(key).decode()
 
 
-def peek(store: dist.Store, key: str) -> str | None:
-    """The value of ``key`` if it is set now, else None (no waiting)."""
-    return store.get(key).decode() if store.check([key]) else None
-
-
 def forget(store: dist.Store, *keys: str) -> None:
     for key in keys:  # best effort: a leftover key costs a few bytes, nothing else
         with contextlib.suppress(Exception):

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.transfer import channel
-from pipeline.transfer.channel import OK, forget, local_address, peek, wait_get, wait_work
+from pipeline.transfer.channel import OK, forget, local_address, wait_get, wait_work
 
 log = logging.getLogger(__name__)
 BACKENDS = ("nccl", "gloo")
@@ -212,19 +212,17 @@ class NcclSender:
         log.info("formed broadcast group %s of %s (%d ranks)", name, members, world)
 
     def _acks(self, members, nonces, version, ack_by, t0, failed) -> dict:
+        """Each member's ack (all by ``ack_by``): ok, its error, or the failure it met."""
         results: dict[str, float | Exception] = {}
         for a in members:
-            key = f"ack/{nonces[a]}/{version}"
             try:
-                got = (
-                    wait_get(self.store, key, ack_by) if a not in failed else peek(self.store, key)
-                )
+                got = wait_get(self.store, f"ack/{nonces[a]}/{version}", ack_by)
             except TimeoutError as e:
-                results[a] = e
+                results[a] = failed.get(a, e)
                 continue
-            if got == OK:
+            if got == OK:  # whole, even if the broadcast broke for someone else later
                 results[a] = 1000 * (time.monotonic() - t0)
-            elif got is not None:
+            else:
                 results[a] = RuntimeError(f"{a} could not take version {version}: {got}")
         return results
 
