@@ -124,7 +124,7 @@ def generate_step(
         group = to_group(pool, problem, prompt, group_outs, scores)
         versions = np.concatenate([s.token_versions() for s in group.samples])
         publish(
-            pool.client,
+            pool.shards.next(),  # redis.shards: the next shard in turn (pipeline/shards.py)
             pool.names.rollouts,
             encode(group),
             schema=SCHEMA_VERSION,

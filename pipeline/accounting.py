@@ -65,20 +65,24 @@ def _unconsumed(client: redis.Redis, stream: str, group: str) -> list[tuple[byte
     return [(i, f) for i, f in entries if _newer(i.decode(), last) or i.decode() in pending]
 
 
-def in_flight(client: redis.Redis, names: Names) -> dict[str, list[str]]:
+def in_flight(client: redis.Redis, names: Names, shards=()) -> dict[str, list[str]]:
     """Group ids still in ``rollouts`` and sample ids still in ``batches``, not yet
-    acknowledged by their consumer group; undecodable entries by entry id."""
+    acknowledged by their consumer group, on the primary ``client`` and every other
+    shard (``shards``: their clients, redis.shards > 1); undecodable entries by entry
+    id (``k@id`` on shard k > 0)."""
     groups, samples, bad = set(), set(), []
-    for entry_id, fields in _unconsumed(client, names.rollouts, PREPROCESSOR_GROUP):
-        try:
-            groups.add(decode(fields[b"data"], RolloutGroup).group_id)
-        except (BadEntry, KeyError):
-            bad.append(f"rollouts/{entry_id.decode()}")
-    for entry_id, fields in _unconsumed(client, names.batches, TRAINER_GROUP):
-        try:
-            samples.update(_sample_ids(decode(fields[b"data"], TrainBatch)))
-        except (BadEntry, KeyError, ValueError):
-            bad.append(f"batches/{entry_id.decode()}")
+    for k, shard in enumerate([client, *shards]):
+        tag = f"{k}@" if k else ""
+        for entry_id, fields in _unconsumed(shard, names.rollouts, PREPROCESSOR_GROUP):
+            try:
+                groups.add(decode(fields[b"data"], RolloutGroup).group_id)
+            except (BadEntry, KeyError):
+                bad.append(f"rollouts/{tag}{entry_id.decode()}")
+        for entry_id, fields in _unconsumed(shard, names.batches, TRAINER_GROUP):
+            try:
+                samples.update(_sample_ids(decode(fields[b"data"], TrainBatch)))
+            except (BadEntry, KeyError, ValueError):
+                bad.append(f"batches/{tag}{entry_id.decode()}")
     return {"rollouts_groups": sorted(groups), "batches_samples": sorted(samples), "bad": bad}
 
 

@@ -30,6 +30,11 @@ class RedisConfig:
     reconnect_s: float = 60.0  # retry commands this long while redis-server restarts
     claim_idle_s: float = 60.0  # claim entries a consumer has held this long (it died)
     embedded_appendfsync: str = "everysec"
+    # sharded work streams (pipeline/shards.py): rollouts and batches over this many
+    # Redis instances; the embedded launcher starts them all, an external redis.url
+    # needs shards - 1 more URLs in shard_urls (or NONSTOP_REDIS_SHARD_URLS, comma-joined)
+    shards: int = 1
+    shard_urls: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -336,6 +341,7 @@ def validate(cfg: Any) -> None:
     if _get(cfg, "actor.max_lag") < 0 or _get(cfg, "trainer.max_lag") < 0:
         raise ValueError("actor.max_lag and trainer.max_lag must be >= 0")
     validate_scorers(_get(cfg, "preprocessor"))
+    validate_shards(cfg)
     validate_devices(cfg)
     validate_eval_and_mode(cfg)
     validate_engine(cfg)
@@ -558,3 +564,39 @@ def redis_url(cfg: Any, role: str | None = None) -> str:
             "no Redis to talk to: set redis.url=redis://host:port/0 or NONSTOP_REDIS_URL"
         )
     return url
+
+
+def validate_shards(cfg: Any) -> None:
+    """``redis.shards`` and ``redis.shard_urls`` (pipeline/shards.py)."""
+    n, urls = _get(cfg, "redis.shards"), list(_get(cfg, "redis.shard_urls") or [])
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"redis.shards={n!r} must be an integer >= 1 (1: no sharding)")
+    if urls and not _get(cfg, "redis.url"):
+        raise ValueError(
+            "redis.shard_urls is set but redis.url is not: the embedded launcher starts "
+            "its own redis.shards servers; give redis.url too, or leave redis.shard_urls empty"
+        )
+    if urls and len(urls) != n - 1:
+        raise ValueError(
+            f"redis.shard_urls has {len(urls)} URLs but redis.shards={n} needs {n - 1} "
+            "(redis.url is shard 0)"
+        )
+
+
+def shard_urls(cfg: Any, role: str | None = None) -> list[str]:
+    """The URLs of shards 1.. (``redis.shards - 1`` of them): a role's own
+    ``NONSTOP_REDIS_SHARD_URLS_<ROLE>``, else ``NONSTOP_REDIS_SHARD_URLS`` (both
+    comma-joined; the embedded launcher sets it), else ``redis.shard_urls``."""
+    n = _get(cfg, "redis.shards")
+    if n <= 1:
+        return []
+    own = os.environ.get(f"NONSTOP_REDIS_SHARD_URLS_{role.upper()}") if role else None
+    env = own or os.environ.get("NONSTOP_REDIS_SHARD_URLS")
+    urls = [u for u in env.split(",") if u] if env else list(_get(cfg, "redis.shard_urls"))
+    if len(urls) != n - 1:
+        raise ValueError(
+            f"redis.shards={n} needs {n - 1} shard URLs besides redis.url, got {len(urls)}: "
+            "set redis.shard_urls=[redis://host:port/0,...] or NONSTOP_REDIS_SHARD_URLS "
+            "(comma-joined)"
+        )
+    return urls

@@ -21,7 +21,7 @@ import hydra
 import redis
 from omegaconf import OmegaConf
 
-from pipeline.config import register, validate
+from pipeline.config import register, shard_urls, validate
 from pipeline.evaluator import wait_for_final_eval
 from pipeline.progress import Progress
 from pipeline.redis_server import EmbeddedRedis, check_no_eviction
@@ -89,6 +89,27 @@ def supervise(cfg, sup: Supervisor, client, names: Names) -> tuple[str, int]:
         return "interrupted", 130
 
 
+def start_shards(cfg, run_dir: str, env: dict[str, str]) -> tuple[list[EmbeddedRedis], list]:
+    """redis.shards > 1: the embedded launcher starts shards 1.. too (``redis-shardK/``,
+    the URLs to the pools in NONSTOP_REDIS_SHARD_URLS); an external redis.url takes
+    them from redis.shard_urls. Returns (servers started here, clients of shards 1..)."""
+    servers = []
+    if cfg.redis.url:
+        urls = shard_urls(cfg, None)
+    else:
+        for k in range(1, cfg.redis.shards):
+            server = EmbeddedRedis(
+                os.path.join(run_dir, f"redis-shard{k}"), cfg.redis.embedded_appendfsync
+            )
+            server.start()
+            servers.append(server)
+            print(f"embedded redis-server shard {k} on 127.0.0.1:{server.port}")
+        urls = [s.url for s in servers]
+        if urls:
+            env["NONSTOP_REDIS_SHARD_URLS"] = ",".join(urls)
+    return servers, [connect(u, reconnect_s=2.0) for u in urls]
+
+
 def _interrupt(signum, _frame) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
@@ -127,13 +148,16 @@ def run(cfg) -> int:
             f.write(f"{server.port}\n")
     env["NONSTOP_REDIS_URL"] = url
     env.setdefault("NONSTOP_RUN_SECRET", secrets.token_hex(16))
+    shard_servers, shards = start_shards(cfg, run_dir, env)
     client = connect(url, reconnect_s=2.0)
-    check_no_eviction(client)
     names = Names(cfg.redis.prefix, cfg.run.name)
-    mark_run(client, names, run_dir=run_dir)
+    for shard in [client, *shards]:
+        check_no_eviction(shard)
+        mark_run(shard, names, run_dir=run_dir)
     client.delete(names.rendezvous)  # a previous trainer's address is stale now
     cmds = pool_commands(cfg, config_path)
     sup = Supervisor(cfg, run_dir, env, cmds, server, groups={"trainer": trainer_names(cfg)})
+    sup.shard_servers = shard_servers  # restarted like the primary when they die
     start = time.time()
     sup.spawn_all()
     outcome, code = supervise(cfg, sup, client, names)
@@ -142,12 +166,13 @@ def run(cfg) -> int:
             wait_for_final_sync(client, names, cfg, cfg.trainer.max_steps)
             wait_for_final_eval(client, names, cfg)
         sup.stop()
-        summary = write_summary(run_dir, client, names, outcome, time.time() - start)
+        summary = write_summary(run_dir, client, names, outcome, time.time() - start, shards)
         print(summary.render())
     finally:
         sup.stop()
-        if server is not None:
-            server.stop()
+        for s in [server, *shard_servers]:
+            if s is not None:
+                s.stop()
     return code
 
 

@@ -24,8 +24,9 @@ from typing import Any
 import redis
 import torch
 
-from pipeline.config import load_config, redis_url
+from pipeline.config import load_config, redis_url, shard_urls
 from pipeline.redis_server import check_no_eviction
+from pipeline.shards import Shards
 from pipeline.streams import DataLost, Names, check_run, connect, mark_run
 from pipeline.telemetry import MetricsFile, PoolStatus
 
@@ -44,6 +45,11 @@ class Pool:
     status: PoolStatus
     metrics: MetricsFile
     last_tick: float = field(default_factory=time.time)
+    shards: Shards | None = None  # the work streams' instances (primary first)
+
+    def __post_init__(self) -> None:
+        if self.shards is None:  # one Redis: the primary is the only shard
+            self.shards = Shards([self.client])
 
     def record(self, **values) -> None:
         self.metrics.write(pool=self.name, role=self.role, **values)
@@ -58,7 +64,8 @@ def heartbeat(pool: Pool, every_s: float = 1.0) -> None:
     """Runs in a daemon thread for the life of the process."""
     while True:
         try:
-            check_run(pool.client, pool.names)
+            for shard in pool.shards.clients:
+                check_run(shard, pool.names)  # every shard must still hold the run
             pool.client.hset(
                 pool.status.key,
                 mapping={"heartbeat": time.time(), "progress": pool.last_tick, "pid": os.getpid()},
@@ -95,9 +102,11 @@ def start_pool(role: str, argv: list[str] | None = None) -> Pool:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     client = connect(redis_url(cfg, role), reconnect_s=cfg.redis.reconnect_s)
-    check_no_eviction(client)
+    extra = [connect(u, reconnect_s=cfg.redis.reconnect_s) for u in shard_urls(cfg, role)]
     names = Names(cfg.redis.prefix, cfg.run.name)
-    mark_run(client, names)
+    for shard in [client, *extra]:
+        check_no_eviction(shard)
+        mark_run(shard, names)
     run_dir = cfg.run_dir or "."
     pool = Pool(
         cfg=cfg,
@@ -108,6 +117,7 @@ def start_pool(role: str, argv: list[str] | None = None) -> Pool:
         stop=stop,
         status=PoolStatus(client, names, args.name, role),
         metrics=MetricsFile(os.path.join(run_dir, "metrics.jsonl")),
+        shards=Shards.for_producer([client, *extra], args.name),
     )
     threading.Thread(target=heartbeat, args=(pool,), name="heartbeat", daemon=True).start()
     logging.getLogger(role).info("%s started (pid %d)", args.name, os.getpid())

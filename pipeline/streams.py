@@ -6,6 +6,12 @@ fields an operator can read with ``redis-cli XRANGE`` beside the binary
 an entry that does not decode goes to ``<prefix>:<run>:dead`` with the reason
 and is acknowledged, so the consumer goes on. Trimming removes only entries
 every group has read and acknowledged.
+
+Sharding (``redis.shards``): the work streams (``rollouts`` and ``batches``)
+may live on several independent Redis instances, each with its own consumer
+groups; :class:`Shards` holds the clients (shard 0 is the primary, which also
+holds every control key, the weight and join streams and the dead letters)
+and :class:`ShardedConsumer` reads them all behind the Consumer interface.
 """
 
 from __future__ import annotations
@@ -210,8 +216,12 @@ class Consumer:
         claim_idle_s: float = 60.0,
         claim_every_s: float = 10.0,
         dead_maxlen: int = 10000,
+        dead_client: redis.Redis | None = None,
+        shard: int | None = None,
     ):
         self.client, self.names, self.stream = client, names, stream
+        self.dead_client = dead_client or client  # the primary's dead-letter stream
+        self.shard = shard  # redis.shards > 1: which shard this consumer reads (dead letters)
         self.group, self.consumer, self.cls, self.block_ms = group, consumer, cls, block_ms
         self.claim_idle_ms, self.claim_every_s = int(claim_idle_s * 1000), claim_every_s
         self.dead_maxlen = dead_maxlen
@@ -221,10 +231,11 @@ class Consumer:
         self._next_claim = time.monotonic() + claim_every_s if recover_pending else float("inf")
         ensure_group(client, stream, group)
 
-    def read(self, count: int) -> list[tuple[str, Any]]:
-        """Up to ``count`` entries (recovered, claimed, then new) as (id, message)."""
+    def read(self, count: int, wait: bool = True) -> list[tuple[str, Any]]:
+        """Up to ``count`` entries (recovered, claimed, then new) as (id, message);
+        ``wait=False`` returns at once when nothing waits (no BLOCK)."""
         try:
-            entries = self._recover(count) or self._fetch(count)
+            entries = self._recover(count) or self._fetch(count, wait)
         except redis.ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
@@ -234,9 +245,10 @@ class Consumer:
             return []
         return self._decode(entries)
 
-    def _fetch(self, count: int) -> list:
+    def _fetch(self, count: int, wait: bool = True) -> list:
+        block = self.block_ms if wait else None  # BLOCK 0 would wait forever: None = no BLOCK
         reply = self.client.xreadgroup(
-            self.group, self.consumer, {self.stream: ">"}, count=count, block=self.block_ms
+            self.group, self.consumer, {self.stream: ">"}, count=count, block=block
         )
         return [e for _stream, entries in reply or [] for e in entries]
 
@@ -283,10 +295,12 @@ class Consumer:
             "reason": reason,
             "data": fields.get(DATA, b""),
         }
+        if self.shard is not None:
+            entry["shard"] = str(self.shard)
         for plain in (b"group", b"batch"):  # readable ids, for a payload that does not decode
             if plain in fields:
                 entry[plain.decode()] = fields[plain]
-        self.client.xadd(
+        self.dead_client.xadd(
             self.names.dead,
             entry,
             maxlen=self.dead_maxlen,
@@ -298,6 +312,30 @@ class Consumer:
     def ack(self, ids: list[str]) -> None:
         if ids:
             self.client.xack(self.stream, self.group, *ids)
+
+    # ---- the position interface ShardedConsumer shares (one shard: plain entry ids)
+    def client_for(self, entry_id: str) -> redis.Redis:
+        """The Redis holding ``entry_id`` (where its follow-up writes go)."""
+        return self.client
+
+    def position(self, previous: str, ids: list[str]) -> str:
+        """The read position after ``ids`` (newest entry id), ``previous`` without ids."""
+        return ids[-1] if ids else previous
+
+    def set_position(self, position: str) -> None:
+        """Deliver again everything after ``position`` (XGROUP SETID)."""
+        self.client.xgroup_setid(self.stream, self.group, position)
+
+    def trim(self, keep_after: str | None = None) -> int:
+        """Trim what every group acknowledged, keeping the entries after ``keep_after``."""
+        return trim_consumed(self.client, self.stream, _after(keep_after))
+
+
+def _after(position: str | None) -> str | None:
+    if position is None:
+        return None
+    ms, seq = _id_tuple(position)
+    return f"{ms}-{seq + 1}"
 
 
 def _id_tuple(entry_id: str | bytes) -> tuple[int, int]:

@@ -157,8 +157,9 @@ def reward_errors(statuses: dict[str, dict[str, str]]) -> tuple[int, dict[str, i
 
 
 def build_summary(
-    run_dir: str, client: redis.Redis, names: Names, outcome: str, wall_s: float
+    run_dir: str, client: redis.Redis, names: Names, outcome: str, wall_s: float, shards=()
 ) -> Summary:
+    """``shards``: the clients of redis.shards 1.. (their rollouts and batches in flight)."""
     statuses = read_statuses(client, names)
     records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     steps = surviving_steps(records)
@@ -167,7 +168,7 @@ def build_summary(
     trainer = statuses.get("trainer", {})
     by_role = lambda role: {k: v for k, v in statuses.items() if v.get("role") == role}  # noqa: E731
     actors, preps = by_role("actor"), by_role("preprocessor")
-    flight, dead = in_flight(client, names), dead_letters(client, names)
+    flight, dead = in_flight(client, names, shards), dead_letters(client, names)
     terms = account(records, flight, dead, _group_size(run_dir))
     errors, reasons = reward_errors(statuses)
     evals = [r for r in records if r.get("event") == "eval"]
@@ -217,9 +218,9 @@ def build_summary(
 
 
 def write_summary(
-    run_dir: str, client: redis.Redis, names: Names, outcome: str, wall_s: float
+    run_dir: str, client: redis.Redis, names: Names, outcome: str, wall_s: float, shards=()
 ) -> Summary:
-    summary = build_summary(run_dir, client, names, outcome, wall_s)
+    summary = build_summary(run_dir, client, names, outcome, wall_s, shards)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(asdict(summary), f, indent=2)
     return summary

@@ -56,6 +56,7 @@ class Supervisor:
         self.group_of = {m: g for g, members in self.groups.items() for m in members}
         self.rank_env: dict[str, dict[str, str]] = {}
         self.procs: dict[str, subprocess.Popen] = {}
+        self.shard_servers: list[EmbeddedRedis] = []  # redis.shards 1.. (embedded)
         self.spawned_at: dict[str, float] = {}
         self.restarts: Counter = Counter()
         self.events = MetricsFile(os.path.join(run_dir, "metrics.jsonl"))
@@ -176,17 +177,18 @@ class Supervisor:
                 proc.wait()
 
     def check_redis(self) -> None:
-        if self.server is None or self.server.proc is None or self.server.proc.poll() is None:
-            return
-        code = self.server.proc.returncode
-        print(
-            f"\nembedded redis-server exited with {code}; restarting it on port "
-            f"{self.server.port} from its AOF",
-            flush=True,
-        )
-        self.event("exit", "redis", code=code)
-        self.server.start()
-        self.event("restart", "redis")
+        for k, server in enumerate([self.server, *self.shard_servers]):
+            if server is None or server.proc is None or server.proc.poll() is None:
+                continue
+            code, name = server.proc.returncode, f"redis-shard{k}" if k else "redis"
+            print(
+                f"\nembedded {name} exited with {code}; restarting it on port "
+                f"{server.port} from its AOF",
+                flush=True,
+            )
+            self.event("exit", name, code=code)
+            server.start()
+            self.event("restart", name)
 
     def stop(self) -> None:
         for p in self.procs.values():

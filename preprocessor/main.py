@@ -37,7 +37,8 @@ from pipeline.messages import (
     unpack_i32,
 )
 from pipeline.runtime import Pool, start_pool
-from pipeline.streams import DATA, Consumer, Names, publish, trim_consumed
+from pipeline.shards import open_consumer
+from pipeline.streams import DATA, Consumer, Names, publish
 from preprocessor.scorers import ScoredGroup, Scorer, build_scorers
 from preprocessor.shaping import pack, set_advantages
 
@@ -122,7 +123,10 @@ def score_groups(
     return [it.group for it in kept], [it.group for it in dropped], counts
 
 
-def process(pool: Pool, scorers: list[Scorer], entries: list[tuple[str, RolloutGroup]]) -> dict:
+def process(
+    pool: Pool, scorers: list[Scorer], entries: list[tuple[str, RolloutGroup]], out=None
+) -> dict:
+    """Score, pack and XADD batches to ``out`` (the rollouts' shard; default the primary)."""
     cfg = pool.cfg.preprocessor
     groups = [group for _id, group in entries]
     kept, dropped, counts = score_groups(scorers, groups, cfg.drop_no_signal)
@@ -133,7 +137,7 @@ def process(pool: Pool, scorers: list[Scorer], entries: list[tuple[str, RolloutG
     for b in batches:
         versions = np.concatenate([s.token_versions() for s in b.samples])
         publish(
-            pool.client,
+            out or pool.client,
             pool.names.batches,
             encode(b),
             schema=SCHEMA_VERSION,
@@ -155,8 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = pool.cfg
     scorers = build_scorers(cfg)
     log.info("scorers: %s", ", ".join(s.name for s in scorers) or "none")
-    consumer = Consumer(
-        pool.client,
+    consumer = open_consumer(  # every shard's rollouts with redis.shards > 1
+        pool.shards,
         pool.names,
         pool.names.rollouts,
         GROUP,
@@ -173,9 +177,9 @@ def main(argv: list[str] | None = None) -> None:
         if not entries:
             pool.status.set(state="idle")
             continue
-        counts = process(pool, scorers, entries)
+        counts = process(pool, scorers, entries, out=consumer.client_for(entries[0][0]))
         consumer.ack([entry_id for entry_id, _ in entries])
-        trim_consumed(pool.client, pool.names.rollouts)
+        consumer.trim()
         pool.record(event="preprocessed", **counts)
         add_totals(pool, counts)
         pool.status.set(state="working")

@@ -30,7 +30,7 @@ from pipeline import lora
 from pipeline.config import run_secret
 from pipeline.messages import TrainBatch, decode, encode
 from pipeline.runtime import Pool, model_path, start_pool
-from pipeline.streams import Consumer, trim_consumed
+from pipeline.shards import open_consumer
 from pipeline.weight_publisher import WeightPublisher
 from trainer import checkpoint
 from trainer.backends import make_backend
@@ -88,8 +88,8 @@ class Trainer:
 
     def _start_main(self, resume_from: str | None) -> None:
         pool, cfg = self.pool, self.pool.cfg
-        self.consumer = Consumer(
-            pool.client,
+        self.consumer = open_consumer(  # every shard's batches with redis.shards > 1
+            pool.shards,
             pool.names,
             pool.names.batches,
             GROUP,
@@ -102,7 +102,7 @@ class Trainer:
         if cfg.trainer.resume:
             # re-read from the checkpoint's position (the stream's start without one): the
             # steps after it are undone, and entries a killed trainer held come again
-            pool.client.xgroup_setid(pool.names.batches, GROUP, self.state["entry_id"])
+            self.consumer.set_position(self.state["entry_id"])
         if resume_from or pool.client.exists(pool.names.trainer_version):
             # a trainer ran before: its steps after this version are undone
             pool.record(event="resume", version=self.state["version"])
@@ -200,10 +200,7 @@ class Trainer:
             checkpoint.save(self.ckpt_root, self.backend, s, cfg.keep_checkpoints, self.ranks)
             self.checkpoint_id = s["entry_id"]
         if self.ranks.is_main:
-            ms, seq = self.checkpoint_id.split("-")
-            trim_consumed(
-                self.pool.client, self.pool.names.batches, keep_from=f"{ms}-{int(seq) + 1}"
-            )
+            self.consumer.trim(keep_after=self.checkpoint_id)
         metrics["step_s"] = time.monotonic() - t0
         return metrics
 
@@ -220,7 +217,7 @@ class Trainer:
         recent = {k: v for k, v in s["recent_samples"].items() if v >= horizon}
         s["recent_samples"] = recent | dict.fromkeys(data.sample_ids, s["version"])
         s["sequences_spanning_versions"] += metrics["spanning"]
-        s["entry_id"] = data.entry_ids[-1] if data.entry_ids else s["entry_id"]
+        s["entry_id"] = self.consumer.position(s["entry_id"], data.entry_ids)
         self.pool.client.set(self.pool.names.trainer_version, s["version"])
         self.consumer.ack(data.entry_ids)
         with self.pool.client.pipeline(transaction=True) as tx:
