@@ -219,7 +219,8 @@ def test_a_trainer_killed_before_its_first_checkpoint_loses_nothing(make_trainer
     dead.publisher.close(timeout_s=1)
     again = make_trainer(samples_per_step=2, checkpoint_every=10)
     assert again.state["version"] == 0 and retired(again) == 0
-    assert run_step(again)["sample_ids"] == ["a/0", "a/1", "b/0", "b/1"]  # one read of 4
+    assert run_step(again)["sample_ids"] == ["a/0", "a/1"]  # a step takes one entry at a time
+    assert run_step(again)["sample_ids"] == ["b/0", "b/1"]  # the dead one's unacked entry
     assert retired(again) == 4
     records = read_jsonl(f"{again.pool.cfg.run_dir}/metrics.jsonl")
     assert {"event": "resume", "version": 0}.items() <= next(
@@ -250,3 +251,15 @@ def test_a_restarted_trainer_keeps_the_preprocessors_retirements(make_trainer, r
     assert retired(again) == 3 + 2 + 5  # only the undone step's 2 are taken back
     assert run_step(again)["sample_ids"] == ["b/0", "b/1"]
     assert retired(again) == 3 + 2 + 5 + 2
+
+
+def test_a_backlog_does_not_grow_the_step(make_trainer, rclient):
+    """With many micro-batches waiting, a step still takes samples_per_step samples (it
+    overshoots by less than one micro-batch), so async and sync steps have one size."""
+    trainer = make_trainer(samples_per_step=4)
+    rng = np.random.default_rng(7)
+    for g in "abcdef":
+        b = batch(g, [sample(0, 5, 0, 1.0, rng), sample(1, 5, 0, -1.0, rng)], rng)
+        publish(rclient, trainer.pool.names.batches, encode(b))
+    sizes = [run_step(trainer)["samples"] for _ in range(3)]
+    assert sizes == [4, 4, 4]

@@ -95,7 +95,9 @@ def collect(
         if pool.stop.is_set():
             return None
         pool.tick()
-        for entry_id, batch in consumer.read(count=4):
+        # one entry at a time: a step overshoots samples_per_step by less than one micro-batch
+        # even when a backlog waits (else async steps would grow with the backlog)
+        for entry_id, batch in consumer.read(count=1):
             try:
                 check_batch(batch, vocab_size)
             except BadEntry as e:
