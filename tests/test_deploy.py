@@ -392,7 +392,7 @@ def _tail(path: Path, n: int = 40) -> str:
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    """A real single-host Slurm: slurmctld and three slurmd (n1..n3) on localhost."""
+    """A real single-host Slurm: slurmctld and five slurmd (n1..n5) on localhost."""
     if os.geteuid() != 0:
         pytest.skip("the single-host Slurm needs root (slurmd launches jobs as their user)")
     if not (shutil.which("slurmctld") and shutil.which("slurmd") and shutil.which("munged")):
@@ -403,7 +403,9 @@ def slurm(tmp_path_factory):
             pytest.skip(f"could not install slurm-wlm and munge: {setup.stderr[-500:]}")
     state = tmp_path_factory.mktemp("slurm")
     script = DEPLOY / "slurm" / "local-cluster.sh"
-    up = subprocess.run([script, "start", str(state)], capture_output=True, text=True, timeout=120)
+    up = subprocess.run(
+        [script, "start", str(state), "5"], capture_output=True, text=True, timeout=120
+    )
     if up.returncode != 0:
         logs = "".join(_tail(p, 10) for p in (state / "log").glob("*.log"))
         subprocess.run([script, "stop", str(state)], timeout=60)
@@ -417,20 +419,45 @@ def slurm(tmp_path_factory):
         subprocess.run([script, "stop", str(state)], timeout=60)
 
 
+# run.sbatch's four groups resized on the command line: Redis on two nodes (one
+# instance each), then the preprocessor, the trainer and two actors, each group alone
+HET_GROUPS = ["-N2", "-n2", "-c1", ":", "-N1", "-n1", "-c2", ":", "-N1", "-n1", "-c2", ":"]
+HET_GROUPS += ["-N1", "-n2", "-c2"]
+
+
+def _nodes(spec: str) -> set[str]:
+    """n[1-2] / n3 -> node names."""
+    m = re.fullmatch(r"(\w+?)\[(\d+)-(\d+)\]", spec)
+    return (
+        {f"{m.group(1)}{i}" for i in range(int(m.group(2)), int(m.group(3)) + 1)} if m else {spec}
+    )
+
+
 @pytest.mark.slow
 def test_slurm_heterogeneous_job_runs_the_whole_pipeline(slurm, tmp_path):
+    """Every component on its own nodes, with two Redis instances (redis.shards=2)."""
     run_dir = tmp_path / "run"
-    env = _slurm_env(
-        slurm, run_dir, tmp_path / "cache", NONSTOP_COMPOSE="+exp=tiny trainer.max_steps=6"
-    )
+    compose = "+exp=tiny trainer.max_steps=6 redis.shards=2"
+    env = _slurm_env(slurm, run_dir, tmp_path / "cache", NONSTOP_COMPOSE=compose)
     log = tmp_path / "run.out"
-    job = _sbatch(env, "run.sbatch", log)
-    state, code = _wait_done(env, job, 240, log)
+    job = _sbatch(env, "run.sbatch", log, *HET_GROUPS)
+    state, code = _wait_done(env, job, 300, log)
     assert (state, code) == ("COMPLETED", "0:0"), _tail(log)
     text = log.read_text()
     assert "redis-server on" in text and "run summary" in text
+    groups = dict(re.findall(r"(\w+)=(\S+)", re.search(r"nodes: (.*)", text).group(1)))
+    nodes = {name: _nodes(spec) for name, spec in groups.items()}
+    assert len(nodes["redis"]) == 2 and len(set().union(*nodes.values())) == 5, nodes
+    shard_nodes = dict(re.findall(r"redis shard (\d) on node (\w+)", text))
+    assert set(shard_nodes) == {"0", "1"} and len(set(shard_nodes.values())) == 2, text
+    assert set(shard_nodes.values()) == nodes["redis"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["outcome"] == "finished" and summary["trainer_steps"] == 6
+    acc = summary["accounting"]
+    assert acc["groups_lost"] == 0 and acc["groups_duplicated"] == 0, acc
+    for k, aof in enumerate(("redis", "redis-shard1")):  # both instances carried rollouts
+        data = b"".join(p.read_bytes() for p in (run_dir / aof / "appendonlydir").iterdir())
+        assert b"tiny:rollouts" in data, f"shard {k} never held a rollout"
     assert set(summary["weight_updates_applied"]) == {"actor-0", "actor-1"}
     assert min(summary["weight_updates_applied"].values()) >= 1
     states = {name: p["state"] for name, p in summary["pools"].items()}
@@ -442,6 +469,8 @@ def test_slurm_heterogeneous_job_runs_the_whole_pipeline(slurm, tmp_path):
     }
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-000006"
     assert not (run_dir / "redis" / "url").exists()  # Redis stopped with the job
+    for aof in ("redis", "redis-shard1"):  # both stopped cleanly (SIGTERM, AOF written)
+        assert "ready to exit" in (run_dir / aof / "redis.log").read_text()
 
 
 @pytest.mark.slow

@@ -8,6 +8,8 @@
 #                        from the repository root)
 #   NONSTOP_REDIS_URL    the run's Redis; default: read from $NONSTOP_RUN_DIR/redis/url,
 #                        which the Redis job (redis.sbatch, run.sbatch) writes
+#   NONSTOP_REDIS_SHARD_URLS  redis.shards > 1: shards 1.. (comma-joined); default: read
+#                        from $NONSTOP_RUN_DIR/redis/shard_urls
 # Each job exports them, so every srun step inherits them.
 
 nonstop_init() {
@@ -46,24 +48,46 @@ nonstop_free_port() {
   "$NONSTOP_PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
 }
 
-# Start redis-server on this node in the background (AOF in $NONSTOP_RUN_DIR/redis, so a
-# resubmitted run resumes), wait until it answers, publish its URL in
-# $NONSTOP_RUN_DIR/redis/url (mode 0600) and export NONSTOP_REDIS_URL. Sets REDIS_PID.
+nonstop_cfg() {  # one key of the run's config, e.g. nonstop_cfg redis.shards
+  "$NONSTOP_PYTHON" -c 'import os, sys
+from omegaconf import OmegaConf
+from pipeline.config import load_config
+print(OmegaConf.select(load_config(os.environ["NONSTOP_CONFIG"]), sys.argv[1]))' "$1"
+}
+
+# Start the run's redis.shards redis-servers as one srun step in the background (srun
+# options in "$@", e.g. --het-group=0; its tasks are spread over the step's nodes, one
+# redis-server each: deploy/slurm/redis-shard.sh, AOF in $NONSTOP_RUN_DIR/redis and
+# redis-shardK), wait until each answers, then export NONSTOP_REDIS_URL (shard 0, the
+# primary) and NONSTOP_REDIS_SHARD_URLS (shards 1.., comma-joined) and publish them in
+# $NONSTOP_RUN_DIR/redis/url and redis/shard_urls (mode 0600; url last: it signals the
+# per-pool jobs). Sets REDIS_PID (the srun).
 nonstop_start_redis() {
-  local addr port password runtime
-  addr=$(nonstop_node_addr)
-  port=${NONSTOP_REDIS_PORT:-$(nonstop_free_port)}
-  password=$("$NONSTOP_PYTHON" -c 'import secrets; print(secrets.token_hex(24))')
-  runtime=$(mktemp -d "${TMPDIR:-/tmp}/nonstop-redis.XXXXXX")
+  local shards k waited=0 shard_urls=""
+  shards=$(nonstop_cfg redis.shards)
   mkdir -p "$NONSTOP_RUN_DIR/redis"
-  NONSTOP_REDIS_URL="redis://:$password@$addr:$port/0" \
-    NONSTOP_REDIS_BIND="${NONSTOP_REDIS_BIND:-$addr 127.0.0.1}" \
-    NONSTOP_REDIS_DIR="$NONSTOP_RUN_DIR/redis" NONSTOP_REDIS_RUNTIME="$runtime" \
-    nonstop-redis-start "$NONSTOP_DEPLOY/redis/nonstop-redis.conf" \
-    --logfile "$NONSTOP_RUN_DIR/redis/redis.log" &
+  rm -f "$NONSTOP_RUN_DIR"/redis/url "$NONSTOP_RUN_DIR"/redis/url.* "$NONSTOP_RUN_DIR/redis/shard_urls"
+  NONSTOP_REDIS_PASSWORD=$("$NONSTOP_PYTHON" -c 'import secrets; print(secrets.token_hex(24))')
+  export NONSTOP_REDIS_PASSWORD
+  srun "$@" --ntasks="$shards" --distribution=cyclic "$NONSTOP_DEPLOY/slurm/redis-shard.sh" &
   REDIS_PID=$!
-  export NONSTOP_REDIS_URL="redis://:$password@$addr:$port/0"
-  # answers within the deadline, then: no stale trainer address from a previous job
+  for k in $(seq 0 $((shards - 1))); do
+    while [ ! -s "$NONSTOP_RUN_DIR/redis/url.$k" ]; do
+      if ! kill -0 "$REDIS_PID" 2>/dev/null || [ "$waited" -ge "${NONSTOP_REDIS_WAIT_S:-120}" ]; then
+        echo "redis shard $k did not start (redis.shards=$shards needs $shards tasks in the Redis" \
+          "group: sbatch -n$shards ...; see $NONSTOP_RUN_DIR/redis*/redis.log)" >&2
+        kill "$REDIS_PID" 2>/dev/null
+        return 1
+      fi
+      sleep 1
+      waited=$((waited + 1))
+    done
+    [ "$k" -eq 0 ] || shard_urls="$shard_urls${shard_urls:+,}$(cat "$NONSTOP_RUN_DIR/redis/url.$k")"
+  done
+  NONSTOP_REDIS_URL=$(cat "$NONSTOP_RUN_DIR/redis/url.0")
+  NONSTOP_REDIS_SHARD_URLS=$shard_urls
+  export NONSTOP_REDIS_URL NONSTOP_REDIS_SHARD_URLS
+  # no stale trainer address from a previous job
   "$NONSTOP_PYTHON" - <<'PY' || { kill "$REDIS_PID" 2>/dev/null; return 1; }
 import os
 from pipeline.config import load_config
@@ -75,9 +99,18 @@ PY
   # the run's secret signs weight-transfer joins; written before the URL, which signals
   export NONSTOP_RUN_SECRET=${NONSTOP_RUN_SECRET:-$("$NONSTOP_PYTHON" -c 'import secrets; print(secrets.token_hex(16))')}
   (umask 077 && echo "$NONSTOP_RUN_SECRET" >"$NONSTOP_RUN_DIR/redis/secret")
+  (umask 077 && echo "$NONSTOP_REDIS_SHARD_URLS" >"$NONSTOP_RUN_DIR/redis/shard_urls")
   (umask 077 && echo "$NONSTOP_REDIS_URL" >"$NONSTOP_RUN_DIR/redis/url.tmp")
   mv "$NONSTOP_RUN_DIR/redis/url.tmp" "$NONSTOP_RUN_DIR/redis/url"
-  echo "redis-server on $addr:$port (URL in $NONSTOP_RUN_DIR/redis/url)"
+  echo "redis-server on ${NONSTOP_REDIS_URL##*@} ($shards instance(s); URLs in $NONSTOP_RUN_DIR/redis)"
+}
+
+# Stop Redis (the step nonstop_start_redis started; $1: its het component's job id, or
+# this job's): SIGTERM to its tasks, which stop redis-server cleanly (AOF written).
+nonstop_stop_redis() {
+  scancel --signal=TERM "${1:-$SLURM_JOB_ID}" 2>/dev/null || true
+  wait "$REDIS_PID" 2>/dev/null || true
+  rm -f "$NONSTOP_RUN_DIR"/redis/url "$NONSTOP_RUN_DIR"/redis/url.*
 }
 
 # NONSTOP_REDIS_URL from the environment, or from the Redis job's file (waits for it).
@@ -94,16 +127,23 @@ nonstop_find_redis() {
   done
   NONSTOP_REDIS_URL=${NONSTOP_REDIS_URL:-$(cat "$file")}
   NONSTOP_RUN_SECRET=${NONSTOP_RUN_SECRET:-$(cat "$NONSTOP_RUN_DIR/redis/secret")}
-  export NONSTOP_REDIS_URL NONSTOP_RUN_SECRET
+  if [ -z "${NONSTOP_REDIS_SHARD_URLS:-}" ] && [ -s "$NONSTOP_RUN_DIR/redis/shard_urls" ]; then
+    NONSTOP_REDIS_SHARD_URLS=$(cat "$NONSTOP_RUN_DIR/redis/shard_urls")  # redis.shards > 1
+  fi
+  export NONSTOP_REDIS_URL NONSTOP_RUN_SECRET NONSTOP_REDIS_SHARD_URLS
 }
 
 # Stop the pools started with `srun ... &` (their srun PIDs in $1): SIGTERM to the
-# tasks of every step of this job, never to this batch shell (`scancel --signal=TERM`;
-# signalling srun itself would make it SIGKILL its tasks), wait up to $2 s, then force.
+# tasks of the steps of the job ids in $3 (a heterogeneous job's components, e.g.
+# $SLURM_JOB_ID_HET_GROUP_1: signalling one component leaves the others, such as
+# Redis, running; default this job), never to this batch shell (`scancel
+# --signal=TERM`; signalling srun itself would make it SIGKILL its tasks), wait up to
+# $2 s, then force.
 nonstop_stop() {
-  local pids=$1 timeout=${2:-60} pid waited=0
-  if [ -n "${SLURM_JOB_ID:-}" ]; then
-    scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null || true
+  local pids=$1 timeout=${2:-60} jobs=${3:-${SLURM_JOB_ID:-}} pid waited=0
+  if [ -n "$jobs" ]; then
+    # shellcheck disable=SC2086  # several job ids
+    scancel --signal=TERM $jobs 2>/dev/null || true
   fi
   for pid in $pids; do
     while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt "$timeout" ]; do
