@@ -324,6 +324,12 @@ class Consumer:
 
     def set_position(self, position: str) -> None:
         """Deliver again everything after ``position`` (XGROUP SETID)."""
+        if "," in position:
+            raise ValueError(
+                f"read position {position!r} was written with {position.count(',') + 1} "
+                "redis.shards but redis.shards=1: resume with the shard count the run was "
+                "started with"
+            )
         self.client.xgroup_setid(self.stream, self.group, position)
 
     def trim(self, keep_after: str | None = None) -> int:

@@ -147,6 +147,8 @@ def test_one_shard_is_the_plain_consumer(rclient):
     reader = open_consumer(Shards([rclient]), NAMES, NAMES.rollouts, "g", "c", RolloutGroup)
     assert type(reader) is Consumer
     assert reader.position("0-0", ["5-1", "7-0"]) == "7-0"
+    with pytest.raises(ValueError, match="written with 2 redis.shards but redis.shards=1"):
+        reader.set_position("5-0,6-0")
 
 
 def cfg(**redis):

@@ -372,6 +372,7 @@ def markdown(payload: dict) -> str:
     lines += ["|" + "---|" * len(payload["summary"][0])]
     lines += ["| " + " | ".join(str(v) for v in s.values()) + " |" for s in payload["summary"]]
     lines += ["", *[f"- {n}" for n in payload["notes"]], ""]
+    lines.insert(4, "")
     lines.insert(4, f"shape: {a['group_size']} x ~{a['completion_tokens']} completion tokens "
                  f"after {a['prompt_tokens']} prompt tokens; {a['actors']} actor processes, "
                  f"{a['preprocessors']} preprocessors, {a['level_s']} s per level")  # fmt: skip
@@ -395,6 +396,9 @@ def notes(args, load: tuple, rows: list[dict]) -> list[str]:
         "yet acknowledged by the preprocessor (rollouts) and trainer (batches) groups at the "
         "level's end, summed over the shards; redis_cpu_each: each redis-server's CPU share "
         "(one core = 1.0), the primary first",
+        "appendfsync always: redis-server fsyncs the AOF before it replies; that wait is not CPU, "
+        "so its redis_bound_* (a CPU projection) overstates what it carries: read its sustained "
+        "rows against everysec's, measured side by side",
         *primary_notes(rows),
     ]
 
