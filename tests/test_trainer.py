@@ -258,7 +258,7 @@ def test_a_backlog_does_not_grow_the_step(make_trainer, rclient):
     overshoots by less than one micro-batch), so async and sync steps have one size."""
     trainer = make_trainer(samples_per_step=4)
     rng = np.random.default_rng(7)
-    for g in "abcdef":
+    for g in "abcdefghijkl":  # 24 samples: room for 3 steps even if steps grew
         b = batch(g, [sample(0, 5, 0, 1.0, rng), sample(1, 5, 0, -1.0, rng)], rng)
         publish(rclient, trainer.pool.names.batches, encode(b))
     sizes = [run_step(trainer)["samples"] for _ in range(3)]
