@@ -392,7 +392,7 @@ def _tail(path: Path, n: int = 40) -> str:
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    """A real single-host Slurm: slurmctld and five slurmd (n1..n5) on localhost."""
+    """A real single-host Slurm: slurmctld and six slurmd (n1..n6) on localhost."""
     if os.geteuid() != 0:
         pytest.skip("the single-host Slurm needs root (slurmd launches jobs as their user)")
     if not (shutil.which("slurmctld") and shutil.which("slurmd") and shutil.which("munged")):
@@ -404,7 +404,7 @@ def slurm(tmp_path_factory):
     state = tmp_path_factory.mktemp("slurm")
     script = DEPLOY / "slurm" / "local-cluster.sh"
     up = subprocess.run(
-        [script, "start", str(state), "5"], capture_output=True, text=True, timeout=120
+        [script, "start", str(state), "6"], capture_output=True, text=True, timeout=120
     )
     if up.returncode != 0:
         logs = "".join(_tail(p, 10) for p in (state / "log").glob("*.log"))
@@ -420,8 +420,8 @@ def slurm(tmp_path_factory):
 
 
 # run.sbatch's four groups resized on the command line: Redis on two nodes (one
-# instance each), then the preprocessor, the trainer and two actors, each group alone
-HET_GROUPS = ["-N2", "-n2", "-c1", ":", "-N1", "-n1", "-c2", ":", "-N1", "-n1", "-c2", ":"]
+# instance each), the preprocessor, the trainer's two ranks on two nodes, two actors
+HET_GROUPS = ["-N2", "-n2", "-c1", ":", "-N1", "-n1", "-c2", ":", "-N2", "-n2", "-c2", ":"]
 HET_GROUPS += ["-N1", "-n2", "-c2"]
 
 
@@ -435,9 +435,10 @@ def _nodes(spec: str) -> set[str]:
 
 @pytest.mark.slow
 def test_slurm_heterogeneous_job_runs_the_whole_pipeline(slurm, tmp_path):
-    """Every component on its own nodes, with two Redis instances (redis.shards=2)."""
+    """Every component on its own nodes: two Redis instances (redis.shards=2) and two
+    trainer ranks (trainer.world_size=2) on two nodes each."""
     run_dir = tmp_path / "run"
-    compose = "+exp=tiny trainer.max_steps=6 redis.shards=2"
+    compose = "+exp=tiny trainer.max_steps=6 redis.shards=2 trainer.world_size=2"
     env = _slurm_env(slurm, run_dir, tmp_path / "cache", NONSTOP_COMPOSE=compose)
     log = tmp_path / "run.out"
     job = _sbatch(env, "run.sbatch", log, *HET_GROUPS)
@@ -447,7 +448,11 @@ def test_slurm_heterogeneous_job_runs_the_whole_pipeline(slurm, tmp_path):
     assert "redis-server on" in text and "run summary" in text
     groups = dict(re.findall(r"(\w+)=(\S+)", re.search(r"nodes: (.*)", text).group(1)))
     nodes = {name: _nodes(spec) for name, spec in groups.items()}
-    assert len(nodes["redis"]) == 2 and len(set().union(*nodes.values())) == 5, nodes
+    assert len(nodes["redis"]) == len(nodes["trainer"]) == 2, nodes
+    assert len(set().union(*nodes.values())) == 6, nodes  # no two groups share a node
+    assert "trainer: 2 nodes x 1 ranks, rendezvous" in text
+    trainer_nodes = set(re.findall(r"trainer node \d on (\w+)", text))
+    assert trainer_nodes == nodes["trainer"], text
     shard_nodes = dict(re.findall(r"redis shard (\d) on node (\w+)", text))
     assert set(shard_nodes) == {"0", "1"} and len(set(shard_nodes.values())) == 2, text
     assert set(shard_nodes.values()) == nodes["redis"]
@@ -463,6 +468,7 @@ def test_slurm_heterogeneous_job_runs_the_whole_pipeline(slurm, tmp_path):
     states = {name: p["state"] for name, p in summary["pools"].items()}
     assert states == {
         "trainer": "finished",
+        "trainer-1": "finished",
         "preprocessor-0": "stopped",  # SIGTERM to the steps' tasks: clean stops
         "actor-0": "stopped",
         "actor-1": "stopped",
