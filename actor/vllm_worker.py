@@ -32,6 +32,14 @@ lock not had within ``lock_timeout_s`` fails the update with an error and the
 engine keeps generating on the old version. The recipe and its H100 numbers:
 ``device/VLLM_LOCK.md`` in the project's shared notes.
 
+With ``model.lora`` (``nonstop_install(..., lora={"dir", "request"})``) the base
+weights never change and no staging copy of them is made: announcements must say
+``kind="lora"``; the buckets (peft-named adapter tensors) are received and checked the
+same way, built into a vLLM LoRAModel outside the lock (``AdapterSwap.stage``,
+actor/engines/vllm_lora.py), and the adapter's GPU slot is rewritten under the same
+lock, deadline and version bookkeeping (``AdapterSwap.swap``). An announcement of the
+other kind fails the update, saying which ``model.lora`` setting differs.
+
 Everything except the vLLM Worker it is mixed into is plain torch, so the lock,
 staging, scatter and swap are tested on the CPU with a fake worker.
 """
@@ -51,6 +59,7 @@ from typing import Any, Protocol
 import torch
 
 from actor.vllm_layout import Plan, build_plan
+from pipeline.lora import KIND_FULL, KIND_LORA
 from pipeline.messages import WeightAnnouncement, decode
 from pipeline.weights import checksum
 
@@ -122,9 +131,14 @@ class StepVersions:
 
 
 class LockedWeights:
-    """The live parameters, a staging copy in the same layout, and the forward lock."""
+    """The live parameters, a staging copy in the same layout, and the forward lock.
 
-    def __init__(self, named: list[tuple[str, torch.Tensor]], lock_timeout_s: float):
+    ``adapter`` (an ``AdapterSwap``, with ``model.lora``): versions are LoRA adapters;
+    the parameters are never written and no staging copy of them is made."""
+
+    def __init__(
+        self, named: list[tuple[str, torch.Tensor]], lock_timeout_s: float, adapter: Any = None
+    ):
         self.names = [n for n, _ in named]
         self.params = [p.data for _, p in named]
         self.device = self.params[0].device
@@ -139,6 +153,17 @@ class LockedWeights:
         self.swaps: deque[dict] = deque(maxlen=1024)
         self.failed, self.last_error, self.orphans = 0, "", 0
         self._pending = False
+        self.adapter = adapter
+        self.kind = KIND_FULL if adapter is None else KIND_LORA
+        self.plan: Plan | None = None
+        self.staging: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []
+        self.by_name: dict[str, torch.Tensor] = {}
+        if adapter is None:
+            self._make_staging()
+
+    def _make_staging(self) -> None:
+        """A staging copy of every parameter in one buffer, initialised to them."""
         offsets, total = [], 0
         for p in self.params:
             if not p.is_contiguous():
@@ -153,7 +178,6 @@ class LockedWeights:
         with torch.no_grad():
             torch._foreach_copy_(self.views, self.params)  # padding rows keep their values
         self.by_name = dict(zip(self.names, self.views, strict=True))
-        self.plan: Plan | None = None
 
     # -- the per-forward-pass lock ------------------------------------------------
     def wrap(self, worker: Any) -> None:
@@ -191,9 +215,29 @@ class LockedWeights:
         worker.sample_tokens = sample_tokens
 
     # -- receive and swap ---------------------------------------------------------
+    def check_kind(self, ann: WeightAnnouncement) -> None:
+        """Refuse an announcement of the other kind (full weights vs a LoRA adapter)."""
+        if ann.kind == self.kind:
+            return
+        if ann.kind == KIND_LORA:
+            raise ValueError(
+                f"version {ann.version} is a LoRA adapter (kind='lora') but this vLLM engine "
+                "was started without model.lora; give the actors the trainer's model.lora"
+            )
+        raise ValueError(
+            f"version {ann.version} holds {ann.kind!r} weights but this vLLM engine was "
+            "started with model.lora (it takes adapters only); give the actors the "
+            "trainer's model.lora (rank 0 or null for full fine-tuning)"
+        )
+
     def stage(self, ann: WeightAnnouncement, source: BucketSource, deadline: float) -> None:
         """Receive every bucket of ``ann`` into staging; raise on any failure."""
+        self.check_kind(ann)
         self.staged_version = None  # from here staging is partial until the end
+        if self.adapter is not None:
+            self._stage_adapter(ann, source, deadline)
+            self.staged_version = ann.version
+            return
         if self.plan is None:
             hf = {p.name: tuple(p.shape) for b in ann.buckets for p in b.params}
             self.plan = build_plan(
@@ -219,6 +263,22 @@ class LockedWeights:
                 self.side.synchronize()  # paced: one bucket in flight, buf reused next
         self.staged_version = ann.version
 
+    def _stage_adapter(self, ann: WeightAnnouncement, source: BucketSource, deadline: float):
+        """Receive the adapter's buckets (small: one buffer each), check their sums, and
+        build the vLLM LoRAModel outside the lock (AdapterSwap.stage)."""
+        from actor.engines.vllm_lora import adapter_tensors_from_buckets
+
+        dtype = getattr(torch, ann.dtype)
+        bufs = [torch.empty(b.numel, dtype=dtype, device=self.device) for b in ann.buckets]
+        with torch.cuda.stream(self.side) if self.cuda else nullcontext():
+            for i, buf in enumerate(bufs):
+                source.fetch(i, buf, deadline)
+                if checksum([buf])[0] != ann.checksums[i]:
+                    raise RuntimeError(f"version {ann.version} bucket {i} failed its checksum")
+        if self.cuda:
+            self.side.synchronize()
+        self.adapter.stage(ann.version, adapter_tensors_from_buckets(ann.buckets, bufs))
+
     def swap(self, version: int) -> dict:
         """Enqueue staging -> parameters under the lock; the next step runs ``version``."""
         if self.staged_version != version:
@@ -237,7 +297,10 @@ class LockedWeights:
         end = torch.cuda.Event() if self.cuda else None
         try:
             with torch.cuda.stream(self.compute) if self.cuda else nullcontext(), torch.no_grad():
-                torch._foreach_copy_(self.params, self.views)
+                if self.adapter is not None:
+                    self.adapter.swap(version)  # rewrites the adapter's GPU slot in place
+                else:
+                    torch._foreach_copy_(self.params, self.views)
                 if end is not None:
                     end.record()
             self.live_version = version
@@ -256,10 +319,15 @@ class LockedWeights:
         return rec
 
 
+def import_path(path: str) -> Any:
+    """The object ``module:name`` names."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def load_source(spec: dict) -> BucketSource:
     """``spec["factory"]`` is ``module:function``; it gets the rest of ``spec``."""
-    module, _, name = spec["factory"].partition(":")
-    factory: Callable[..., BucketSource] = getattr(importlib.import_module(module), name)
+    factory: Callable[..., BucketSource] = import_path(spec["factory"])
     return factory(**{k: v for k, v in spec.items() if k != "factory"})
 
 
@@ -267,19 +335,31 @@ class NonstopWorkerExtension:
     """Mixed into vLLM's Worker; driven by the actor through ``collective_rpc``."""
 
     def nonstop_install(
-        self, lock_timeout_s: float = 10.0, transfer_timeout_s: float = 60.0
+        self,
+        lock_timeout_s: float = 10.0,
+        transfer_timeout_s: float = 60.0,
+        lora: dict | None = None,
     ) -> dict:
+        """Wrap the steps with the lock and start the receiver thread. ``lora``
+        (``model.lora``): ``{"dir": the version-0 adapter folder, "request": the
+        LoRARequest class as module:name}``; versions are then adapters."""
         if getattr(self, "_nonstop", None) is not None:
             return self._nonstop_info
+        adapter = None
+        if lora is not None:
+            from actor.engines.vllm_lora import AdapterSwap
+
+            adapter = AdapterSwap(self, lora["dir"], import_path(lora["request"]))
         named = list(self.get_model().named_parameters())
-        w = LockedWeights(named, lock_timeout_s)
+        w = LockedWeights(named, lock_timeout_s, adapter)
         w.wrap(self)
         self._nonstop, self._nonstop_timeout = w, transfer_timeout_s
         self._nonstop_jobs: queue.Queue = queue.Queue()
         threading.Thread(target=self._nonstop_loop, name="nonstop-receiver", daemon=True).start()
         self._nonstop_info = {
             "params": len(named),
-            "bytes": int(w.staging.numel()),
+            "kind": w.kind,
+            "bytes": int(w.staging.numel()) if w.staging is not None else 0,
             "device": str(w.device),
             "compute_stream": str(w.compute),
         }

@@ -17,12 +17,21 @@ Prefix caching is keyed like vLLM's (v1/core/kv_cache_utils.py: ``hash_block_tok
 hashes (parent hash, block tokens, extra keys) and ``generate_block_hash_extra_keys``
 puts ``cache_salt`` into the first block's extra keys only); each cached block
 remembers the weight version it was computed under.
+
+LoRA (``enable_lora``): like vLLM's LRUCacheWorkerLoRAManager (lora/worker_manager.py)
+and LoRAModelManager (lora/model_manager.py), each step's ``execute_model`` activates the
+adapters its requests carry, loading one from its ``lora_path`` only if its id is not
+registered yet; ``activate_adapter`` copies an adapter into a GPU slot allocated once
+(``set_lora``: the slot tensors keep their addresses). The step's "weights" include the
+slot, so tokens change with the adapter.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import json
+import os
 import queue
 import threading
 import time
@@ -72,6 +81,10 @@ class AsyncEngineArgs:
     max_model_len: int | None = None
     logprobs_mode: str = "raw_logprobs"
     worker_extension_cls: str = ""
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 16
     extra: dict = field(default_factory=dict)
 
 
@@ -80,9 +93,26 @@ def block_hash(parent, tokens, extra_keys):
     return hash((parent if parent else "NONE_HASH", tuple(tokens), extra_keys))
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """vllm.lora.request.LoRARequest's fields that the engine and worker use (hashable,
+    as vLLM's: the model runner keeps sets of them)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    tensorizer_config_dict: dict | None = None
+    load_inplace: bool = False
+
+    @property
+    def adapter_id(self) -> int:
+        return self.lora_int_id
+
+
 class Req:
-    def __init__(self, rid, prompt, params, salt, out_q, loop):
+    def __init__(self, rid, prompt, params, salt, out_q, loop, lora_request=None):
         self.rid, self.prompt, self.params, self.salt = rid, prompt, params, salt
+        self.lora_request = lora_request
         self.out_q, self.loop = out_q, loop
         self.tokens, self.logprobs, self.versions = [], [], []
         self.cached_tokens, self.started = 0, False
@@ -130,7 +160,12 @@ class FakeCore:
             if self.paused or not (self.waiting or self.running):
                 time.sleep(0.001)
                 continue
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # as EngineCore dies: every request gets the error
+                for r in self.waiting + self.running:
+                    r.loop.call_soon_threadsafe(r.out_q.put_nowait, e)
+                self.waiting, self.running = [], []
 
     def utility(self, fn) -> Future:
         fut: Future = Future()
@@ -162,7 +197,10 @@ class FakeCore:
         so = SimpleNamespace(
             scheduled_new_reqs=[
                 SimpleNamespace(
-                    req_id=r.rid, prompt_token_ids=r.prompt, num_computed_tokens=r.cached_tokens
+                    req_id=r.rid,
+                    prompt_token_ids=r.prompt,
+                    num_computed_tokens=r.cached_tokens,
+                    lora_request=r.lora_request,
                 )
                 for r in new
             ],
@@ -225,23 +263,121 @@ class FakeModel(torch.nn.Module):
         return iter(zip(self.names, self.flat, strict=True))
 
 
+class FakeLoRAModelManager:
+    """LoRAModelManager with one GPU slot: registered adapters (CPU) and the slot they
+    are copied into on activation. ``writes`` records every slot write: (version tag,
+    thread name, the worker's forward lock held, a step between execute and sample)."""
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.registered: dict[int, SimpleNamespace] = {}
+        self.active: int | None = None
+        self.slot: dict[str, torch.Tensor] = {}  # allocated at the first activation
+        self.writes: list[tuple] = []
+
+    def list_adapters(self) -> set[int]:
+        return set(self.registered)
+
+    def remove_adapter(self, adapter_id: int) -> bool:
+        if self.active == adapter_id:
+            self.active = None  # deactivate: the slot is free (its tensors stay)
+        return self.registered.pop(adapter_id, None) is not None
+
+    def add_adapter(self, model) -> bool:
+        self.registered[model.id] = model
+        return True
+
+    def activate_adapter(self, adapter_id: int) -> bool:
+        if self.active == adapter_id:
+            return False
+        model = self.registered[adapter_id]
+        if not self.slot:
+            self.slot = {n: torch.zeros_like(t) for n, t in model.tensors.items()}
+        lock = getattr(getattr(self.worker, "_nonstop", None), "lock", None)
+        self.writes.append(
+            (
+                model.tag,
+                threading.current_thread().name,
+                lock is not None and lock.locked(),
+                self.worker.in_step,
+            )
+        )
+        for n, t in model.tensors.items():
+            self.slot[n].copy_(t)  # set_lora: in place
+        self.active = adapter_id
+        return True
+
+
+class FakeLoRAManager:
+    """LRUCacheWorkerLoRAManager: ``_load_adapter`` reads a peft folder on the CPU (and
+    refuses tensors that do not fit the version-0 adapter's); ``set_active_adapters``
+    is what the model runner calls in each step's execute_model."""
+
+    def __init__(self, worker):
+        self._adapter_manager = FakeLoRAModelManager(worker)
+        self.loads: list[str] = []
+
+    def _load_adapter(self, request) -> SimpleNamespace:
+        from safetensors.torch import load_file
+
+        with open(os.path.join(request.lora_path, "adapter_config.json")) as f:
+            config = json.load(f)
+        tensors = load_file(os.path.join(request.lora_path, "adapter_model.safetensors"))
+        slot = self._adapter_manager.slot
+        if slot and {n: t.shape for n, t in tensors.items()} != {
+            n: t.shape for n, t in slot.items()
+        }:
+            raise ValueError(f"adapter at {request.lora_path} does not fit the LoRA slot")
+        self.loads.append(request.lora_path)
+        tag = round(sum(float(t.double().sum()) for t in tensors.values()), 6)
+        return SimpleNamespace(id=request.lora_int_id, tensors=tensors, config=config, tag=tag)
+
+    def set_active_adapters(self, requests: set) -> None:
+        manager = self._adapter_manager
+        for request in requests:
+            if request.lora_int_id not in manager.list_adapters():
+                manager.add_adapter(self._load_adapter(request))
+            manager.activate_adapter(request.lora_int_id)
+
+
 class FakeWorkerBase:
     """vLLM's Worker as the extension sees it: get_model, execute_model (returns None:
-    sampling follows), sample_tokens. Returns (weights checksum, live version)."""
+    sampling follows), sample_tokens. Returns (weights checksum, live version); with
+    LoRA the checksum includes the adapter slot, activated as the model runner does."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, enable_lora: bool = False):
+        self.model, self.in_step = model, False
+        self.lora_of: dict[str, LoRARequest] = {}  # request id -> its adapter
+        if enable_lora:
+            self.model_runner = SimpleNamespace(lora_manager=FakeLoRAManager(self))
 
     def get_model(self):
         return self.model
 
     def execute_model(self, scheduler_output):
+        self.in_step = True
+        runner = getattr(self, "model_runner", None)
+        if runner is not None:
+            for new in scheduler_output.scheduled_new_reqs:
+                if new.lora_request is not None:
+                    self.lora_of[new.req_id] = new.lora_request
+            ids = scheduler_output.num_scheduled_tokens
+            runner.lora_manager.set_active_adapters(
+                {self.lora_of[r] for r in ids if r in self.lora_of}
+            )
         self._seen = sum(float(p.sum()) for p in self.model.flat)
+        if runner is not None:
+            slot = runner.lora_manager._adapter_manager.slot
+            self._adapter = round(sum(float(t.double().sum()) for t in slot.values()), 6)
+            self._seen += self._adapter
         w = getattr(self, "_nonstop", None)
         self._version = w.live_version if w is not None else 0  # read under the lock
         return None
 
     def sample_tokens(self, grammar_output):
+        self.in_step = False
+        if getattr(self, "model_runner", None) is not None:
+            self.adapters_seen.append((self._version, self._adapter))
         return self._seen, self._version
 
 
@@ -256,8 +392,10 @@ class AsyncLLM:
         module, _, name = args.worker_extension_cls.rpartition(".")
         ext = getattr(importlib.import_module(module), name)
         worker_cls = type("Worker", (ext, FakeWorkerBase), {})
-        self.worker = worker_cls(FakeModel(self.model_tensors))
+        self.worker = worker_cls(FakeModel(self.model_tensors), args.enable_lora)
+        self.worker.adapters_seen = []  # per step (LoRA): (live version, the slot's sum)
         self.args = args
+        self.lora_requests: list = []  # the lora_request of every generate call
         self.core = FakeCore(
             self.worker, args.max_num_seqs or 256, bool(args.enable_prefix_caching), self.step_s
         )
@@ -285,6 +423,9 @@ class AsyncLLM:
         reasoning_parser_kwargs=None,
     ):
         assert sampling_params.output_kind == RequestOutputKind.FINAL_ONLY
+        if lora_request is not None and not self.args.enable_lora:
+            raise ValueError("LoRA is not enabled")  # as vLLM's input processor says
+        self.lora_requests.append(lora_request)
         out_q: asyncio.Queue = asyncio.Queue()
         rid = f"{request_id}-{uuid.uuid4().hex[:8]}"
         req = Req(
@@ -294,10 +435,13 @@ class AsyncLLM:
             prompt.get("cache_salt"),
             out_q,
             asyncio.get_running_loop(),
+            lora_request,
         )
         await asyncio.wrap_future(self.core.utility(lambda: self.core.waiting.append(req)))
         try:
             out = await out_q.get()
+            if isinstance(out, Exception):
+                raise RuntimeError(f"fake engine core step failed: {out!r}") from out
             yield out
         except (asyncio.CancelledError, GeneratorExit):
             self.core.utility(lambda: self._drop(rid))
@@ -337,4 +481,5 @@ API = SimpleNamespace(
     AsyncEngineArgs=AsyncEngineArgs,
     SamplingParams=SamplingParams,
     RequestOutputKind=RequestOutputKind,
+    LoRARequest=LoRARequest,
 )

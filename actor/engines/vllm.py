@@ -39,6 +39,13 @@ reuse A's blocks, like a sequence in flight keeps its KV cache; its first token 
 then stamped A (``num_cached_tokens > 0``), so staleness is never understated.
 ``reset_prefix_cache`` is not used: vLLM refuses it while any request holds blocks.
 
+``model.lora`` (``lora=``): vLLM starts with LoRA on (``vllm_lora.engine_kwargs``), the
+trainer's version-0 adapter (same seed) is written to a folder of this engine's own,
+every request carries its ``LoRARequest``, and each version is an adapter: announced
+``kind="lora"``, staged and swapped by the worker under the same lock, deadline and
+version stamps (``AdapterSwap``); the base weights are never copied or written. An
+announcement of the other kind is refused with a message naming ``model.lora``.
+
 vLLM is imported lazily (:func:`load_vllm`); only tensor_parallel_size=1 is built.
 """
 
@@ -46,6 +53,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -55,8 +64,10 @@ from typing import Any
 
 import torch
 
+from actor.engines import vllm_lora
 from actor.engines.base import Completion, Engine, EngineStats
 from actor.vllm_layout import token_versions
+from pipeline import lora as lora_lib
 from pipeline.config import VLLM_MISSING
 from pipeline.messages import WeightAnnouncement, encode
 from pipeline.transfer import BucketSource, ReceiverSource
@@ -72,6 +83,7 @@ def load_vllm() -> SimpleNamespace:
         import vllm
         from vllm import SamplingParams
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.lora.request import LoRARequest
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError as e:
@@ -83,6 +95,7 @@ def load_vllm() -> SimpleNamespace:
         AsyncEngineArgs=AsyncEngineArgs,
         SamplingParams=SamplingParams,
         RequestOutputKind=RequestOutputKind,
+        LoRARequest=LoRARequest,
     )
 
 
@@ -131,10 +144,12 @@ class VLLMEngine(Engine):
         seed: int = 0,
         update_mode: str = "lock",
         transfer_timeout_s: float = 60.0,
-        lora_kwargs: dict | None = None,
-        lora_request: Any = None,
+        lora: Any = None,
+        lora_seed: int = 0,
         api: SimpleNamespace | None = None,
     ):
+        """``lora``: ``model.lora`` (adapters only; rank 0 or None: full weights);
+        ``lora_seed``: the run's seed, so the version-0 adapter is the trainer's."""
         if update_mode not in ("lock", "pause"):
             raise ValueError(f"weights.update_mode={update_mode!r}; use lock or pause")
         self.api = api or load_vllm()
@@ -143,7 +158,13 @@ class VLLMEngine(Engine):
         self.stats = EngineStats()
         self.version: int | None = 0
         self.closed = False
-        self.lora_request = lora_request
+        self.kind, self.lora_request, self.adapter_dir = lora_lib.KIND_FULL, None, None
+        if lora_lib.settings(lora) is not None:
+            self.kind = lora_lib.KIND_LORA
+            self.adapter_dir = tempfile.mkdtemp(prefix="nonstop-vllm-lora-")
+            self.lora_request = vllm_lora.initial_adapter(
+                model_path, lora, lora_seed, self.adapter_dir, self.api.LoRARequest
+            )
         self.stop_ids = sorted(_stop_ids(tokenizer))
         self.sampling = dict(
             temperature=temperature, top_p=top_p, top_k=top_k, seed=None, logprobs=0
@@ -170,11 +191,15 @@ class VLLMEngine(Engine):
             max_model_len=settings.max_model_len,
             logprobs_mode="processed_logprobs",  # the sampled-from distribution
             worker_extension_cls="actor.vllm_worker.NonstopWorkerExtension",
-            **(lora_kwargs or {}),
+            **vllm_lora.engine_kwargs(lora),
         )
         self.llm = self._call(self._start(args), self.rpc_timeout_s * 5)
+        adapter = None
+        if self.lora_request is not None:
+            cls = self.api.LoRARequest
+            adapter = {"dir": self.adapter_dir, "request": f"{cls.__module__}:{cls.__qualname__}"}
         self.info = self.rpc(
-            "nonstop_install", float(settings.lock_timeout_s), float(transfer_timeout_s)
+            "nonstop_install", float(settings.lock_timeout_s), float(transfer_timeout_s), adapter
         )
         log.info("vLLM engine up (%s), update_mode=%s", self.info, update_mode)
 
@@ -313,6 +338,13 @@ class VLLMEngine(Engine):
         """The worker receives into its staging copy while generation goes on: over its
         own channel when ``source`` reads from :meth:`remote_receiver`'s handle, else
         the buckets are read here and sent along (tests, benchmarks, small models)."""
+        if ann.kind != self.kind:
+            lora = "with" if self.kind == lora_lib.KIND_LORA else "without"
+            raise ValueError(
+                f"the trainer publishes {ann.kind!r} weights but this vLLM engine was started "
+                f"{lora} model.lora and takes {self.kind!r} ones; give every pool the same "
+                "model.lora settings"
+            )
         if isinstance(source, ReceiverSource) and isinstance(source.receiver, EngineChannel):
             spec = None
         else:
@@ -386,6 +418,8 @@ class VLLMEngine(Engine):
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+            if self.adapter_dir is not None:
+                shutil.rmtree(self.adapter_dir, ignore_errors=True)
 
 
 class _Counter:
@@ -416,12 +450,6 @@ def from_config(cfg: Any, model_path: str, tokenizer, seed: int) -> VLLMEngine:
     """The engine ``actor.engine=vllm`` asks for, from the composed config."""
     from pipeline.config import pool_dtype
 
-    lora_kwargs, lora_request = {}, None
-    if cfg.model.get("lora") is not None and int(cfg.model.lora.get("rank", 0) or 0) > 0:
-        raise NotImplementedError(
-            "model.lora with actor.engine=vllm: adapter swaps in the vLLM worker are "
-            "issue 15 (actor/engines/vllm_lora.py is not wired into the worker yet)"
-        )
     return VLLMEngine(
         model_path,
         tokenizer,
@@ -433,6 +461,6 @@ def from_config(cfg: Any, model_path: str, tokenizer, seed: int) -> VLLMEngine:
         seed=seed,
         update_mode=cfg.weights.update_mode,
         transfer_timeout_s=cfg.trainer.transfer_timeout_s,
-        lora_kwargs=lora_kwargs,
-        lora_request=lora_request,
+        lora=cfg.model.get("lora"),
+        lora_seed=cfg.run.seed,  # the trainer's adapter init; ``seed`` is this pool's
     )

@@ -25,9 +25,11 @@ sequence can span versions, and the trainer's importance weights correct for it.
 vLLM's own ``LoRARequest(load_inplace=True)`` is not used: it reloads when a request
 is scheduled, which the per-forward lock does not order.
 
-Only :func:`engine_kwargs`, :func:`max_lora_rank`, :func:`initial_adapter`'s folder and
-:func:`adapter_tensors_from_buckets` run without vLLM; the rest needs vLLM 0.24 on a GPU
-(``gpu``-marked tests).
+Wiring: the engine passes ``{"dir", "request"}`` to the worker's ``nonstop_install``,
+which builds the AdapterSwap; ``kind="lora"`` versions are received and checked like full
+ones, then staged and swapped here (actor/vllm_worker.py). On the CPU everything runs
+against fakes of vLLM's LoRA managers and LoRARequest (tests/test_vllm_lora.py); against
+real vLLM 0.24 only the ``gpu``-marked tests, written and not yet run.
 """
 
 from __future__ import annotations
@@ -71,21 +73,21 @@ def engine_kwargs(lora: Any) -> dict:
     }
 
 
-def initial_adapter(model_path: str, lora: Any, seed: int, folder: str):
+def initial_adapter(model_path: str, lora: Any, seed: int, folder: str, request_cls=None):
     """Write the version-0 adapter of the base model at ``model_path`` into ``folder``
-    (built on a CPU copy); return the ``LoRARequest`` every generate call carries
-    (vLLM is imported only here)."""
+    (built on a CPU copy); return the ``LoRARequest`` every generate call carries.
+    ``request_cls``: vLLM's LoRARequest unless given (imported only then)."""
     write_initial_adapter(model_path, lora, seed, folder)
-    from vllm.lora.request import LoRARequest
-
-    return LoRARequest(ADAPTER_NAME, ADAPTER_ID, folder)
+    if request_cls is None:
+        from vllm.lora.request import LoRARequest as request_cls
+    return request_cls(ADAPTER_NAME, ADAPTER_ID, folder)
 
 
 def write_initial_adapter(model_path: str, lora: Any, seed: int, folder: str) -> str:
     """The trainer's version-0 adapter (same seed) as a peft folder vLLM can load."""
-    from pipeline.models import load_model
+    from transformers import AutoModelForCausalLM
 
-    base, _ = load_model(model_path, "float32", "cpu")
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     wrapped = lora_lib.apply_lora(base, lora, seed)
     wrapped.save_pretrained(folder, safe_serialization=True)
     return folder
@@ -108,10 +110,14 @@ class AdapterSwap:
 
     ``worker``: vLLM's GPU Worker (its ``model_runner.lora_manager`` is the
     WorkerLoRAManager); ``adapter_config``: the initial folder's adapter_config.json
-    (rank, alpha, target modules), reused for every version.
+    (rank, alpha, target modules), reused for every version; ``request_cls``: vLLM's
+    LoRARequest unless given.
     """
 
-    def __init__(self, worker: Any, adapter_dir: str):
+    def __init__(self, worker: Any, adapter_dir: str, request_cls=None):
+        if request_cls is None:
+            from vllm.lora.request import LoRARequest as request_cls
+        self.request_cls = request_cls
         self.manager = worker.model_runner.lora_manager
         with open(os.path.join(adapter_dir, lora_lib.ADAPTER_CONFIG)) as f:
             self.adapter_config = json.load(f)
@@ -120,7 +126,6 @@ class AdapterSwap:
     def stage(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Build the vLLM LoRAModel of ``tensors`` (CPU, vLLM's own loader and checks)."""
         from safetensors.torch import save_file
-        from vllm.lora.request import LoRARequest
 
         self._staged = None
         with tempfile.TemporaryDirectory(prefix="nonstop-lora-") as tmp:
@@ -130,7 +135,8 @@ class AdapterSwap:
             )
             with open(os.path.join(tmp, lora_lib.ADAPTER_CONFIG), "w") as f:
                 json.dump(self.adapter_config, f)
-            model = self.manager._load_adapter(LoRARequest(ADAPTER_NAME, ADAPTER_ID, tmp))
+            request = self.request_cls(ADAPTER_NAME, ADAPTER_ID, tmp)
+            model = self.manager._load_adapter(request)
         self._staged = (version, model)
 
     def swap(self, version: int) -> None:
