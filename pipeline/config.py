@@ -29,7 +29,10 @@ class RedisConfig:
     dead_letter_maxlen: int = 10000
     reconnect_s: float = 60.0  # retry commands this long while redis-server restarts
     claim_idle_s: float = 60.0  # claim entries a consumer has held this long (it died)
-    embedded_appendfsync: str = "everysec"
+    # always: the embedded redis-server fsyncs its AOF before it replies, so every
+    # acknowledged XADD/XACK/INCRBY survives a SIGKILL; everysec: faster, a hard
+    # kill can lose up to the last second of writes (pipeline/redis_server.py)
+    embedded_appendfsync: str = "always"
     # sharded work streams (pipeline/shards.py): rollouts and batches over this many
     # Redis instances; the embedded launcher starts them all, an external redis.url
     # needs shards - 1 more URLs in shard_urls (or NONSTOP_REDIS_SHARD_URLS, comma-joined)
@@ -286,6 +289,7 @@ def register() -> None:
 
 _CHOICES = {
     "actor.engine": ("hf", "vllm"),
+    "redis.embedded_appendfsync": ("always", "everysec"),
     "weights.transport": ("gloo", "nccl", "cuda_ipc"),
     "weights.nccl_backend": ("nccl", "gloo"),
     "weights.update_mode": ("lock", "pause"),

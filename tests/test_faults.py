@@ -1,18 +1,23 @@
 """The faults benchmark as a test: SIGKILL each pool, SIGSTOP one, restart
-redis-server; every fault must take effect (the process is gone, a new pid
+redis-server and SIGKILL it; every fault must take effect (the process is gone, a new pid
 reports; the server comes back with a new run_id), and every produced group
 must be accounted for: produced = trained + stale + no_signal + dead_lettered
 + in_flight + lost, with nothing lost or trained twice."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
 
 import pytest
+import redis
 from omegaconf import OmegaConf
 
 from pipeline.accounting import account
+from pipeline.bench.faults import DEFAULT_SCHEDULE, plan
+from pipeline.config import Config, validate
+from pipeline.redis_server import EmbeddedRedis
 from pipeline.telemetry import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,13 +35,12 @@ def check_fault_took_effect(fault: dict) -> None:
         assert effect["new_run_id"] != fault["run_id"], fault  # a new server process
 
 
-@pytest.mark.slow
-def test_pipeline_survives_the_fault_schedule(tmp_path):
+def run_faults_bench(tmp_path, *extra: str):
     out, run_dir = tmp_path / "faults.json", tmp_path / "run"
     env = dict(os.environ, NONSTOP_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
     proc = subprocess.run(
         [sys.executable, "-m", "pipeline.bench", "faults", "--out", str(out)]
-        + ["--run-dir", str(run_dir), "--tail-steps", "5"],
+        + ["--run-dir", str(run_dir), "--tail-steps", "5", *extra],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -48,8 +52,11 @@ def test_pipeline_survives_the_fault_schedule(tmp_path):
     for fault in result["faults"]:
         check_fault_took_effect(fault)
     assert result["all_recovered"], result["faults"]
+    return proc, result, run_dir
 
-    # the conservation, recomputed here from the run's own files
+
+def check_conservation(result: dict, run_dir) -> dict:
+    """The conservation, recomputed here from the run's own files."""
     summary = json.loads((run_dir / "summary.json").read_text())
     records = read_jsonl(str(run_dir / "metrics.jsonl"))
     group_size = OmegaConf.load(run_dir / "config.yaml").task.group_size
@@ -61,5 +68,62 @@ def test_pipeline_survives_the_fault_schedule(tmp_path):
     assert terms["samples_lost"] == 0 and terms["samples_conflicting"] == 0
     assert terms["groups_duplicated"] == 0
     assert terms["groups_trained"] > 0
+    return terms
+
+
+def test_faults_flag_picks_named_faults_from_the_schedule():
+    schedule = "5:kill:actor-0,60:restart:redis,80:kill:redis"
+    assert plan(schedule, None) == [(5.0, "kill", "actor-0"), (60.0, "restart", "redis")] + [
+        (80.0, "kill", "redis")
+    ]
+    assert plan(schedule, "redis_sigkill,actor-0_sigkill") == [
+        (5.0, "kill", "redis"),
+        (25.0, "kill", "actor-0"),
+    ]
+    with pytest.raises(SystemExit, match="redis_sigstop"):
+        plan(schedule, "redis_sigstop")
+    assert "80:kill:redis" in DEFAULT_SCHEDULE  # the hard kill is in the default schedule
+
+
+@pytest.mark.slow
+def test_redis_sigkill_mid_run_loses_and_duplicates_nothing(tmp_path):
+    """SIGKILL redis-server three times mid-run (appendfsync always, the default):
+    the launcher restarts it from its AOF each time, and every group is accounted for."""
+    proc, result, run_dir = run_faults_bench(
+        tmp_path, "--faults", "redis_sigkill,redis_sigkill,redis_sigkill"
+    )
+    assert [f["name"] for f in result["faults"]] == ["redis_sigkill"] * 3
+    assert OmegaConf.load(run_dir / "config.yaml").redis.embedded_appendfsync == "always"
+    check_conservation(result, run_dir)
+    assert result["restarts"].get("redis", 0) >= 3, result["restarts"]
+    assert result["passed"] and proc.returncode == 0, proc.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_pipeline_survives_the_fault_schedule(tmp_path):
+    proc, result, run_dir = run_faults_bench(tmp_path)
+    check_conservation(result, run_dir)
+    assert {f["name"] for f in result["faults"]} >= {"redis_restart", "redis_sigkill"}
     assert result["restarts"].get("trainer", 0) >= 1 and result["restarts"].get("redis", 0) >= 1
     assert proc.returncode == 0, proc.stdout[-3000:]
+
+
+def test_embedded_redis_fsyncs_every_write_by_default(tmp_path, caplog):
+    assert Config().redis.embedded_appendfsync == "always"
+    server = EmbeddedRedis(str(tmp_path / "redis"))
+    server.start()
+    try:
+        client = redis.Redis.from_url(server.url)
+        assert client.config_get("appendfsync") == {"appendfsync": "always"}
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+    finally:
+        server.stop()
+    with caplog.at_level(logging.WARNING):
+        EmbeddedRedis(str(tmp_path / "r2"), "everysec")
+    assert "up to the last second" in caplog.text
+    with pytest.raises(ValueError, match="redis.embedded_appendfsync='no'"):
+        EmbeddedRedis(str(tmp_path / "r3"), "no")
+    cfg = OmegaConf.structured(Config)
+    cfg.redis.embedded_appendfsync = "no"
+    with pytest.raises(ValueError, match="redis.embedded_appendfsync"):
+        validate(cfg)

@@ -4,10 +4,15 @@ group.
 
 Faults (seconds after the first trainer step): SIGKILL the actor, the
 preprocessor and the trainer, SIGSTOP the preprocessor (the launcher's
-watchdog must notice and restart it), and restart the embedded redis-server.
-Each fault is checked to have taken effect: the hit process is gone (or
-stopped, then gone) and a new pid reports in its status hash; the redis-server
-comes back with a new pid and a new ``run_id``.
+watchdog must notice and restart it), restart the embedded redis-server
+(SIGTERM: it writes its AOF out) and SIGKILL it (``redis_sigkill``: no chance
+to flush; with ``redis.embedded_appendfsync=always`` every acknowledged write
+is already on disk, and the launcher restarts it from its AOF). Each fault is
+named in the JSON (``actor-0_sigkill``, ``redis_restart``, ``redis_sigkill``,
+...) and checked to have taken effect: the hit process is gone (or stopped,
+then gone) and a new pid reports in its status hash; the redis-server comes
+back with a new pid and a new ``run_id``. ``--faults redis_sigkill,...`` runs
+only the named faults of the schedule, 20 s apart.
 
 After an operator's Ctrl-C, ``metrics.jsonl`` and ``summary.json`` (in-flight
 entries and dead letters, read by the launcher from Redis) give every produced
@@ -42,8 +47,10 @@ from pipeline.streams import Names, connect, wait_until
 from pipeline.telemetry import read_jsonl, read_statuses
 
 DEFAULT_SCHEDULE = (
-    "5:kill:actor-0,15:kill:preprocessor-0,25:kill:trainer,40:stop:preprocessor-0,60:restart:redis"
+    "5:kill:actor-0,15:kill:preprocessor-0,25:kill:trainer,40:stop:preprocessor-0,"
+    "60:restart:redis,80:kill:redis"
 )
+SIGNALS = {"kill": "sigkill", "stop": "sigstop", "restart": "restart"}
 RECOVERY_TIMEOUT_S = 180.0
 
 
@@ -134,7 +141,9 @@ def inject(fault: dict, run_dir: str, client, names: Names) -> None:
     if fault["target"] == "redis":
         before = redis_identity(run_dir, client)
         fault["pid"], fault["run_id"] = before["pid"], before["run_id"]
-        os.kill(before["pid"], signal.SIGTERM)  # the launcher brings it back from its AOF
+        # restart: SIGTERM (it writes out its AOF); kill: SIGKILL mid-run, nothing flushed
+        # beyond what appendfsync already put on disk. The launcher restarts it from its AOF.
+        os.kill(before["pid"], signal.SIGKILL if fault["kind"] == "kill" else signal.SIGTERM)
         return
     pid = int(read_statuses(client, names)[fault["target"]]["pid"])
     fault["pid"] = pid
@@ -184,7 +193,7 @@ def apply_fault(fault: dict, run_dir: str, client, names: Names, metrics: str) -
     if fault["kind"] == "stop":  # seen stopped right away, before the watchdog kills it
         seen = wait_until(lambda: pid_state(fault["pid"]) == "stopped", timeout_s=2.0)
         fault.setdefault("effect", {})["was_stopped"] = seen
-    print(f"t={fault['at']:.0f} {fault['kind']} {fault['target']} (pid {fault['pid']})")
+    print(f"t={fault['at']:.0f} {fault['name']} (pid {fault['pid']})")
     fault["effective"] = fault["recovery_s"] = None
     deadline = time.time() + RECOVERY_TIMEOUT_S
     while time.time() < deadline:
@@ -242,6 +251,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="comma-separated SECONDS:kill|stop|restart:POOL|redis",
     )
     p.add_argument(
+        "--faults",
+        default=None,
+        help="comma-separated fault names to run from the schedule (e.g. redis_sigkill), "
+        "20 s apart; default: the whole schedule",
+    )
+    p.add_argument(
         "--tail-steps",
         type=int,
         default=10,
@@ -258,26 +273,48 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--run-dir", default=None)
     p.add_argument("--timeout-s", type=float, default=900)
     args = p.parse_args(argv)
+    args.plan = plan(args.schedule, args.faults)
     for item in args.set:
         if "=" not in item:
             raise SystemExit(f"--set {item!r}: expected KEY=VALUE, e.g. trainer.world_size=2")
     return args
 
 
+def plan(schedule: str, only: str | None) -> list[tuple[float, str, str]]:
+    """The schedule as (seconds, kind, target); ``only``: just the named faults, 20 s apart."""
+    items = []
+    for item in schedule.split(","):
+        parts = item.split(":")
+        if len(parts) != 3 or parts[1] not in SIGNALS:
+            raise SystemExit(f"--schedule item {item!r}: expected SECONDS:kill|stop|restart:POOL")
+        items.append((float(parts[0]), parts[1], parts[2]))
+    if only is None:
+        return items
+    wanted = [n for n in only.split(",") if n]
+    known = {f"{t}_{SIGNALS[k]}": (k, t) for _, k, t in items}
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        raise SystemExit(
+            f"--faults {','.join(unknown)}: not in the schedule; known: {sorted(known)}"
+        )
+    return [(5.0 + 20.0 * i, *known[n]) for i, n in enumerate(wanted)]
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     run_dir = os.path.abspath(args.run_dir or tempfile.mkdtemp(prefix="nonstop-faults-"))
+    load_start = os.getloadavg()
     proc = launch(run_dir, args)
     client = wait_for_redis(run_dir, proc)
     names, metrics = run_names(run_dir), os.path.join(run_dir, "metrics.jsonl")
     if not wait_steps(metrics, 1, 300, proc):
         raise TimeoutError(f"no trainer step within 300 s: {launcher_out(run_dir)}")
     t0, faults = time.time(), []
-    for item in args.schedule.split(","):
-        at, kind, target = item.split(":")
-        while time.time() < t0 + float(at):
+    for at, kind, target in args.plan:
+        while time.time() < t0 + at:
             time.sleep(0.1)
-        faults.append({"at": time.time(), "kind": kind, "target": target})
+        name = f"{target}_{SIGNALS[kind]}"
+        faults.append({"name": name, "at": time.time(), "kind": kind, "target": target})
         apply_fault(faults[-1], run_dir, client, names, metrics)
     tail_ok = wait_steps(metrics, args.tail_steps, 300, proc)
     proc.send_signal(signal.SIGINT)  # an operator's Ctrl-C ends the run; its summary follows
@@ -290,6 +327,9 @@ def main(argv: list[str]) -> int:
         date=time.strftime("%Y-%m-%d"),
         run_dir=run_dir,
         overrides=args.set,
+        appendfsync=OmegaConf.load(os.path.join(run_dir, "config.yaml")).redis.embedded_appendfsync,
+        load_avg_start=[round(x, 2) for x in load_start],
+        load_avg_end=[round(x, 2) for x in os.getloadavg()],
         faults_injected=len(faults),
         faults=faults,
         launcher_exit=proc.returncode,
