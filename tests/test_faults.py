@@ -4,20 +4,25 @@ reports; the server comes back with a new run_id), and every produced group
 must be accounted for: produced = trained + stale + no_signal + dead_lettered
 + in_flight + lost, with nothing lost or trained twice."""
 
+import contextlib
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 import redis
 from omegaconf import OmegaConf
 
-from pipeline.accounting import account
+from pipeline.accounting import account, in_flight
 from pipeline.bench.faults import DEFAULT_SCHEDULE, plan
 from pipeline.config import Config, validate
+from pipeline.messages import SCHEMA_VERSION, RolloutGroup, encode
 from pipeline.redis_server import EmbeddedRedis
+from pipeline.streams import Names, connect, publish
 from pipeline.telemetry import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,3 +132,75 @@ def test_embedded_redis_fsyncs_every_write_by_default(tmp_path, caplog):
     cfg.redis.embedded_appendfsync = "no"
     with pytest.raises(ValueError, match="redis.embedded_appendfsync"):
         validate(cfg)
+
+
+class ReplyDropper:
+    """A TCP proxy to a real redis-server that, when armed, lets one command through
+    and closes the client's connection instead of passing the reply back: what a
+    client sees when redis-server dies between applying a command and replying."""
+
+    def __init__(self, port: int):
+        self.target, self.armed = port, threading.Event()
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target), timeout=5)
+            threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
+
+    def _pipe(self, src, dst, replies: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if replies and self.armed.is_set():
+                    self.armed.clear()
+                    break  # the command was applied; its reply never arrives
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):  # shutdown wakes the other direction's blocked recv
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+
+def test_a_resent_xadd_duplicates_the_entry_and_the_account_counts_it_once(tmp_path):
+    """connect()'s retry re-sends an XADD whose reply was lost: the rollouts stream
+    then holds the group twice (the trainer's dedupe window trains it once:
+    tests/test_trainer.py), and the account counts the group once, not duplicated."""
+    server = EmbeddedRedis(str(tmp_path / "redis"))
+    server.start()
+    proxy = ReplyDropper(server.port)
+    try:
+        client = connect(f"redis://:{server.password}@127.0.0.1:{proxy.port}/0", reconnect_s=4)
+        client.ping()
+        names = Names("t", "run")
+        group = RolloutGroup(
+            schema=SCHEMA_VERSION,
+            group_id="g-1",
+            actor="actor-0",
+            problem_id="p",
+            prompt_ids=b"",
+            samples=[],
+            temperature=1.0,
+        )
+        proxy.armed.set()
+        publish(client, names.rollouts, encode(group), group="g-1")
+        assert not proxy.armed.is_set()  # the reply was dropped once, and the retry answered
+        direct = redis.Redis.from_url(server.url)
+        entries = direct.xrange(names.rollouts)
+        assert [f[b"group"] for _, f in entries] == [b"g-1", b"g-1"]
+        flight = in_flight(direct, names)
+        assert flight["rollouts_groups"] == ["g-1"]
+        terms = account([{"event": "group", "group": "g-1"}], flight, [], group_size=2)
+        assert terms["groups_produced"] == terms["groups_in_flight_at_end"] == 1
+        assert terms["groups_duplicated"] == 0 and terms["groups_lost"] == 0
+    finally:
+        proxy.sock.close()
+        server.stop()
