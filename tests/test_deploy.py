@@ -239,7 +239,7 @@ def test_redis_start_script_runs_debian_redis_with_the_shipped_config(tmp_path):
         client = _wait_for_redis(url, proc)
         conf = client.config_get("*")
         assert conf["maxmemory-policy"] == "noeviction"
-        assert conf["appendonly"] == "yes" and conf["appendfsync"] == "everysec"
+        assert conf["appendonly"] == "yes" and conf["appendfsync"] == "always"
         assert conf["bind"] == "127.0.0.1 -::1" and conf["protected-mode"] == "yes"
         assert conf["dir"] == str(tmp_path / "redis-data")
         with pytest.raises(redis.AuthenticationError):
