@@ -25,7 +25,7 @@ from pipeline.config import register, shard_urls, validate
 from pipeline.evaluator import wait_for_final_eval
 from pipeline.progress import Progress
 from pipeline.redis_server import EmbeddedRedis, check_no_eviction
-from pipeline.streams import Names, connect, mark_run
+from pipeline.streams import Names, RedisUnavailable, connect, mark_run
 from pipeline.summary import write_summary
 from pipeline.supervisor import Supervisor
 from pipeline.telemetry import read_statuses
@@ -126,6 +126,7 @@ def run(cfg) -> int:
     os.makedirs(run_dir, exist_ok=True)
     cfg.run_dir = run_dir
     print(f"run directory: {run_dir}")
+    client = connect(cfg.redis.url, reconnect_s=2.0) if cfg.redis.url else None  # fail early
     print(f"model: {cfg.model.name} (materializing once for every pool)")
     cfg.model.path = materialize_model(cfg.model.name)
     config_path = os.path.join(run_dir, "config.yaml")
@@ -149,7 +150,7 @@ def run(cfg) -> int:
     env["NONSTOP_REDIS_URL"] = url
     env.setdefault("NONSTOP_RUN_SECRET", secrets.token_hex(16))
     shard_servers, shards = start_shards(cfg, run_dir, env)
-    client = connect(url, reconnect_s=2.0)
+    client = client or connect(url, reconnect_s=2.0)
     names = Names(cfg.redis.prefix, cfg.run.name)
     for shard in [client, *shards]:
         check_no_eviction(shard)
@@ -180,7 +181,7 @@ def run(cfg) -> int:
 def main(cfg) -> None:
     try:
         code = run(cfg)
-    except ValueError as e:
+    except (ValueError, RedisUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         code = 2
     sys.exit(code)

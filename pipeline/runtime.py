@@ -27,11 +27,12 @@ import torch
 from pipeline.config import load_config, redis_url, shard_urls
 from pipeline.redis_server import check_no_eviction
 from pipeline.shards import Shards
-from pipeline.streams import DataLost, Names, check_run, connect, mark_run
+from pipeline.streams import DataLost, Names, RedisUnavailable, check_run, connect, mark_run
 from pipeline.telemetry import MetricsFile, PoolStatus
 
 log = logging.getLogger(__name__)
 EXIT_DATA_LOST = 3
+EXIT_SETUP = 2  # Redis unreachable or a command the pool needs refused: fix and restart
 
 
 @dataclass
@@ -133,12 +134,17 @@ def pin_cpus(role: str, cpus: Any) -> None:
 
 
 def run_main(main) -> None:
-    """Entry point of a pool: a lost run (empty Redis) exits with EXIT_DATA_LOST."""
+    """Entry point of a pool: a lost run (empty Redis) exits with EXIT_DATA_LOST; Redis
+    unusable at start-up (unreachable, credentials or a command refused) with EXIT_SETUP,
+    in one line each."""
     try:
         main()
     except DataLost as e:
         log.error("%s", e)
         raise SystemExit(EXIT_DATA_LOST) from None
+    except RedisUnavailable as e:
+        log.error("%s", e)
+        raise SystemExit(EXIT_SETUP) from None
 
 
 def trainer_version(pool: Pool) -> int:

@@ -111,34 +111,72 @@ class Names:
         return self.key(f"status:{pool}")
 
 
+class RedisUnavailable(ConnectionError):
+    """Redis cannot be used at start-up (unreachable, or refuses the credentials);
+    the message is one line for the operator. Pools and the launcher exit 2 on it."""
+
+
 def connect(
-    url: str, attempts: int = 20, delay_s: float = 0.25, reconnect_s: float = 60.0
+    url: str,
+    attempts: int = 20,
+    delay_s: float = 0.25,
+    reconnect_s: float = 60.0,
+    startup_s: float = 8.0,
 ) -> redis.Redis:
-    """Connect with bounded, logged retries; every call has a socket deadline.
+    """Connect with bounded retries (``attempts`` tries within ``startup_s`` seconds,
+    then :class:`RedisUnavailable` naming the URL, password hidden, and what to
+    check); every call has a socket deadline.
 
     Once connected, a command that meets a dropped connection (redis-server
     restarting) is retried with exponential backoff for about ``reconnect_s``
     seconds before the error reaches the caller.
     """
-    last: Exception | None = None
+    _probe(url, attempts, delay_s, startup_s)
     retry = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=max(1, int(reconnect_s / 2)))
+    client = redis.Redis.from_url(
+        url,
+        socket_timeout=30,
+        socket_connect_timeout=5,
+        health_check_interval=30,
+        retry=retry,
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+    )
+    client.ping()
+    return client
+
+
+def _probe(url: str, attempts: int, delay_s: float, startup_s: float) -> None:
+    """PING ``url`` without the run-time retries until it answers or the start-up
+    budget is spent: a refused or unanswered connection is tried again, refused
+    credentials are not (they will not change)."""
+    deadline, last = time.monotonic() + startup_s, None
     for i in range(attempts):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        probe = redis.Redis.from_url(
+            url, socket_timeout=min(5.0, left), socket_connect_timeout=min(5.0, left)
+        )
         try:
-            client = redis.Redis.from_url(
-                url,
-                socket_timeout=30,
-                socket_connect_timeout=5,
-                health_check_interval=30,
-                retry=retry,
-                retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-            )
-            client.ping()
-            return client
+            probe.ping()
+            return
+        except redis.AuthenticationError as e:
+            raise RedisUnavailable(
+                f"redis at {_redact(url)} refused the credentials ({e}): check the user and "
+                "password in the URL (redis://USER:PASSWORD@host:port/db) against the "
+                "server's ACL (deploy/redis/users.acl)"
+            ) from None
         except (redis.ConnectionError, redis.TimeoutError) as e:
             last = e
-            log.warning("redis not reachable (%s), retry %d/%d", e, i + 1, attempts)
-            time.sleep(min(delay_s * 2**i, 2.0))
-    raise ConnectionError(f"cannot reach redis at {_redact(url)} after {attempts} tries: {last}")
+            log.debug("redis at %s not reachable (%s), try %d/%d", _redact(url), e, i + 1, attempts)
+        finally:
+            probe.close()
+        time.sleep(max(0.0, min(delay_s * 2**i, 2.0, deadline - time.monotonic())))
+    raise RedisUnavailable(
+        f"cannot reach redis at {_redact(url)} within {startup_s:.0f} s ({last}): check that "
+        "redis-server is running there, the host and port in redis.url (or NONSTOP_REDIS_URL), "
+        f"any firewall between, and try `redis-cli -u {_redact(url)} ping`"
+    )
 
 
 def _redact(url: str) -> str:

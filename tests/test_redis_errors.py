@@ -1,0 +1,119 @@
+"""Clear errors where a user meets Redis trouble (issue 14 item 5), each against a
+real redis-server or a real closed port: an unreachable ``redis.url`` is one line
+within the start-up budget naming the URL (password hidden) and what to check,
+exit code 2 from a pool and from the launcher, no traceback; refused credentials
+are said at once; the run-time reconnect (``redis.reconnect_s``) is unchanged."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from pipeline.redis_server import EmbeddedRedis, free_port
+from pipeline.streams import RedisUnavailable, connect
+from tests.launching import ROOT
+
+SECRET = "hunter2-not-shown"
+
+
+def closed_url() -> str:
+    """A URL with a password on a loopback port nothing listens on."""
+    return f"redis://:{SECRET}@127.0.0.1:{free_port()}/0"
+
+
+def test_unreachable_url_is_one_line_within_the_start_up_budget():
+    url = closed_url()
+    start = time.monotonic()
+    with pytest.raises(RedisUnavailable) as info:
+        connect(url, startup_s=4.0)
+    took = time.monotonic() - start
+    msg = str(info.value)
+    assert 3.0 <= took <= 6.0, f"gave up after {took:.1f} s with a 4 s budget"
+    assert "\n" not in msg and SECRET not in msg
+    assert url.replace(f":{SECRET}@", "***@") in msg  # the URL, password hidden
+    for hint in ("redis-server is running", "host and port", "firewall", "redis-cli -u"):
+        assert hint in msg, f"{hint!r} missing from: {msg}"
+
+
+def test_the_default_budget_is_about_ten_seconds():
+    start = time.monotonic()
+    with pytest.raises(RedisUnavailable):
+        connect(closed_url())
+    assert 6.0 <= time.monotonic() - start <= 11.0
+
+
+def test_refused_credentials_are_said_at_once(redis_server):
+    url = redis_server.url.replace(redis_server.password, SECRET)
+    start = time.monotonic()
+    with pytest.raises(RedisUnavailable) as info:
+        connect(url)
+    assert time.monotonic() - start < 2.0, "credentials retried as if unreachable"
+    msg = str(info.value)
+    assert "refused the credentials" in msg and "users.acl" in msg and SECRET not in msg
+
+
+def test_a_connected_client_still_rides_out_a_redis_restart(tmp_path):
+    """After start-up, a command meeting a restarting server retries (reconnect_s)."""
+    server = EmbeddedRedis(str(tmp_path / "redis"))
+    server.start()
+    try:
+        client = connect(server.url, reconnect_s=20.0)
+        client.set("k", "v")
+        server.stop()
+        threading.Timer(1.5, server.start).start()  # same port, password and AOF
+        start = time.monotonic()
+        assert client.get("k") == b"v"  # waited for the restart instead of raising
+        assert time.monotonic() - start >= 1.0
+    finally:
+        time.sleep(0.1)
+        server.stop()
+
+
+def _one_error_line(out: str, url: str) -> None:
+    assert "Traceback" not in out, out
+    lines = [ln for ln in out.splitlines() if "cannot reach redis" in ln]
+    assert len(lines) == 1, out
+    assert url.replace(f":{SECRET}@", "***@") in lines[0] and SECRET not in out
+
+
+@pytest.mark.slow
+def test_a_pool_exits_2_in_one_line_when_redis_is_unreachable(tmp_path):
+    from tests.test_backpressure import actor_config
+
+    url = closed_url()
+    env = dict(os.environ, NONSTOP_REDIS_URL=url, HF_HUB_OFFLINE="1")
+    env["NONSTOP_CACHE"] = str(tmp_path / "cache")
+    cmd = [sys.executable, "-m", "preprocessor", "--config", actor_config(tmp_path, url)]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr
+    _one_error_line(proc.stdout + proc.stderr, url)
+    assert took < 30, f"{took:.1f} s"  # imports (torch) plus the ~8 s budget
+
+
+@pytest.mark.slow
+def test_the_launcher_exits_2_in_one_line_when_redis_url_is_unreachable(tmp_path):
+    url = closed_url()
+    cmd = [sys.executable, "-m", "pipeline.launch", "redis=external", f"redis.url={url}"]
+    env = dict(os.environ, NONSTOP_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
+    env.pop("NONSTOP_REDIS_URL", None)
+    start = time.monotonic()
+    proc = subprocess.run(
+        cmd + [f"run_dir={tmp_path / 'run'}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    took = time.monotonic() - start
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    _one_error_line(proc.stdout + proc.stderr, url)
+    assert "error: cannot reach redis" in proc.stderr
+    assert took < 30, f"{took:.1f} s"  # before materializing the model
