@@ -86,8 +86,15 @@ def in_flight(client: redis.Redis, names: Names, shards=()) -> dict[str, list[st
     return {"rollouts_groups": sorted(groups), "batches_samples": sorted(samples), "bad": bad}
 
 
+def _role_of(source: str) -> str:
+    """The pool that dead-letters entries of ``source``: rollouts are read by the
+    preprocessors, batches by the trainer."""
+    return {"rollouts": "preprocessor", "batches": "trainer"}.get(source.rsplit(":", 1)[-1], "")
+
+
 def dead_letters(client: redis.Redis, names: Names) -> list[dict[str, Any]]:
-    """Every dead-letter entry: its source stream, reason, and the groups (rollouts)
+    """Every dead-letter entry: its source stream, the consumer that wrote it and
+    its ``role`` (preprocessor or trainer), reason, and the groups (rollouts)
     or samples (batches) its payload names; ``groups`` falls back to the entry's
     plain ``group`` field when the payload does not decode."""
     out = []
@@ -95,6 +102,7 @@ def dead_letters(client: redis.Redis, names: Names) -> list[dict[str, Any]]:
         text = {k.decode(): v.decode(errors="replace") for k, v in f.items() if k != b"data"}
         item = {"id": entry_id.decode(), "source": text.get("source", ""), "reason": ""}
         item["reason"] = text.get("reason", "")
+        item["consumer"], item["role"] = text.get("consumer", ""), _role_of(item["source"])
         item["groups"], item["samples"] = [], []
         data = f.get(b"data", b"")
         try:

@@ -32,7 +32,7 @@ class Summary:
     groups_produced: int
     groups_trained: int
     groups_dropped_no_signal: int
-    dead_lettered: int
+    dead_lettered: int  # entries, every pool's (preprocessors and trainer)
     prm_scored_groups: int  # groups in which the step-reward scorer scored a step
     wall_seconds: float
     # the weight publisher's fields of the trainer's status (pipeline/weight_publisher.py)
@@ -51,6 +51,7 @@ class Summary:
     pools: dict[str, dict[str, str]] = field(default_factory=dict)
     mode: str = "async"  # pipeline.mode: async (pipelined) or sync (phases alternate)
     last_eval: dict = field(default_factory=dict)  # the evaluator's last ``eval`` record
+    dead_lettered_by_role: dict[str, int] = field(default_factory=dict)
 
     def render(self) -> str:
         rows = [
@@ -85,7 +86,13 @@ class Summary:
                 f"{_fmt(self.reward_mean_first_window)} -> {_fmt(self.reward_mean_last_window)}",
             ),
             ("held-out eval, last version", _eval_text(self.last_eval)),
-            ("dead-lettered entries", self.dead_lettered),
+            (
+                "dead-lettered entries",
+                f"{self.dead_lettered}"
+                + (" (" if self.dead_lettered_by_role else "")
+                + ", ".join(f"{k} {v}" for k, v in sorted(self.dead_lettered_by_role.items()))
+                + (")" if self.dead_lettered_by_role else ""),
+            ),
             (
                 "reward errors",
                 f"{self.reward_errors}"
@@ -156,6 +163,17 @@ def reward_errors(statuses: dict[str, dict[str, str]]) -> tuple[int, dict[str, i
     return total, dict(reasons)
 
 
+def dead_lettered_by_role(statuses: dict[str, dict[str, str]], dead: list[dict]) -> dict[str, int]:
+    """Dead-lettered entries per role (preprocessor, trainer): the larger of the pools'
+    own counters (HINCRBY in their status hashes: they survive the dead-letter stream's
+    cap, redis.dead_letter_maxlen) and the entries still in that stream."""
+    counted, listed = Counter(), Counter(d["role"] or "other" for d in dead)
+    for st in statuses.values():
+        if st.get("role") in ("preprocessor", "trainer"):
+            counted[st["role"]] += int(st.get("dead_lettered", 0))
+    return {r: max(counted[r], listed[r]) for r in sorted(set(counted) | set(listed))}
+
+
 def build_summary(
     run_dir: str, client: redis.Redis, names: Names, outcome: str, wall_s: float, shards=()
 ) -> Summary:
@@ -190,7 +208,8 @@ def build_summary(
         groups_produced=terms["groups_produced"],
         groups_trained=terms["groups_trained"],
         groups_dropped_no_signal=terms["groups_no_signal"],
-        dead_lettered=len(dead),
+        dead_lettered=sum(dead_lettered_by_role(statuses, dead).values()),
+        dead_lettered_by_role=dead_lettered_by_role(statuses, dead),
         prm_scored_groups=sum(int(v.get("prm_scored_groups", 0)) for v in preps.values()),
         wall_seconds=round(wall_s, 2),
         weight_versions_unreceived=int(trainer.get("weight_versions_unreceived", 0)),

@@ -2,7 +2,8 @@
 real redis-server or a real closed port: an unreachable ``redis.url`` is one line
 within the start-up budget naming the URL (password hidden) and what to check,
 exit code 2 from a pool and from the launcher, no traceback; refused credentials
-are said at once; the run-time reconnect (``redis.reconnect_s``) is unchanged."""
+are said at once; the run-time reconnect (``redis.reconnect_s``) is unchanged;
+summary.json counts the trainer's dead letters beside the preprocessors'."""
 
 from __future__ import annotations
 
@@ -12,11 +13,17 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
+from omegaconf import OmegaConf
 
+from pipeline.config import Config
+from pipeline.messages import RolloutGroup, encode
 from pipeline.redis_server import EmbeddedRedis, free_port
-from pipeline.streams import RedisUnavailable, connect
+from pipeline.streams import Consumer, RedisUnavailable, connect, publish
+from pipeline.summary import build_summary
 from tests.launching import ROOT
+from tests.test_trainer import batch, make_trainer, run_step, sample, tiny  # noqa: F401
 
 SECRET = "hunter2-not-shown"
 
@@ -117,3 +124,35 @@ def test_the_launcher_exits_2_in_one_line_when_redis_url_is_unreachable(tmp_path
     _one_error_line(proc.stdout + proc.stderr, url)
     assert "error: cannot reach redis" in proc.stderr
     assert took < 30, f"{took:.1f} s"  # before materializing the model
+
+
+# ---- summary.json counts every pool's dead letters (the trainer's too)
+
+
+def test_summary_counts_the_trainers_dead_letters_beside_the_preprocessors(
+    make_trainer,  # noqa: F811 (the fixture of tests/test_trainer.py)
+    rclient,
+    tmp_path,
+):
+    trainer = make_trainer(samples_per_step=2)
+    names, rng = trainer.pool.names, np.random.default_rng(5)
+    cfg = OmegaConf.structured(Config)
+    cfg.task.group_size = 2
+    OmegaConf.save(cfg, tmp_path / "config.yaml")
+    # the preprocessor dead-letters a rollouts entry that does not decode
+    publish(rclient, names.rollouts, b"not a rollout group", group="g-prep")
+    prep = Consumer(rclient, names, names.rollouts, "preprocessor", "preprocessor-0", RolloutGroup)
+    assert prep.read(10, wait=False) == [] and prep.dead_lettered == 1
+    # the trainer dead-letters a batch whose arrays disagree, and trains the good one
+    bad = batch("bad", [sample(0, 5, 0, 1.0, rng, lp=[-1.0, -1.0]), sample(1, 5, 0, 0, rng)], rng)
+    good = batch("good", [sample(0, 5, 0, 1.0, rng), sample(1, 5, 0, -1.0, rng)], rng)
+    publish(rclient, names.batches, encode(bad))
+    publish(rclient, names.batches, encode(good))
+    assert run_step(trainer)["dead_lettered"] == 2  # samples
+
+    s = build_summary(str(tmp_path), rclient, names, "finished", 1.0)
+    assert s.dead_lettered == 2
+    assert s.dead_lettered_by_role == {"preprocessor": 1, "trainer": 1}
+    assert int(s.pools["trainer"]["dead_lettered"]) == 1  # its own counter, like a preprocessor's
+    assert {d["role"] for d in s.dead_letter_entries} == {"preprocessor", "trainer"}
+    assert "preprocessor 1, trainer 1" in s.render()

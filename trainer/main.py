@@ -99,6 +99,7 @@ class Trainer:
             recover_pending=False,  # resume re-reads from the checkpoint's position instead
             dead_maxlen=cfg.redis.dead_letter_maxlen,
         )
+        self.dead_seen = 0  # the consumer's dead letters already in the status hash
         if cfg.trainer.resume:
             # re-read from the checkpoint's position (the stream's start without one): the
             # steps after it are undone, and entries a killed trainer held come again
@@ -223,6 +224,10 @@ class Trainer:
         with self.pool.client.pipeline(transaction=True) as tx:
             tx.incrby(self.pool.names.samples_retired, data.retired)
             tx.hincrby(self.pool.names.status(self.pool.name), RETIRED_FIELD, data.retired)
+            if self.consumer.dead_lettered > self.dead_seen:  # entries, like a preprocessor's
+                dead = self.consumer.dead_lettered - self.dead_seen
+                tx.hincrby(self.pool.names.status(self.pool.name), "dead_lettered", dead)
+                self.dead_seen = self.consumer.dead_lettered
             tx.execute()
         metrics.update(
             stale=data.stale,
