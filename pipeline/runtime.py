@@ -27,7 +27,15 @@ import torch
 from pipeline.config import load_config, redis_url, shard_urls
 from pipeline.redis_server import check_no_eviction
 from pipeline.shards import Shards
-from pipeline.streams import DataLost, Names, RedisUnavailable, check_run, connect, mark_run
+from pipeline.streams import (
+    DataLost,
+    Names,
+    RedisUnavailable,
+    check_permissions,
+    check_run,
+    connect,
+    mark_run,
+)
 from pipeline.telemetry import MetricsFile, PoolStatus
 
 log = logging.getLogger(__name__)
@@ -105,6 +113,7 @@ def start_pool(role: str, argv: list[str] | None = None) -> Pool:
     client = connect(redis_url(cfg, role), reconnect_s=cfg.redis.reconnect_s)
     extra = [connect(u, reconnect_s=cfg.redis.reconnect_s) for u in shard_urls(cfg, role)]
     names = Names(cfg.redis.prefix, cfg.run.name)
+    check_permissions(client, names, role, redis_url(cfg, role))  # NOPERM: exit 2 now
     for shard in [client, *extra]:
         check_no_eviction(shard)
         mark_run(shard, names)

@@ -179,6 +179,34 @@ def _probe(url: str, attempts: int, delay_s: float, startup_s: float) -> None:
     )
 
 
+# what each role writes, probed at start-up against its own keys: (command, Names property)
+ROLE_PROBES = {
+    "actor": (("XADD", "rollouts"),),
+    "preprocessor": (("XADD", "batches"), ("XACK", "rollouts"), ("XADD", "dead")),
+    "trainer": (("XADD", "weights"), ("XACK", "batches"), ("XADD", "dead")),
+}
+
+
+def check_permissions(client: redis.Redis, names: Names, role: str, url: str) -> None:
+    """Run each command ``role`` needs once, harmlessly (XADD with ID 0-0 and XACK of
+    0-0 in no group change nothing; Redis checks the ACL before the arguments), so a
+    user without it stops the pool at start-up with :class:`RedisUnavailable` naming
+    the command, the key and deploy/redis/users.acl instead of logging NOPERM later."""
+    for command, stream in ROLE_PROBES.get(role, ()):
+        key = getattr(names, stream)
+        args = (key, "0-0", "probe", "1") if command == "XADD" else (key, "probe", "0-0")
+        try:
+            client.execute_command(command, *args)
+        except redis.exceptions.NoPermissionError as e:
+            raise RedisUnavailable(
+                f"the redis user of {_redact(url)} may not run {command} on {key} ({e}); the "
+                f"{role} needs it: grant +{command.lower()} and that key in the {role} user "
+                "of deploy/redis/users.acl (then ACL LOAD) or use a URL with such a user"
+            ) from None
+        except redis.ResponseError:
+            pass  # allowed: the probe's own harmless error (ID 0-0)
+
+
 def _redact(url: str) -> str:
     if "@" in url:
         scheme, rest = url.split("://", 1)

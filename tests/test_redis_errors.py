@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from pipeline.config import Config
 from pipeline.messages import RolloutGroup, encode
 from pipeline.redis_server import EmbeddedRedis, free_port
-from pipeline.streams import Consumer, RedisUnavailable, connect, publish
+from pipeline.streams import Consumer, Names, RedisUnavailable, connect, publish
 from pipeline.summary import build_summary
 from tests.launching import ROOT
 from tests.test_trainer import batch, make_trainer, run_step, sample, tiny  # noqa: F401
@@ -156,3 +156,77 @@ def test_summary_counts_the_trainers_dead_letters_beside_the_preprocessors(
     assert int(s.pools["trainer"]["dead_lettered"]) == 1  # its own counter, like a preprocessor's
     assert {d["role"] for d in s.dead_letter_entries} == {"preprocessor", "trainer"}
     assert "preprocessor 1, trainer 1" in s.render()
+
+
+# ---- a Redis user without a command its pool needs stops the pool at start-up
+
+
+def acl_server(tmp_path, drop: str = "") -> dict[str, str]:
+    """A redis-server loading deploy/redis/users.acl (``drop`` removed from the actor's
+    line, e.g. " +xadd"); URLs per role. The caller stops ``urls['proc']``."""
+    lines = (ROOT / "deploy" / "redis" / "users.acl").read_text().splitlines()
+    lines = [ln.replace(drop, "") if drop and ln.startswith("user actor ") else ln for ln in lines]
+    acl = "\n".join(lines) + "\n"
+    for role in ("actor", "preprocessor", "trainer", "operator"):
+        acl = acl.replace(f"CHANGE-ME-{role}", f"pw-{role}")
+    (tmp_path / "users.acl").write_text(acl)
+    port = free_port()
+    cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    cmd += ["--appendonly", "no", "--dir", str(tmp_path), "--aclfile", str(tmp_path / "users.acl")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    urls = {r: f"redis://{r}:pw-{r}@127.0.0.1:{port}/0" for r in ROLES}
+    connect(urls["operator"], startup_s=10.0).close()
+    return {"proc": proc, **urls}
+
+
+ROLES = ("actor", "preprocessor", "trainer", "operator")
+
+
+def test_the_shipped_acl_passes_every_roles_probe_and_the_probe_writes_nothing(tmp_path):
+    from pipeline.streams import check_permissions
+
+    urls = acl_server(tmp_path)
+    try:
+        names = Names("nonstop", "probe")
+        for role in ("actor", "preprocessor", "trainer"):
+            check_permissions(connect(urls[role]), names, role, urls[role])
+        operator = connect(urls["operator"])
+        assert not any(operator.exists(getattr(names, s)) for s in Names.STREAMS)
+    finally:
+        urls["proc"].terminate()
+        urls["proc"].wait()
+
+
+def test_a_user_without_xadd_is_named_with_the_command_key_and_acl_file(tmp_path):
+    from pipeline.streams import check_permissions
+
+    urls = acl_server(tmp_path, drop=" +xadd")
+    try:
+        names = Names("nonstop", "probe")
+        with pytest.raises(RedisUnavailable) as info:
+            check_permissions(connect(urls["actor"]), names, "actor", urls["actor"])
+        msg = str(info.value)
+        assert "XADD" in msg and names.rollouts in msg and "deploy/redis/users.acl" in msg
+        assert "pw-actor" not in msg and "\n" not in msg
+    finally:
+        urls["proc"].terminate()
+        urls["proc"].wait()
+
+
+@pytest.mark.slow
+def test_an_actor_without_xadd_exits_2_at_start_up(tmp_path):
+    from tests.test_backpressure import actor_config
+
+    urls = acl_server(tmp_path, drop=" +xadd")
+    try:
+        env = dict(os.environ, NONSTOP_REDIS_URL_ACTOR=urls["actor"], HF_HUB_OFFLINE="1")
+        env.update(NONSTOP_CACHE=str(tmp_path / "cache"), NONSTOP_RUN_SECRET="s" * 32)
+        env["NONSTOP_REDIS_URL"] = urls["operator"]
+        cmd = [sys.executable, "-m", "actor", "--config", actor_config(tmp_path, urls["actor"])]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 2, out
+        assert "Traceback" not in out and "may not run XADD on nonstop:tiny:rollouts" in out
+    finally:
+        urls["proc"].terminate()
+        urls["proc"].wait()
