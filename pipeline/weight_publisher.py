@@ -41,6 +41,7 @@ import torch
 
 from pipeline.messages import SCHEMA_VERSION, BucketSpec, WeightAnnouncement, encode
 from pipeline.streams import Names, publish
+from pipeline.torch_logs import accept_failed
 from pipeline.transfer import Sender, make_sender
 from pipeline.weights import bucket_layout, checksum, flatten, join_mac, named_tensors
 
@@ -185,9 +186,13 @@ class WeightPublisher:
                     self.sender.accept(actor, nonce, time.monotonic() + self.timeout_s)
                     joined.append(actor)
                     log.info("actor %s joined the weight transfer", actor)
-                except Exception as e:
-                    log.error("actor %s could not join the weight transfer: %s", actor, e)
-                    self._error(f"actor {actor} could not join: {e}")
+                except Exception as e:  # one line naming the address, not torch's C++ trace
+                    where = self.sender.rendezvous()
+                    why = accept_failed(
+                        actor, where.get("host"), where.get("port"), self.timeout_s, e
+                    )
+                    log.error("%s", why)
+                    self._error(why)
         return joined
 
     def _announce(self, snapshot: Snapshot, targets: list[str]) -> None:

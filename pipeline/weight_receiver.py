@@ -32,6 +32,7 @@ import redis
 
 from pipeline.messages import WeightAnnouncement, decode
 from pipeline.streams import Names
+from pipeline.torch_logs import is_join_failure, join_failed, one_line
 from pipeline.transfer import BucketSource, Receiver, ReceiverSource, make_receiver
 from pipeline.weights import join_mac
 
@@ -106,7 +107,13 @@ class WeightReceiver:
         join = {"actor": self.actor, "nonce": secrets.token_hex(8), "epoch": info.get("epoch", "")}
         join["mac"] = join_mac(self.secret, join)
         self.client.xadd(self.names.joins, join)
-        self.transport.connect(info, join["nonce"], time.monotonic() + self.timeout_s)
+        try:
+            self.transport.connect(info, join["nonce"], time.monotonic() + self.timeout_s)
+        except Exception as e:  # one line naming the address, not torch's C++ trace
+            if not is_join_failure(e):
+                raise
+            host, port = info.get("host", "?"), info.get("port", "?")
+            raise ConnectionError(join_failed(host, port, self.timeout_s, e)) from None
         self.joined, self.epoch = True, join["epoch"]
         log.info("joined the weight transfer as %s (trainer epoch %s)", self.actor, self.epoch)
         return after
@@ -133,8 +140,8 @@ class WeightReceiver:
                 if self._stop.is_set():
                     return
                 self.failed += 1
-                log.error("weight update failed, keeping the current weights: %s", e)
-                self.on_error(str(e))
+                log.error("weight update failed, keeping the current weights: %s", one_line(e))
+                self.on_error(one_line(e))
                 self.joined = False
                 self.transport.close()
                 time.sleep(0.5)

@@ -1,4 +1,8 @@
-from pipeline.runtime import run_main
-from preprocessor.main import main
+from pipeline.torch_logs import quiet_cpp_logs
+
+quiet_cpp_logs()  # before torch loads: no C++ backtraces on stderr
+
+from pipeline.runtime import run_main  # noqa: E402
+from preprocessor.main import main  # noqa: E402
 
 run_main(main)
