@@ -33,7 +33,7 @@ from pipeline.messages import (
 )
 from trainer import checkpoint
 from trainer.backends import make_backend
-from trainer.ranks import Plan, init_ranks, my_share
+from trainer.ranks import Plan, barrier, close, init_ranks, my_share
 from trainer.step import train_step
 
 VOCAB_LOW, VOCAB_HIGH = 10, 90  # printable characters of the tiny tokenizer
@@ -151,6 +151,11 @@ def main() -> None:
         os.replace(args.out + ".tmp", args.out)
     if args.hang:
         threading.Event().wait()
+    # leave the group together, as trainer/main.py does: a rank that exits with the
+    # process group alive can abort in teardown ("terminate called without an
+    # active exception", seen once in CI under ZeRO-3)
+    barrier(ranks)
+    close(ranks)
 
 
 if __name__ == "__main__":
