@@ -10,6 +10,11 @@
 
 Weight updates land between two forward passes (see actor/engines/), so a
 group may be generated across several versions; each token says which.
+
+Two loops: batches (``engine.prompts_per_batch`` groups generated together, then
+scored and published; the hf engine, and every engine in ``pipeline.mode=sync``), or,
+for a streaming engine (vllm) in ``pipeline.mode=async``, actor/stream.py: groups
+submitted and published one by one, the engine never waiting for a batch to end.
 """
 
 from __future__ import annotations
@@ -117,33 +122,45 @@ def generate_step(
     if pool.stop.is_set():
         return 0  # a half-finished batch is not published
     for i, (problem, prompt) in enumerate(zip(problems, prompts, strict=True)):
-        group_outs = outs[i * g : (i + 1) * g]
-        texts = tokenizer.batch_decode([c.tokens for c in group_outs], skip_special_tokens=True)
-        scores = score_group(pool, texts, problem.answer, errors)
-        rewards.add(*scores)
-        group = to_group(pool, problem, prompt, group_outs, scores)
-        versions = np.concatenate([s.token_versions() for s in group.samples])
-        publish(
-            pool.shards.next(),  # redis.shards: the next shard in turn (pipeline/shards.py)
-            pool.names.rollouts,
-            encode(group),
-            schema=SCHEMA_VERSION,
-            group=group.group_id,
-            actor=pool.name,
-            problem=problem.id,
-            versions=f"{versions.min()}-{versions.max()}",
-            reward=f"{np.mean(scores):.3f}",
-            tokens=int(versions.size),
-        )
-        pool.client.incrby(pool.names.samples_produced, len(group.samples))
-        pool.status.incr("groups_produced")  # kept in Redis: survives a restart
-        pool.record(
-            event="group",
-            group=group.group_id,
-            reward=float(np.mean(scores)),
-            versions=[int(versions.min()), int(versions.max())],
-        )
+        publish_group(pool, tokenizer, problem, prompt, outs[i * g : (i + 1) * g], rewards, errors)
     return len(problems)
+
+
+def publish_group(
+    pool: Pool,
+    tokenizer,
+    problem,
+    prompt: list[int],
+    outs: list[Completion],
+    rewards: Window,
+    errors: RewardErrors,
+) -> None:
+    """Score one group's completions and XADD it to the rollouts stream."""
+    texts = tokenizer.batch_decode([c.tokens for c in outs], skip_special_tokens=True)
+    scores = score_group(pool, texts, problem.answer, errors)
+    rewards.add(*scores)
+    group = to_group(pool, problem, prompt, outs, scores)
+    versions = np.concatenate([s.token_versions() for s in group.samples])
+    publish(
+        pool.shards.next(),  # redis.shards: the next shard in turn (pipeline/shards.py)
+        pool.names.rollouts,
+        encode(group),
+        schema=SCHEMA_VERSION,
+        group=group.group_id,
+        actor=pool.name,
+        problem=problem.id,
+        versions=f"{versions.min()}-{versions.max()}",
+        reward=f"{np.mean(scores):.3f}",
+        tokens=int(versions.size),
+    )
+    pool.client.incrby(pool.names.samples_produced, len(group.samples))
+    pool.status.incr("groups_produced")  # kept in Redis: survives a restart
+    pool.record(
+        event="group",
+        group=group.group_id,
+        reward=float(np.mean(scores)),
+        versions=[int(versions.min()), int(versions.max())],
+    )
 
 
 def record_swaps(pool: Pool, engine: Engine, logged: int) -> int:
@@ -212,6 +229,10 @@ def main(argv: list[str] | None = None) -> None:
     rewards, produced, swaps, errors = Window(200), 0, 0, RewardErrors()
     turns = Turns(pool, engine, wait_for_room)  # pipeline.mode: async or sync phases
     try:
+        if cfg.pipeline.mode == "async" and engine.streaming:
+            from actor.stream import stream_groups
+
+            produced = stream_groups(pool, engine, task, tokenizer, rewards, errors, receiver)
         while not pool.stop.is_set():
             prompts_n = turns.wait()
             if pool.stop.is_set():

@@ -29,6 +29,7 @@ slot, so tokens change with the adapter.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import json
 import os
@@ -36,7 +37,7 @@ import queue
 import threading
 import time
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from enum import Enum
 from types import SimpleNamespace
@@ -143,6 +144,7 @@ class FakeCore:
         self.inbox: queue.Queue = queue.Queue()
         self.paused = False
         self.stopped = False
+        self.empty_spins = 0  # loop turns with no request to run, after the first step
         self.thread = threading.Thread(target=self.run, name="fake-engine-core", daemon=True)
         self.thread.start()
 
@@ -152,12 +154,16 @@ class FakeCore:
                 while True:
                     fn, fut = self.inbox.get_nowait()
                     try:
-                        fut.set_result(fn())
+                        result, error = fn(), None
                     except Exception as e:
-                        fut.set_exception(e)
+                        result, error = None, e
+                    with contextlib.suppress(InvalidStateError):  # the caller was cancelled
+                        fut.set_exception(error) if error else fut.set_result(result)
             except queue.Empty:
                 pass
             if self.paused or not (self.waiting or self.running):
+                if self.active_log and not self.paused:
+                    self.empty_spins += 1  # nothing to run after the first step
                 time.sleep(0.001)
                 continue
             try:
@@ -437,8 +443,8 @@ class AsyncLLM:
             asyncio.get_running_loop(),
             lora_request,
         )
-        await asyncio.wrap_future(self.core.utility(lambda: self.core.waiting.append(req)))
-        try:
+        try:  # as AsyncLLM.generate: a cancel, even while adding, aborts the request
+            await asyncio.wrap_future(self.core.utility(lambda: self.core.waiting.append(req)))
             out = await out_q.get()
             if isinstance(out, Exception):
                 raise RuntimeError(f"fake engine core step failed: {out!r}") from out

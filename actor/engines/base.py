@@ -10,10 +10,13 @@ or, in in-place mode, ``update_in_place`` holds that lock for the whole
 receive. Either way every pause of generation is recorded in ``stats`` as a
 swap with its lock-hold time.
 
-Implementations: ``hf`` (actor/engines/hf.py, CPU and GPU). ``vllm`` is issue
-12: its worker extension (actor/vllm_worker.py) already stages from a bucket
-source in the engine-core process and swaps under a lock around each forward
-pass; the Engine wrapper around it is still to be written.
+Implementations: ``hf`` (actor/engines/hf.py, CPU and GPU; one batch at a time) and
+``vllm`` (actor/engines/vllm.py: vLLM 0.24's AsyncLLM; its worker extension,
+actor/vllm_worker.py, stages in the engine-core process and swaps under a lock
+around each forward pass). An engine with ``streaming = True`` also takes units of
+prompts one at a time (``submit`` / ``take`` / ``open_units`` / ``empty_s`` /
+``abort_open``), and in ``pipeline.mode=async`` the actor keeps it fed without
+batch boundaries (actor/stream.py).
 """
 
 from __future__ import annotations
@@ -101,6 +104,7 @@ class Engine(ABC):
     name: str
     stats: EngineStats
     version: int | None  # the live weight version (None: partial, nothing generates)
+    streaming = False  # True: submit/take units without batch boundaries (actor/stream.py)
 
     @abstractmethod
     def generate(

@@ -1,33 +1,28 @@
-"""The ``vllm`` inference engine: vLLM 0.24.0's ``AsyncLLM`` behind the sync Engine API.
+"""The ``vllm`` inference engine: vLLM 0.24.0's ``AsyncLLM`` behind the Engine API.
 
 ::
 
     actor thread (sync)              engine loop thread (asyncio)      engine-core process
-    generate(prompts)  ------------> up to actor.vllm.in_flight  ----> scheduler + GPU Worker
-      waits, calls should_stop()     AsyncLLM.generate() at once;      with NonstopWorkerExtension
-                                     each one that finishes is         (actor/vllm_worker.py):
-                                     replaced by the next prompt       per-forward lock, staging,
+    submit(group) / take() --------> each request waits for one of     scheduler + GPU Workers
+      (pipeline.mode=async,          actor.vllm.in_flight slots, then  with NonstopWorkerExtension
+       actor/stream.py)              AsyncLLM.generate(); a finished   (actor/vllm_worker.py):
+    generate(batch) (sync mode)      request frees its slot at once    per-forward lock, staging,
     stage / swap (receiver thread) -> collective_rpc("nonstop_*")  --> per-step versions
 
-Reads: prompts (token ids) from the actor, new weights through the worker's own
-transfer channel (:meth:`VLLMEngine.remote_receiver` is the actor-side handle the
-WeightReceiver joins with). Writes: completions with token ids, sampled-token
-log-probs (``logprobs_mode=processed_logprobs``: temperature and top-k/top-p
-applied, the distribution actually sampled from) and per-token versions. Blocks:
-generate() until its prompts are done; swap() until the worker confirms.
+Streaming: the actor keeps enough groups open that ``in_flight`` requests are in the
+engine all the time - while it scores and publishes a finished group, the next
+group's requests already hold the freed slots - so the engine never idles between
+groups (``generate`` is the batch form: sync mode, evaluation). Reads prompts (token
+ids); writes completions with token ids, sampled-token log-probs
+(``logprobs_mode=processed_logprobs``: temperature and top-k/top-p applied, the
+distribution actually sampled from) and per-token versions.
 
-Version stamps come from the worker, not from the client: at every engine step the
+Version stamps come from the workers, not from the client: at every engine step the
 extension records, under the per-forward lock, the live version for each request
-that step samples for (``StepVersions``); after a batch the engine fetches them for
-its request ids in one ``nonstop_poll`` and spreads them over the tokens
-(``vllm_layout.token_versions``). They are exact per token.
-
-``weights.update_mode``: ``lock`` stages in the engine-core process while it
-generates and swaps under the per-forward lock (a background thread of the worker
-waits for it, at most ``actor.vllm.lock_timeout_s``; a timeout fails the update
-and the old version keeps generating); ``pause`` is vLLM's own way, the baseline:
-``pause_generation(mode="keep", clear_cache=False)``, the same swap on the engine
-thread, ``resume_generation()``.
+that step samples for (``StepVersions``); when a unit is collected the engine fetches
+them for its request ids in one ``nonstop_poll`` and spreads them over the tokens
+(``vllm_layout.token_versions``). They are exact per token. New weights:
+actor/engines/vllm_weights.py (``weights.update_mode=lock|pause``).
 
 Prefix caching across a swap: every request carries ``cache_salt`` = the live
 version and this engine's swap count, so a request submitted under version B never
@@ -41,18 +36,17 @@ then stamped A (``num_cached_tokens > 0``), so staleness is never understated.
 
 ``model.lora`` (``lora=``): vLLM starts with LoRA on (``vllm_lora.engine_kwargs``), the
 trainer's version-0 adapter (same seed) is written to a folder of this engine's own,
-every request carries its ``LoRARequest``, and each version is an adapter: announced
-``kind="lora"``, staged and swapped by the worker under the same lock, deadline and
-version stamps (``AdapterSwap``); the base weights are never copied or written. An
-announcement of the other kind is refused with a message naming ``model.lora``.
+every request carries its ``LoRARequest``, and each version is an adapter, staged and
+swapped by the worker under the same lock, deadline and version stamps.
 
-vLLM is imported lazily (:func:`load_vllm`); only tensor_parallel_size=1 is built.
+vLLM is imported lazily (:func:`load_vllm`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import shutil
 import tempfile
 import threading
@@ -62,19 +56,15 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from types import SimpleNamespace
 from typing import Any
 
-import torch
-
 from actor.engines import vllm_lora
 from actor.engines.base import Completion, Engine, EngineStats
+from actor.engines.vllm_weights import VLLMWeights, merge
 from actor.vllm_layout import token_versions
 from pipeline import lora as lora_lib
 from pipeline.config import VLLM_MISSING
-from pipeline.messages import WeightAnnouncement, encode
-from pipeline.transfer import BucketSource, ReceiverSource
 
 log = logging.getLogger(__name__)
 VLLM_VERSION = "0.24.0"
-POLL_S = 0.01  # between polls of the worker while an update runs
 
 
 def load_vllm() -> SimpleNamespace:
@@ -99,36 +89,7 @@ def load_vllm() -> SimpleNamespace:
     )
 
 
-class EngineChannel:
-    """The actor-side handle of the worker's transfer channel: the WeightReceiver joins
-    through Redis as usual and calls connect(), which opens ``weights.transport`` in
-    the engine-core process; buckets then land there, never in this process."""
-
-    device = torch.device("cpu")
-
-    def __init__(self, engine: VLLMEngine, transport: str):
-        self.engine, self.name = engine, transport
-
-    def connect(self, rendezvous: dict[str, str], nonce: str, deadline: float) -> None:
-        self.engine.rpc(
-            "nonstop_connect", self.name, rendezvous, nonce, timeout=deadline - time.monotonic()
-        )
-
-    def begin(self, version: int, buckets: int, deadline: float) -> None:
-        self.receive([], deadline)
-
-    def receive(self, buckets: list[torch.Tensor], deadline: float) -> None:
-        raise RuntimeError("the vLLM engine receives in its own process; use engine.stage()")
-
-    def finish(self, error: str | None) -> None:
-        pass  # the worker's own channel acknowledges the version
-
-    def close(self) -> None:
-        if not self.engine.closed:
-            self.engine.rpc("nonstop_disconnect")
-
-
-class VLLMEngine(Engine):
+class VLLMEngine(VLLMWeights, Engine):
     name = "vllm"
 
     def __init__(
@@ -173,6 +134,10 @@ class VLLMEngine(Engine):
         self._transition = False  # a swap is asked for and not confirmed: unique salts
         self._ids = _Counter(f"{uuid.uuid4().hex[:8]}")
         self.in_flight_now = self.in_flight_peak = 0
+        self._slots = asyncio.Semaphore(int(settings.in_flight))  # requests in the engine
+        self._open: dict[Any, _Unit] = {}  # streamed units not yet taken
+        self._finished: queue.Queue[_Unit] = queue.Queue()
+        self._empty_since, self._empty_s = time.monotonic(), 0.0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="vllm-engine-loop", daemon=True
@@ -217,14 +182,13 @@ class VLLMEngine(Engine):
             raise TimeoutError(f"the vLLM engine did not answer within {timeout:.1f} s") from None
 
     def rpc(self, method: str, *args, timeout: float | None = None):
-        """``collective_rpc`` into the worker extension with a deadline; the first
-        worker's answer (tensor_parallel_size is 1)."""
+        """``collective_rpc`` into the worker extension with a deadline; the workers'
+        answers merged into one (vllm_weights.merge: with tensor parallelism a state is
+        reported only when every rank is in it)."""
         limit = self.rpc_timeout_s if timeout is None else timeout
-        return self._call(self.llm.collective_rpc(method, timeout=limit, args=args), limit + 5)[0]
-
-    def remote_receiver(self, transport: str) -> EngineChannel:
-        """The Receiver handle the actor's WeightReceiver joins with (``receiver=``)."""
-        return EngineChannel(self, transport)
+        return merge(
+            self._call(self.llm.collective_rpc(method, timeout=limit, args=args), limit + 5)
+        )
 
     # -- generation ------------------------------------------------------------------
     def _salt(self) -> tuple[str, int]:
@@ -234,10 +198,8 @@ class VLLMEngine(Engine):
             return f"nonstop-x-{uuid.uuid4().hex}", version
         return f"nonstop-v{version}.{self._swaps_done}", version
 
-    def generate(
-        self, prompts: list[list[int]], max_new_tokens: int, should_stop=lambda: False
-    ) -> list[Completion]:
-        params = self.api.SamplingParams(
+    def _params(self, max_new_tokens: int):
+        return self.api.SamplingParams(
             n=1,
             max_tokens=max_new_tokens,
             stop_token_ids=self.stop_ids,
@@ -246,56 +208,120 @@ class VLLMEngine(Engine):
             output_kind=self.api.RequestOutputKind.FINAL_ONLY,
             **self.sampling,
         )
-        ids = [self._ids.next() for _ in prompts]
-        stop = threading.Event()
-        future = asyncio.run_coroutine_threadsafe(
-            self._batch(prompts, params, ids, stop), self._loop
-        )
-        while True:
-            try:
-                finals = future.result(timeout=0.1)
-                break
-            except FutureTimeout:
-                if should_stop():
-                    stop.set()
-        runs = self.rpc("nonstop_poll", ids, False)["versions"] if ids else {}
-        return [self._completion(f, runs.get(rid, [])) for rid, f in zip(ids, finals, strict=True)]
 
-    async def _batch(self, prompts, params, ids, stop: threading.Event):
-        """Every prompt through AsyncLLM.generate, at most ``in_flight`` at once."""
-        slots = asyncio.Semaphore(int(self.settings.in_flight))
-        finals: list = [None] * len(prompts)
+    def _start_unit(self, key, prompts: list[list[int]], max_new_tokens: int, stream: bool):
+        """Submit ``prompts`` as one unit (a group, or a whole batch); each request waits
+        for one of the ``in_flight`` slots, so a finished request is replaced at once."""
+        unit = _Unit(key, [self._ids.next() for _ in prompts], stream)
+        params = self._params(max_new_tokens)
+        unit.futures = [
+            asyncio.run_coroutine_threadsafe(self._one(unit, i, p, params), self._loop)
+            for i, p in enumerate(prompts)
+        ]
+        return unit
 
-        async def one(i: int) -> None:
-            async with slots:
-                if stop.is_set():
-                    return
+    async def _one(self, unit: _Unit, i: int, prompt: list[int], params) -> None:
+        try:
+            async with self._slots:
                 salt, salt_version = self._salt()
-                prompt = {"prompt_token_ids": list(prompts[i])}
+                request = {"prompt_token_ids": list(prompt)}
                 if self.settings.enable_prefix_caching:
-                    prompt["cache_salt"] = salt
+                    request["cache_salt"] = salt
+                if self.in_flight_now == 0:  # the engine had nothing since _empty_since
+                    self._empty_s += time.monotonic() - self._empty_since
                 self.in_flight_now += 1
                 self.in_flight_peak = max(self.in_flight_peak, self.in_flight_now)
                 try:
                     extra = {"lora_request": self.lora_request} if self.lora_request else {}
-                    async for out in self.llm.generate(prompt, params, ids[i], **extra):
-                        finals[i] = (out, salt_version)
-                        if stop.is_set():
-                            break
+                    async for out in self.llm.generate(request, params, unit.ids[i], **extra):
+                        unit.finals[i] = (out, salt_version)
                 finally:
                     self.in_flight_now -= 1
+                    if self.in_flight_now == 0:
+                        self._empty_since = time.monotonic()
+        except asyncio.CancelledError:
+            unit.cancelled = True
+            raise
+        except Exception as e:  # raised to the actor when the unit is collected
+            unit.error = unit.error or e
+        finally:
+            unit.left -= 1
+            if unit.left == 0:
+                unit.done.set()
+                if unit.stream and not unit.cancelled:
+                    self._finished.put(unit)
 
-        tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
-        while not all(t.done() for t in tasks):
-            await asyncio.wait(tasks, timeout=0.1)
-            if stop.is_set():
-                for t in tasks:
-                    t.cancel()  # generate() aborts the request in the engine
-                await asyncio.gather(*tasks, return_exceptions=True)
-        for t in tasks:
-            if not t.cancelled() and t.exception() is not None:
-                raise t.exception()
-        return finals
+    def _collect(self, units: list[_Unit]) -> list[list[Completion]]:
+        """The units' completions, with per-token versions from one poll of the workers."""
+        for u in units:
+            if u.error is not None:
+                raise RuntimeError(f"vLLM request failed: {u.error}") from u.error
+        ids = [rid for u in units for rid in u.ids]
+        runs = self.rpc("nonstop_poll", ids, False)["versions"] if ids else {}
+        return [
+            [self._completion(f, runs.get(rid, [])) for rid, f in zip(u.ids, u.finals, strict=True)]
+            for u in units
+        ]
+
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, should_stop=lambda: False
+    ) -> list[Completion]:
+        """One batch, all of it (sync mode, eval): returns when every prompt is done."""
+        unit = self._start_unit(None, prompts, max_new_tokens, stream=False)
+        while not unit.done.wait(0.1):
+            if should_stop():
+                self._abort([unit])
+                break
+        return self._collect([unit])[0]
+
+    # -- streaming (pipeline.mode=async: actor/stream.py) ---------------------------
+    streaming = True
+
+    def submit(self, key, prompts: list[list[int]], max_new_tokens: int) -> None:
+        """Start one unit (a group's G prompts); :meth:`take` hands it back when all of
+        its requests are done. Requests of later units wait for slots, so the engine
+        always has ``in_flight`` requests while units are open."""
+        self._open[key] = self._start_unit(key, prompts, max_new_tokens, stream=True)
+
+    def take(self, timeout: float) -> list[tuple[Any, list[Completion]]]:
+        """Finished units (key, completions), waiting at most ``timeout`` s for the first."""
+        try:
+            units = [self._finished.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                units.append(self._finished.get_nowait())
+            except queue.Empty:
+                break
+        for u in units:
+            self._open.pop(u.key, None)
+        return list(zip([u.key for u in units], self._collect(units), strict=True))
+
+    @property
+    def open_units(self) -> int:
+        """Units submitted and not finished (running, or waiting for slots)."""
+        return sum(not u.done.is_set() for u in list(self._open.values()))
+
+    def empty_s(self) -> float:
+        """Seconds, since the engine started, with no request of this actor in it."""
+        now = time.monotonic()
+        return self._empty_s + (0.0 if self.in_flight_now else now - self._empty_since)
+
+    def abort_open(self) -> int:
+        """Abort every open unit (stopping): its requests leave the engine; returns how
+        many units were dropped (never published: a half group is not a group)."""
+        units = list(self._open.values())
+        self._open.clear()
+        self._abort(units)
+        return len(units)
+
+    def _abort(self, units: list[_Unit]) -> None:
+        for u in units:
+            for f in u.futures:
+                f.cancel()  # the task is cancelled; AsyncLLM.generate aborts the request
+        for u in units:
+            u.done.wait(self.rpc_timeout_s)
 
     def _completion(self, final, runs: list[list[int]]) -> Completion:
         if final is None:  # stopped before it was submitted
@@ -317,98 +343,6 @@ class VLLMEngine(Engine):
         self.stats.tokens += len(tokens)
         return Completion(tokens, logprobs, versions, c.finish_reason == "stop")
 
-    # -- weights ---------------------------------------------------------------------
-    def _wait_worker(self, done, what: str, failed_before: int, deadline: float) -> dict:
-        """Poll the worker until ``done(status)``; raise on a new failure or the deadline.
-        The returned status holds every swap record taken on the way."""
-        swaps: list[dict] = []
-        while True:
-            status = self.rpc("nonstop_poll", [])
-            swaps += status["swaps"]
-            status["swaps"] = swaps
-            if status["failed"] > failed_before:
-                raise RuntimeError(f"{what} failed in the vLLM worker: {status['last_error']}")
-            if done(status):
-                return status
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{what}: the vLLM worker did not finish in time")
-            time.sleep(POLL_S)
-
-    def stage(self, ann: WeightAnnouncement, source: BucketSource, deadline: float) -> None:
-        """The worker receives into its staging copy while generation goes on: over its
-        own channel when ``source`` reads from :meth:`remote_receiver`'s handle, else
-        the buckets are read here and sent along (tests, benchmarks, small models)."""
-        if ann.kind != self.kind:
-            lora = "with" if self.kind == lora_lib.KIND_LORA else "without"
-            raise ValueError(
-                f"the trainer publishes {ann.kind!r} weights but this vLLM engine was started "
-                f"{lora} model.lora and takes {self.kind!r} ones; give every pool the same "
-                "model.lora settings"
-            )
-        if isinstance(source, ReceiverSource) and isinstance(source.receiver, EngineChannel):
-            spec = None
-        else:
-            buckets = []
-            for i, b in enumerate(ann.buckets):
-                buf = torch.empty(b.numel, dtype=getattr(torch, ann.dtype))
-                source.fetch(i, buf, deadline)
-                buckets.append(buf)
-            spec = {"factory": "pipeline.transfer:TensorSource", "buckets": buckets}
-        failed = self.rpc("nonstop_poll", [], False)["failed"]
-        self.rpc("nonstop_update", encode(ann), spec, False)
-        self._wait_worker(
-            lambda s: s["busy"] == 0 and s["staged_version"] == ann.version,
-            f"staging version {ann.version}",
-            failed,
-            deadline,
-        )
-
-    def swap(self, version: int) -> None:
-        """Install the staged ``version``: under the per-forward lock (lock) or with the
-        engine paused (pause). On failure the old version keeps generating."""
-        failed = self.rpc("nonstop_poll", [], False)["failed"]
-        self._transition = True
-        try:
-            if self.update_mode == "pause":
-                self._swap_paused(version)
-            else:
-                self.rpc("nonstop_swap", version)
-                deadline = time.monotonic() + float(self.settings.lock_timeout_s) + 30
-                status = self._wait_worker(
-                    lambda s: s["busy"] == 0 and s["live_version"] == version,
-                    f"swap to version {version}",
-                    failed,
-                    deadline,
-                )
-                for rec in status["swaps"]:  # the lock hold, as the worker measured it
-                    t0 = time.perf_counter() - rec["hold_ms"] / 1000
-                    self.stats.add_swap(t0, rec["version"], "staged")
-            self.version = version
-            self._swaps_done += 1
-            self.stats.version_times.append(time.perf_counter())
-        finally:
-            self._transition = False
-
-    def _swap_paused(self, version: int) -> None:
-        t0 = time.perf_counter()  # the whole pause is the stall
-        try:
-            self._call(
-                self.llm.pause_generation(mode="keep", clear_cache=False), self.rpc_timeout_s
-            )
-            self.rpc("nonstop_swap_paused", version)
-        finally:
-            self._call(self.llm.resume_generation(), self.rpc_timeout_s)
-            self.rpc("nonstop_poll", [])  # drop the worker's swap record: counted here
-        self.stats.add_swap(t0, version, "pause")
-
-    def update_in_place(
-        self, ann: WeightAnnouncement, source: BucketSource, deadline: float
-    ) -> None:
-        raise ValueError(
-            "engine.weight_staging=false is for actor.engine=hf; the vllm engine always "
-            "receives into a staging copy (set engine.weight_staging=true)"
-        )
-
     def close(self) -> None:
         if self.closed:
             return
@@ -420,6 +354,17 @@ class VLLMEngine(Engine):
             self._thread.join(timeout=10)
             if self.adapter_dir is not None:
                 shutil.rmtree(self.adapter_dir, ignore_errors=True)
+
+
+class _Unit:
+    """Requests submitted together and handed back together (a group, or a batch)."""
+
+    def __init__(self, key: Any, ids: list[str], stream: bool):
+        self.key, self.ids, self.stream = key, ids, stream
+        self.finals: list = [None] * len(ids)  # (final RequestOutput, salt version)
+        self.left, self.error, self.cancelled = len(ids), None, False
+        self.done = threading.Event()
+        self.futures: list = []
 
 
 class _Counter:

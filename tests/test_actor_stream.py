@@ -1,0 +1,186 @@
+"""The actor's streaming loop (actor/stream.py) with the vllm engine on the fake AsyncLLM
+(tests/vllm_fake.py: the real worker extension runs in its engine-core thread) and a
+real redis-server: requests stay in flight across group boundaries, every group is
+published whole with exact per-token versions, back-pressure holds new groups back and
+lets them go, and a stop publishes no half group. The batch loop is the control."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+from omegaconf import OmegaConf
+from transformers import AutoTokenizer
+
+import actor.main as actor_main
+from actor import stream
+from actor.engines.vllm import VLLMEngine
+from actor.task import RewardErrors, make_task, score
+from pipeline.config import Config
+from pipeline.messages import RolloutGroup, decode, rle_decode
+from pipeline.models import materialize_model
+from pipeline.runtime import Pool
+from pipeline.streams import Names
+from pipeline.telemetry import MetricsFile, PoolStatus, Window, read_jsonl
+from tests import vllm_fake
+from tests.test_vllm_engine import new_version, settings
+from tests.test_vllm_worker import hf_model, hf_state, vllm_layout
+
+G, IN_FLIGHT, TOKENS = 4, 8, 8
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return AutoTokenizer.from_pretrained(
+        materialize_model("tiny", str(tmp_path_factory.mktemp("m")))
+    )
+
+
+@pytest.fixture
+def setup(rclient, tmp_path, tokenizer):
+    cfg = OmegaConf.structured(Config)
+    cfg.task.group_size, cfg.engine.max_new_tokens = G, TOKENS
+    cfg.actor.vllm.in_flight, cfg.actor.max_queue_groups = IN_FLIGHT, 1000
+    cfg.engine.prompts_per_batch = 3
+    names = Names("test", f"stream-{time.time_ns()}")
+    pool = Pool(
+        cfg=cfg,
+        name="actor-0",
+        role="actor",
+        client=rclient,
+        names=names,
+        stop=threading.Event(),
+        status=PoolStatus(rclient, names, "actor-0", "actor"),
+        metrics=MetricsFile(str(tmp_path / "metrics.jsonl")),
+    )
+    vllm_fake.AsyncLLM.model_tensors = vllm_layout(hf_state(hf_model(0)))
+    vllm_fake.AsyncLLM.step_s = 0.01  # a group lasts ~80 ms: the actor keeps up
+    engine = VLLMEngine(
+        "unused-folder",
+        tokenizer,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        settings=settings(in_flight=IN_FLIGHT),
+        api=vllm_fake.API,
+    )
+    task = make_task("arithmetic", cfg.task.difficulty, None, 7)
+    score("12", "12")  # the answer checker's first call imports it (~0.1 s): not in the timing
+    yield SimpleNamespace(pool=pool, engine=engine, task=task, tok=tokenizer, tmp=tmp_path)
+    engine.close()
+
+
+def run_stream(s, until, timeout=30.0):
+    """stream_groups in a thread until ``until()``; returns the groups it published."""
+    out = {}
+    receiver = SimpleNamespace(applied=0, failed=0)
+
+    def go():
+        out["n"] = stream.stream_groups(
+            s.pool, s.engine, s.task, s.tok, Window(50), RewardErrors(), receiver
+        )
+
+    t = threading.Thread(target=go)
+    t.start()
+    deadline = time.monotonic() + timeout
+    while not until() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    s.pool.stop.set()
+    t.join(10)
+    assert not t.is_alive()
+    return out["n"]
+
+
+def groups(s) -> list[RolloutGroup]:
+    entries = s.pool.client.xrange(s.pool.names.rollouts)
+    return [decode(f[b"data"], RolloutGroup) for _, f in entries]
+
+
+def core():
+    return vllm_fake.AsyncLLM.last.core
+
+
+def test_requests_stay_in_flight_while_groups_are_published(setup, monkeypatch):
+    s = setup
+    swapped, at_stop, warm = threading.Event(), {}, {}
+
+    def until():
+        n = s.pool.client.xlen(s.pool.names.rollouts)
+        if n >= 6 and not warm:  # the actor's first publishes are slow (first decode,
+            # score, XADD): the engine may run dry once before the first refill
+            warm.update(spins=core().empty_spins, steps=len(core().active_log))
+        if n >= 8 and not swapped.is_set():
+            swapped.set()
+            new_version(s.engine, 1, seed=1)  # while requests are in flight
+        if n >= 18:
+            at_stop.update(spins=core().empty_spins, steps=list(core().active_log))
+            return True
+        return False
+
+    published = run_stream(s, until)
+    got = groups(s)
+    assert published == len(got) >= 18
+    # once the actor was warm, the engine never ran out of requests up to the stop,
+    # though the actor scored and published 12 more groups meanwhile; the steps ran with
+    # every slot busy (a finished request's replacement joins at the next step, as in vLLM)
+    assert at_stop["spins"] == warm["spins"]
+    steps = at_stop["steps"][warm["steps"] :]
+    assert sum(running == IN_FLIGHT for running, _ in steps) >= 0.8 * len(steps), steps
+    truth = core().truth
+    versions_seen = set()
+    for group in got:
+        assert len(group.samples) == G  # whole groups only
+        for sample in group.samples:
+            versions = rle_decode(sample.versions)
+            assert len(versions) == len(sample.tokens()) <= TOKENS  # EOS may end it sooner
+            assert sample.finished or len(versions) == TOKENS
+            versions_seen.update(versions)
+    # per-token versions are exactly the steps' versions (checked against the core's record)
+    stamped = Counter(tuple(rle_decode(x.versions)) for g in got for x in g.samples)
+    assert not stamped - Counter(tuple(v) for v in truth.values())
+    assert versions_seen == {0, 1}
+    # stopping aborted the open groups: nothing left in the engine, nothing half published
+    assert s.engine.open_units == 0
+    time.sleep(0.1)
+    assert not core().running and not core().waiting
+
+
+def test_the_batch_loop_leaves_the_engine_empty_while_it_publishes(setup):
+    """The control: generate_step waits for the whole batch, so the engine is empty
+    while the actor scores and publishes (what streaming removes)."""
+    s = setup
+    for _ in range(2):
+        actor_main.generate_step(s.pool, s.engine, s.task, s.tok, Window(50), RewardErrors())
+    assert s.pool.client.xlen(s.pool.names.rollouts) == 6
+    assert core().empty_spins > 0  # the engine sat empty between the two batches
+
+
+def test_back_pressure_holds_groups_back_and_lets_them_go(setup, monkeypatch):
+    s = setup
+    s.pool.cfg.actor.max_queue_groups = 3
+    monkeypatch.setattr(stream, "REPORT_S", 0.2)
+    client, names = s.pool.client, s.pool.names
+    state = {}
+
+    def until():
+        n = client.xlen(names.rollouts)
+        if "held" not in state and n >= 3:
+            time.sleep(0.5)  # nobody consumes: the actor must stop submitting
+            state["held"] = client.xlen(names.rollouts)
+            state["status"] = client.hgetall(names.status("actor-0"))
+            state["empty_in_flight"] = s.engine.in_flight_now
+            client.incrby(names.samples_retired, state["held"] * G)  # the trainer caught up
+        return "held" in state and client.xlen(names.rollouts) >= state["held"] + 3
+
+    run_stream(s, until)
+    # at most the open groups finish once the backlog is full (3 + open_target - 1)
+    assert 3 <= state["held"] <= 3 + stream.open_target(s.pool.cfg)
+    assert state["empty_in_flight"] == 0
+    assert state["status"][b"state"] == b"waiting"
+    assert client.xlen(names.rollouts) >= state["held"] + 3  # resumed after retirement
+    turns = [r for r in read_jsonl(str(s.tmp / "metrics.jsonl")) if r.get("event") == "turn"]
+    assert turns and all(r["mode"] == "async" for r in turns)
+    assert any(r["wait_s"] > 0.1 for r in turns)  # the engine sat empty while held back
