@@ -188,6 +188,57 @@ def test_a_lock_timeout_keeps_the_old_adapter_and_a_retry_goes_through(make, bas
     assert all(o.versions == [1] * 3 for o in engine.generate(prompts(3), 3))
 
 
+def test_a_failed_adapter_install_puts_the_old_adapter_back(make, base_dir, monkeypatch):
+    """vLLM failing between remove_adapter and activate_adapter: the previous adapter
+    goes back into the slot, the version stays staged, and a retry goes through; if
+    even the restore fails, the error says the slot holds neither."""
+    engine, fake = make()
+    v0 = trainer_adapter(base_dir)
+    v1, v2 = trained(v0, seed=2), trained(v0, seed=3)
+    engine.generate(prompts(2), 2)
+    manager = fake.worker.model_runner.lora_manager._adapter_manager
+    real_add = manager.add_adapter
+    failures = {"left": 1}
+
+    def flaky_add(model):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise RuntimeError("injected: out of LoRA memory")
+        return real_add(model)
+
+    monkeypatch.setattr(manager, "add_adapter", flaky_add)
+    ann, flat = adapter_announcement(1, v1)
+    engine.stage(ann, TensorSource(flat), time.monotonic() + 20)
+    with pytest.raises(RuntimeError, match="previous adapter was put back"):
+        engine.swap(1)
+    assert engine.version == 0
+    for name, want in v0.items():
+        assert torch.equal(slot_of(fake)[name], want), name
+    outs = engine.generate(prompts(3), 3)
+    assert all(o.versions == [0] * 3 for o in outs)
+    assert fake.worker.adapters_seen[-1][1] == tag(v0)  # the steps ran on version 0
+    engine.swap(1)  # still staged: the retry installs it
+    assert engine.version == 1
+    for name, want in v1.items():
+        assert torch.equal(slot_of(fake)[name], want), name
+
+    # a later failure puts back version 1 (not the requests' folder, which is version 0)
+    failures["left"] = 1
+    ann, flat = adapter_announcement(2, v2)
+    engine.stage(ann, TensorSource(flat), time.monotonic() + 20)
+    with pytest.raises(RuntimeError, match="previous adapter was put back"):
+        engine.swap(2)
+    assert engine.version == 1
+    assert all(o.versions == [1] * 3 for o in engine.generate(prompts(3), 3))
+    assert fake.worker.adapters_seen[-1] == (1, tag(v1))
+    for name, want in v1.items():
+        assert torch.equal(slot_of(fake)[name], want), name
+
+    failures["left"] = 2  # the new adapter and the restore both fail
+    with pytest.raises(RuntimeError, match="holds neither"):
+        engine.swap(2)
+
+
 def test_an_announcement_of_the_other_kind_is_refused(make, base_dir):
     full_ann, full_flat = announcement(1, hf_state(hf_model(1)))
     lora_ann, lora_flat = adapter_announcement(1, trained(trainer_adapter(base_dir), seed=3))

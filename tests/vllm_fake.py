@@ -284,6 +284,9 @@ class FakeLoRAModelManager:
     def list_adapters(self) -> set[int]:
         return set(self.registered)
 
+    def get_adapter(self, adapter_id: int):  # lora/model_manager.py: get_adapter
+        return self.registered.get(adapter_id)
+
     def remove_adapter(self, adapter_id: int) -> bool:
         if self.active == adapter_id:
             self.active = None  # deactivate: the slot is free (its tensors stay)

@@ -13,7 +13,10 @@ The vLLM engine (actor/engines/vllm.py) calls, when ``model.lora`` is set:
   generating; ``swap`` runs under the per-forward-pass lock and rewrites the adapter's
   GPU slot in place (``remove_adapter`` + ``add_adapter`` + ``activate_adapter`` on the
   LoRA model manager: ``set_lora`` copies into the preallocated stacked LoRA tensors,
-  so pointers, and CUDA graphs, stay valid).
+  so pointers, and CUDA graphs, stay valid). If vLLM fails half-way through that, the
+  previous adapter (the LoRAModel the manager held) is put back and the version stays
+  staged for a retry; without that the next step would reload version 0 from the
+  requests' folder while the stamps said otherwise.
 
 What a sequence in flight sees at an adapter swap: every request carries the same
 ``lora_int_id``, and the swap rewrites that id's slot between two forward passes (the
@@ -122,6 +125,7 @@ class AdapterSwap:
         with open(os.path.join(adapter_dir, lora_lib.ADAPTER_CONFIG)) as f:
             self.adapter_config = json.load(f)
         self._staged: tuple[int, Any] | None = None
+        self._live: Any = None  # the LoRAModel we put in the slot last
 
     def stage(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Build the vLLM LoRAModel of ``tensors`` (CPU, vLLM's own loader and checks)."""
@@ -140,12 +144,40 @@ class AdapterSwap:
         self._staged = (version, model)
 
     def swap(self, version: int) -> None:
-        """Caller holds the per-forward lock: rewrite the adapter's GPU slot in place."""
+        """Caller holds the per-forward lock: rewrite the adapter's GPU slot in place.
+        If vLLM fails half-way, the previous adapter is put back into the slot (the
+        version is not applied; it stays staged for a retry); if even that fails,
+        :class:`AdapterLost` (the slot's content is unknown: the engine must stop)."""
         if self._staged is None or self._staged[0] != version:
             raise RuntimeError(f"adapter version {version} is not staged; stage() it first")
-        _, model = self._staged
-        self._staged = None
+        model = self._staged[1]
         manager = self.manager._adapter_manager  # LoRAModelManager (LRU variant)
-        manager.remove_adapter(ADAPTER_ID)  # frees the slot, forgets the old weights
-        manager.add_adapter(model)  # registers (merges q/k/v into packed modules)
-        manager.activate_adapter(ADAPTER_ID)  # set_lora: copies into the same slot
+        previous = manager.get_adapter(ADAPTER_ID) or self._live
+        try:
+            _install(manager, model)
+        except Exception as e:
+            try:
+                if previous is None:  # never loaded: the requests' folder is version 0
+                    manager.remove_adapter(ADAPTER_ID)
+                else:
+                    _install(manager, previous)
+            except Exception as again:
+                raise AdapterLost(
+                    f"adapter version {version} failed in vLLM ({e}) and putting the previous "
+                    f"adapter back failed too ({again}); the LoRA slot holds neither"
+                ) from again
+            raise RuntimeError(
+                f"adapter version {version} failed in vLLM ({e}); the previous adapter was "
+                "put back and generation goes on with it"
+            ) from e
+        self._staged, self._live = None, model
+
+
+class AdapterLost(RuntimeError):
+    """The LoRA slot holds neither the old nor the new adapter: nothing may generate."""
+
+
+def _install(manager: Any, model: Any) -> None:
+    manager.remove_adapter(ADAPTER_ID)  # frees the slot, forgets the old weights
+    manager.add_adapter(model)  # registers (merges q/k/v into packed modules)
+    manager.activate_adapter(ADAPTER_ID)  # set_lora: copies into the same slot
