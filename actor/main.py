@@ -172,6 +172,15 @@ def record_swaps(pool: Pool, engine: Engine, logged: int) -> int:
     return total
 
 
+def resume_counters(pool: Pool, receiver: WeightReceiver) -> None:
+    """A restarted actor goes on counting its weight updates where it left off (the
+    status hash outlives the process), so summary.json counts every update once."""
+    applied, failed = pool.client.hmget(
+        pool.status.key, ["weight_updates_applied", "weight_updates_failed"]
+    )
+    receiver.applied, receiver.failed = int(applied or 0), int(failed or 0)
+
+
 def build_engine(pool: Pool) -> tuple[Engine, object]:
     """``actor.engine``: hf loads the model here; vllm loads it in its engine process."""
     cfg = pool.cfg
@@ -225,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         if hasattr(engine, "remote_receiver")
         else None,
     )
+    resume_counters(pool, receiver)
     receiver.start()
     rewards, produced, swaps, errors = Window(200), 0, 0, RewardErrors()
     turns = Turns(pool, engine, wait_for_room)  # pipeline.mode: async or sync phases

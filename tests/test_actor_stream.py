@@ -25,6 +25,7 @@ from pipeline.models import materialize_model
 from pipeline.runtime import Pool
 from pipeline.streams import Names
 from pipeline.telemetry import MetricsFile, PoolStatus, Window, read_jsonl
+from pipeline.weight_receiver import WeightReceiver
 from tests import vllm_fake
 from tests.test_vllm_engine import new_version, settings
 from tests.test_vllm_worker import hf_model, hf_state, vllm_layout
@@ -184,3 +185,15 @@ def test_back_pressure_holds_groups_back_and_lets_them_go(setup, monkeypatch):
     turns = [r for r in read_jsonl(str(s.tmp / "metrics.jsonl")) if r.get("event") == "turn"]
     assert turns and all(r["mode"] == "async" for r in turns)
     assert any(r["wait_s"] > 0.1 for r in turns)  # the engine sat empty while held back
+
+
+def test_a_restarted_actor_keeps_counting_its_weight_updates(setup):
+    """The status hash outlives the actor process: a restart resumes the counters, so
+    summary.json does not lose the updates applied before it."""
+    s = setup
+    s.pool.status.set(weight_updates_applied=5, weight_updates_failed=2)
+    restarted = PoolStatus(s.pool.client, s.pool.names, "actor-0", "actor")  # a new process
+    assert restarted.key == s.pool.status.key
+    receiver = WeightReceiver(s.pool.client, s.pool.names, "actor-0", s.engine, 5.0, "secret")
+    actor_main.resume_counters(s.pool, receiver)
+    assert (receiver.applied, receiver.failed) == (5, 2)
