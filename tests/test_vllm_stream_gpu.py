@@ -1,0 +1,109 @@
+"""The actor's streaming loop (actor/stream.py) on real vLLM 0.24.0 (``-m gpu``; skipped
+without CUDA, vLLM or redis-server): 64 requests held in flight across group
+boundaries while groups are scored and published to a real redis-server, and swaps
+during the stream. Written to the recipe; not yet run on a GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
+    pytest.skip("needs a CUDA GPU and vLLM 0.24.0", allow_module_level=True)
+if shutil.which("redis-server") is None:
+    pytest.skip("needs redis-server", allow_module_level=True)
+
+from omegaconf import OmegaConf  # noqa: E402
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from actor import stream  # noqa: E402
+from actor.engines.vllm import VLLMEngine  # noqa: E402
+from actor.task import RewardErrors, make_task  # noqa: E402
+from pipeline.config import Config  # noqa: E402
+from pipeline.messages import RolloutGroup, decode, rle_decode  # noqa: E402
+from pipeline.models import materialize_model  # noqa: E402
+from pipeline.runtime import Pool  # noqa: E402
+from pipeline.streams import Names  # noqa: E402
+from pipeline.telemetry import MetricsFile, PoolStatus, Window  # noqa: E402
+from tests.test_vllm_gpu import CFG, install  # noqa: E402
+
+G, IN_FLIGHT = 8, 64
+
+
+def test_streamed_groups_keep_64_requests_in_flight_through_swaps(rclient, tmp_path):
+    # the tiny model's character tokenizer and chat template, on test_vllm_gpu's shape
+    # (head_dim 64, which vLLM's attention backends take; tiny's 16 may not be)
+    tok = AutoTokenizer.from_pretrained(materialize_model("tiny", str(tmp_path / "m")))
+    folder = str(tmp_path / "model")
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**{**CFG, "vocab_size": len(tok)})).to(torch.bfloat16)
+    hf.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    cfg = OmegaConf.structured(Config)
+    cfg.task.group_size, cfg.engine.max_new_tokens = G, 256
+    cfg.actor.vllm.in_flight, cfg.actor.max_queue_groups = IN_FLIGHT, 10_000
+    names = Names("test", f"gpu-stream-{time.time_ns()}")
+    pool = Pool(
+        cfg=cfg,
+        name="actor-0",
+        role="actor",
+        client=rclient,
+        names=names,
+        stop=threading.Event(),
+        status=PoolStatus(rclient, names, "actor-0", "actor"),
+        metrics=MetricsFile(str(tmp_path / "metrics.jsonl")),
+    )
+    settings = SimpleNamespace(
+        in_flight=IN_FLIGHT,
+        gpu_memory_utilization=0.3,
+        max_num_seqs=128,
+        tensor_parallel_size=1,
+        enforce_eager=False,
+        enable_prefix_caching=True,
+        max_model_len=1024,
+        lock_timeout_s=10.0,
+        rpc_timeout_s=120.0,
+    )
+    engine = VLLMEngine(folder, tok, temperature=1.0, top_p=1.0, top_k=0, settings=settings)
+    try:
+        task = make_task("arithmetic", cfg.task.difficulty, None, 3)
+        receiver = SimpleNamespace(applied=0, failed=0)
+        result = {}
+        t = threading.Thread(
+            target=lambda: result.setdefault(
+                "n",
+                stream.stream_groups(pool, engine, task, tok, Window(50), RewardErrors(), receiver),
+            )
+        )
+        t.start()
+        deadline = time.monotonic() + 120
+        while rclient.xlen(names.rollouts) < 8 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        empty0, t0 = engine.empty_s(), time.monotonic()
+        tensors = {n: p.detach().clone() for n, p in hf.named_parameters()}
+        for k in (1, 2, 3):
+            for p in tensors.values():
+                p.mul_(1.0 + 1e-3 * k)
+            install(engine, k, tensors)
+            time.sleep(0.5)
+        while rclient.xlen(names.rollouts) < 40 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        empty, elapsed = engine.empty_s() - empty0, time.monotonic() - t0
+        pool.stop.set()
+        t.join(60)
+        groups = [decode(f[b"data"], RolloutGroup) for _, f in rclient.xrange(names.rollouts)]
+        assert len(groups) == result["n"] >= 40
+        assert all(len(g.samples) == G for g in groups)
+        assert engine.in_flight_peak == IN_FLIGHT
+        assert empty < 0.01 * elapsed, (empty, elapsed)  # the engine never ran dry
+        versions = {v for g in groups for s in g.samples for v in rle_decode(s.versions)}
+        assert versions >= {1, 2, 3}
+    finally:
+        engine.close()
