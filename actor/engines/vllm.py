@@ -214,10 +214,12 @@ class VLLMEngine(VLLMWeights, Engine):
         for one of the ``in_flight`` slots, so a finished request is replaced at once."""
         unit = _Unit(key, [self._ids.next() for _ in prompts], stream)
         params = self._params(max_new_tokens)
-        unit.futures = [
-            asyncio.run_coroutine_threadsafe(self._one(unit, i, p, params), self._loop)
-            for i, p in enumerate(prompts)
-        ]
+
+        def spawn() -> None:  # on the loop, so _abort (also on the loop, later) sees them
+            unit.tasks = [self._loop.create_task(self._one(unit, i, p, params))
+                          for i, p in enumerate(prompts)]  # fmt: skip
+
+        self._loop.call_soon_threadsafe(spawn)
         return unit
 
     async def _one(self, unit: _Unit, i: int, prompt: list[int], params) -> None:
@@ -317,11 +319,17 @@ class VLLMEngine(VLLMWeights, Engine):
         return len(units)
 
     def _abort(self, units: list[_Unit]) -> None:
-        for u in units:
-            for f in u.futures:
-                f.cancel()  # the task is cancelled; AsyncLLM.generate aborts the request
-        for u in units:
-            u.done.wait(self.rpc_timeout_s)
+        """Cancel the units' requests and wait until they have left (AsyncLLM.generate
+        aborts a cancelled request in the engine). A request not started yet never
+        runs; its completion comes back empty."""
+
+        async def cancel() -> None:
+            tasks = [t for u in units for t in u.tasks]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        self._call(cancel(), self.rpc_timeout_s)
 
     def _completion(self, final, runs: list[list[int]]) -> Completion:
         if final is None:  # stopped before it was submitted
@@ -364,7 +372,7 @@ class _Unit:
         self.finals: list = [None] * len(ids)  # (final RequestOutput, salt version)
         self.left, self.error, self.cancelled = len(ids), None, False
         self.done = threading.Event()
-        self.futures: list = []
+        self.tasks: list[asyncio.Task] = []  # created on the engine loop
 
 
 class _Counter:
