@@ -20,7 +20,10 @@ def test_pipeline_end_to_end(tmp_path):
     assert summary["outcome"] == "finished"
     assert summary["trainer_steps"] == 6
     assert summary["samples_trained"] >= 6 * 8
-    assert summary["weight_updates_published"] == 6
+    # under load the publisher sends only the newest of versions queued behind a send
+    # (pipeline/weight_publisher.py): every version is published or counted unreceived
+    assert summary["weight_updates_published"] + summary["weight_versions_unreceived"] == 6
+    assert summary["weight_updates_published"] >= 2
     assert summary["weight_updates_applied"]["actor-0"] >= 2
     assert summary["sequences_spanning_versions"] >= 1, "no sequence continued across a swap"
     for key in (
