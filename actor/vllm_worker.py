@@ -51,7 +51,7 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any, Protocol
@@ -59,6 +59,8 @@ from typing import Any, Protocol
 import torch
 
 from actor.vllm_layout import Plan, build_plan
+from actor.vllm_steps import StepVersions
+from actor.vllm_tp import TPSource, tp_of, weights_group
 from pipeline.lora import KIND_FULL, KIND_LORA
 from pipeline.messages import WeightAnnouncement, decode
 from pipeline.weights import checksum
@@ -73,63 +75,6 @@ class BucketSource(Protocol):
     def fetch(self, index: int, out: torch.Tensor, deadline: float) -> None: ...
 
 
-def external_id(internal: str) -> str:
-    """vLLM appends ``-<8 random chars>`` to the client's request id."""
-    head, _, tail = internal.rpartition("-")
-    return head if head and len(tail) == 8 else internal
-
-
-class StepVersions:
-    """Per request, run-length versions of the engine steps that sampled a token for it.
-
-    A step samples for a request unless it is a prefill chunk that does not reach
-    the end of the request's known tokens (prompt + tokens sampled so far). No
-    speculative decoding: the vLLM engine refuses it (one token per decode step).
-    """
-
-    def __init__(self, keep_finished: int = 65536):
-        self.known: dict[str, int] = {}
-        self.rle: dict[str, list[list[int]]] = {}
-        self.finished: OrderedDict[str, list[list[int]]] = OrderedDict()
-        self.keep_finished, self.evicted = keep_finished, 0
-
-    def record(self, so: Any, version: int) -> None:
-        computed: dict[str, int] = {}
-        for new in so.scheduled_new_reqs:
-            self.known[new.req_id] = len(new.prompt_token_ids or ())
-            computed[new.req_id] = new.num_computed_tokens
-        cached = so.scheduled_cached_reqs
-        for rid, done in zip(cached.req_ids, cached.num_computed_tokens, strict=False):
-            computed[rid] = done
-        for rid, n in so.num_scheduled_tokens.items():
-            known = self.known.get(rid)
-            if n == 1 or known is None or computed.get(rid, 0) + n >= known:
-                self.known[rid] = (known or 0) + 1
-                runs = self.rle.setdefault(rid, [])
-                if runs and runs[-1][0] == version:
-                    runs[-1][1] += 1
-                else:
-                    runs.append([version, 1])
-        for rid in so.finished_req_ids:
-            self.known.pop(rid, None)
-            self.finished[external_id(rid)] = self.rle.pop(rid, [])
-        while len(self.finished) > self.keep_finished:
-            self.finished.popitem(last=False)
-            self.evicted += 1
-
-    def take(self, ids: list[str]) -> dict[str, list[list[int]]]:
-        """Finished requests' runs (removed), or a running request's runs so far."""
-        out = {}
-        for ext in ids:
-            if ext in self.finished:
-                out[ext] = self.finished.pop(ext)
-                continue
-            for rid, runs in self.rle.items():
-                if external_id(rid) == ext:
-                    out[ext] = [list(r) for r in runs]
-        return out
-
-
 class LockedWeights:
     """The live parameters, a staging copy in the same layout, and the forward lock.
 
@@ -137,7 +82,11 @@ class LockedWeights:
     the parameters are never written and no staging copy of them is made."""
 
     def __init__(
-        self, named: list[tuple[str, torch.Tensor]], lock_timeout_s: float, adapter: Any = None
+        self,
+        named: list[tuple[str, torch.Tensor]],
+        lock_timeout_s: float,
+        adapter: Any = None,
+        tp: tuple[int, int] = (0, 1),
     ):
         self.names = [n for n, _ in named]
         self.params = [p.data for _, p in named]
@@ -153,6 +102,9 @@ class LockedWeights:
         self.swaps: deque[dict] = deque(maxlen=1024)
         self.failed, self.last_error, self.orphans = 0, "", 0
         self._pending = False
+        self.tp_rank, self.tp_size = tp
+        self.armed: int | None = None  # TP > 1: swap at the next execute_model entry
+        self._copy_done: Any = None  # CUDA event: the last swap's copy out of staging
         self.adapter = adapter
         self.kind = KIND_FULL if adapter is None else KIND_LORA
         self.plan: Plan | None = None
@@ -191,6 +143,9 @@ class LockedWeights:
                 self.lock.release()
             self.lock.acquire()
             try:
+                if self.armed is not None:  # asked for mid-step on every rank: apply now
+                    version, self.armed = self.armed, None
+                    self._apply_logged(version, time.perf_counter())
                 if scheduler_output.total_num_scheduled_tokens > 0:
                     self.steps.record(scheduler_output, self.live_version)
                 out = run(scheduler_output, *args, **kwargs)
@@ -233,6 +188,8 @@ class LockedWeights:
     def stage(self, ann: WeightAnnouncement, source: BucketSource, deadline: float) -> None:
         """Receive every bucket of ``ann`` into staging; raise on any failure."""
         self.check_kind(ann)
+        if self._copy_done is not None:
+            self._copy_done.synchronize()  # the last swap has read staging
         self.staged_version = None  # from here staging is partial until the end
         if self.adapter is not None:
             self._stage_adapter(ann, source, deadline)
@@ -241,7 +198,10 @@ class LockedWeights:
         if self.plan is None:
             hf = {p.name: tuple(p.shape) for b in ann.buckets for p in b.params}
             self.plan = build_plan(
-                {n: tuple(p.shape) for n, p in zip(self.names, self.params, strict=True)}, hf
+                {n: tuple(p.shape) for n, p in zip(self.names, self.params, strict=True)},
+                hf,
+                self.tp_rank,
+                self.tp_size,
             )
         dtype = getattr(torch, ann.dtype)
         buf = torch.empty(max(b.numel for b in ann.buckets), dtype=dtype, device=self.device)
@@ -281,11 +241,7 @@ class LockedWeights:
 
     def swap(self, version: int) -> dict:
         """Enqueue staging -> parameters under the lock; the next step runs ``version``."""
-        if self.staged_version != version:
-            raise RuntimeError(
-                f"version {version} is not staged (staging holds {self.staged_version}); "
-                "stage it first"
-            )
+        self._check_staged(version)
         t0 = time.perf_counter()
         if not self.lock.acquire(timeout=self.lock_timeout_s):
             raise TimeoutError(
@@ -293,27 +249,61 @@ class LockedWeights:
                 f"version {version} not applied, generation goes on with version "
                 f"{self.live_version} (raise actor.vllm.lock_timeout_s if steps are that long)"
             )
+        try:
+            rec = self._apply(version, t0)
+        finally:
+            self.lock.release()  # right after enqueuing: the copy runs on, the lock is free
+        if self._copy_done is not None:
+            self._copy_done.synchronize()
+            rec["done_ms"] = 1e3 * (time.perf_counter() - t0) - rec["lock_wait_ms"]
+        return rec
+
+    def swap_between_steps(self, version: int) -> None:
+        """TP > 1, on the engine's thread in the broadcast queue's order (the same place
+        on every rank): apply now if no step is in progress, else at the next
+        execute_model entry. Never waits for the lock (this thread may hold it)."""
+        self._check_staged(version)
+        if self._pending:  # between a step's execute_model and its sample_tokens
+            self.armed = version
+            return
+        with self.lock:  # free: only this thread takes it when TP > 1
+            self._apply_logged(version, time.perf_counter())
+
+    def _check_staged(self, version: int) -> None:
+        if self.staged_version != version:
+            raise RuntimeError(
+                f"version {version} is not staged (staging holds {self.staged_version}); "
+                "stage it first"
+            )
+
+    def _apply_logged(self, version: int, t0: float) -> None:
+        """_apply where no caller can take the error: it is recorded for the poll."""
+        try:
+            self._apply(version, t0)
+        except Exception as e:
+            self.failed += 1
+            self.last_error = f"version {version}: {e}"
+            log.error("weight swap failed, keeping version %d: %s", self.live_version, e)
+
+    def _apply(self, version: int, t0: float) -> dict:
+        """The caller holds the lock: enqueue the copy on the engine's stream."""
         t1 = time.perf_counter()
         end = torch.cuda.Event() if self.cuda else None
-        try:
-            with torch.cuda.stream(self.compute) if self.cuda else nullcontext(), torch.no_grad():
-                if self.adapter is not None:
-                    self.adapter.swap(version)  # rewrites the adapter's GPU slot in place
-                else:
-                    torch._foreach_copy_(self.params, self.views)
-                if end is not None:
-                    end.record()
-            self.live_version = version
-        finally:
-            self.lock.release()
+        with torch.cuda.stream(self.compute) if self.cuda else nullcontext(), torch.no_grad():
+            if self.adapter is not None:
+                self.adapter.swap(version)  # rewrites the adapter's GPU slot in place
+            else:
+                torch._foreach_copy_(self.params, self.views)
+            if end is not None:
+                end.record()
+        self.live_version = version
+        self._copy_done = end  # stage() waits for it before it writes staging again
         t2 = time.perf_counter()
-        if end is not None:
-            end.synchronize()  # staging must not be overwritten before the copy read it
         rec = {
             "version": version,
             "lock_wait_ms": 1e3 * (t1 - t0),
             "hold_ms": 1e3 * (t2 - t1),
-            "done_ms": 1e3 * (time.perf_counter() - t1),
+            "done_ms": 1e3 * (t2 - t1),  # the copy enqueued (CPU); swap() adds the GPU's
         }
         self.swaps.append(rec)
         return rec
@@ -351,9 +341,13 @@ class NonstopWorkerExtension:
 
             adapter = AdapterSwap(self, lora["dir"], import_path(lora["request"]))
         named = list(self.get_model().named_parameters())
-        w = LockedWeights(named, lock_timeout_s, adapter)
+        tp = tp_of(self)
+        w = LockedWeights(named, lock_timeout_s, adapter, tp)
         w.wrap(self)
         self._nonstop, self._nonstop_timeout = w, transfer_timeout_s
+        self._nonstop_group = (  # TP > 1: the weights-only group (every rank at once)
+            weights_group(tp[1], w.device, transfer_timeout_s) if tp[1] > 1 else None
+        )
         self._nonstop_jobs: queue.Queue = queue.Queue()
         threading.Thread(target=self._nonstop_loop, name="nonstop-receiver", daemon=True).start()
         self._nonstop_info = {
@@ -362,6 +356,8 @@ class NonstopWorkerExtension:
             "bytes": int(w.staging.numel()) if w.staging is not None else 0,
             "device": str(w.device),
             "compute_stream": str(w.compute),
+            "tp_rank": tp[0],
+            "tp_size": tp[1],
         }
         return self._nonstop_info
 
@@ -370,6 +366,8 @@ class NonstopWorkerExtension:
         actor process did the Redis side: read the rendezvous, XADD the join)."""
         from pipeline.transfer import make_receiver
 
+        if self._nonstop.tp_rank != 0:
+            return  # TP rank 0 receives and broadcasts to the others (actor/vllm_tp.py)
         if getattr(self, "_nonstop_receiver", None) is not None:
             self._nonstop_receiver.close()
         receiver = make_receiver(transport, self._nonstop_timeout)
@@ -392,10 +390,20 @@ class NonstopWorkerExtension:
         self._nonstop_jobs.put(("update" if swap else "stage", ann, source))
 
     def nonstop_swap(self, version: int) -> None:
-        """Queue the locked swap of the staged ``version`` (lock mode). Never takes the
-        lock here: this runs on the engine thread, which may hold it between a step's
-        execute_model and sample_tokens. Returns at once: poll for the outcome."""
-        self._nonstop_jobs.put(("swap", version, None))
+        """Queue the locked swap of the staged ``version`` (lock mode). Never waits for
+        the lock here: this runs on the engine thread, which may hold it between a step's
+        execute_model and sample_tokens. Returns at once: poll for the outcome.
+        TP > 1: swapped between the same two steps on every rank, from right here
+        (LockedWeights.swap_between_steps, actor/vllm_tp.py)."""
+        w = self._nonstop
+        if w.tp_size == 1:
+            self._nonstop_jobs.put(("swap", version, None))
+            return
+        try:
+            w.swap_between_steps(version)
+        except Exception as e:
+            w.failed += 1
+            w.last_error = f"version {version}: {e}"
 
     def nonstop_swap_paused(self, version: int) -> dict:
         """Pause mode: the engine is paused (no step runs), so swap right here on the
@@ -424,18 +432,27 @@ class NonstopWorkerExtension:
             "last_error": w.last_error,
             "busy": self._nonstop_jobs.unfinished_tasks,
             "orphan_holds": w.orphans,
+            "tp_rank": w.tp_rank,
             "versions": w.steps.take(request_ids or []),
         }
 
     def _nonstop_source(self, ann: WeightAnnouncement, spec: dict | None) -> BucketSource:
-        if spec is not None:
-            return load_source(spec)
-        receiver = getattr(self, "_nonstop_receiver", None)
-        if receiver is None:
-            raise RuntimeError("no transfer channel: call nonstop_connect after joining")
-        from pipeline.transfer import ReceiverSource
+        """Where the buckets come from: ``spec`` or the channel; TP > 1: rank 0 reads
+        that and broadcasts, the other ranks receive the broadcast."""
+        w = self._nonstop
+        inner = None
+        if w.tp_rank == 0 and spec is not None:
+            inner = load_source(spec)
+        elif w.tp_rank == 0:
+            receiver = getattr(self, "_nonstop_receiver", None)
+            if receiver is None:
+                raise RuntimeError("no transfer channel: call nonstop_connect after joining")
+            from pipeline.transfer import ReceiverSource
 
-        return ReceiverSource(receiver, ann)
+            inner = ReceiverSource(receiver, ann)
+        if w.tp_size == 1:
+            return inner
+        return TPSource(inner, self._nonstop_group, w.tp_rank, w.device)
 
     def _nonstop_loop(self) -> None:
         w = self._nonstop
@@ -445,6 +462,8 @@ class NonstopWorkerExtension:
             kind, job, spec = self._nonstop_jobs.get()
             version = job if kind == "swap" else job.version
             try:
+                if kind == "update" and w.tp_size > 1:
+                    raise RuntimeError("with tensor parallelism swaps come by nonstop_swap")
                 if kind in ("update", "stage"):
                     deadline = time.monotonic() + self._nonstop_timeout
                     w.stage(job, self._nonstop_source(job, spec), deadline)

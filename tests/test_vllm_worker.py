@@ -76,6 +76,9 @@ class FakeWorker(NonstopWorkerExtension):
     """Like vLLM's Worker: execute_model (forward, returns None: sampling follows)
     then sample_tokens; each step reads every parameter (a checksum of the weights)."""
 
+    parallel_config = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
+    rank = 0
+
     def __init__(self, model: FakeVllmModel, step_s: float = 0.0):
         self.model, self.step_s, self.seen = model, step_s, []
 

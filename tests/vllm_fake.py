@@ -354,6 +354,10 @@ class FakeWorkerBase:
     sampling follows), sample_tokens. Returns (weights checksum, live version); with
     LoRA the checksum includes the adapter slot, activated as the model runner does."""
 
+    # worker_base.py: parallel_config (tensor_parallel_size, ...) and the rank
+    parallel_config = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
+    rank = 0
+
     def __init__(self, model, enable_lora: bool = False):
         self.model, self.in_step = model, False
         self.lora_of: dict[str, LoRARequest] = {}  # request id -> its adapter
