@@ -97,7 +97,7 @@ class VLLMConfig:
     in_flight: int = 64  # requests kept in flight (a finished one is replaced at once)
     gpu_memory_utilization: float = 0.5  # fraction of the GPU vLLM may take
     max_num_seqs: int = 256  # sequences the scheduler runs together
-    tensor_parallel_size: int = 1  # only 1 is built (one worker, one transfer channel)
+    tensor_parallel_size: int = 1  # GPUs per engine (actor/vllm_tp.py; not with model.lora)
     enforce_eager: bool = False  # true: no CUDA graphs / torch.compile (faster start)
     enable_prefix_caching: bool = True  # salted per weight version (no stale KV reuse)
     max_model_len: int = 2048  # prompt + completion tokens
@@ -109,7 +109,9 @@ class VLLMConfig:
 class ActorConfig:
     num_actors: int = 1
     max_lag: int = 2  # hold back new groups when this many versions behind
-    max_queue_groups: int = 8  # hold back while this many rollouts wait unread
+    # hold back while this many rollouts wait unread (a streaming vllm actor may then
+    # still finish the 2 * ceil(actor.vllm.in_flight / task.group_size) groups it has open)
+    max_queue_groups: int = 8
     engine: str = "hf"  # hf (transformers) | vllm (vLLM 0.24.0 on a CUDA host)
     device: str = "cpu"  # cpu, cuda, cuda:N
     dtype: str = ""  # float32 | bfloat16; empty: model.dtype
@@ -386,11 +388,17 @@ def validate_vllm(cfg: Any) -> None:
             f"actor.vllm.in_flight={v.in_flight} > actor.vllm.max_num_seqs={v.max_num_seqs}: "
             "the extra requests would only wait; lower in_flight or raise max_num_seqs"
         )
-    if v.tensor_parallel_size != 1:
+    if v.tensor_parallel_size < 1:
         raise ValueError(
-            f"actor.vllm.tensor_parallel_size={v.tensor_parallel_size}: only 1 is built (each "
-            "TP worker would need its own transfer channel and a swap at the same step); "
-            "run one actor per GPU instead"
+            f"actor.vllm.tensor_parallel_size={v.tensor_parallel_size} must be >= 1 "
+            "(the GPUs one vLLM engine spans)"
+        )
+    lora_rank = _get(cfg, "model.lora.rank") if _get(cfg, "model.lora") else 0
+    if v.tensor_parallel_size > 1 and lora_rank:
+        raise ValueError(
+            f"actor.vllm.tensor_parallel_size={v.tensor_parallel_size} with model.lora: "
+            "adapter swaps are built and tested for one GPU per engine only; use "
+            "tensor_parallel_size=1 with LoRA (adapters are small: run one actor per GPU)"
         )
     if not _get(cfg, "engine.weight_staging"):
         raise ValueError(

@@ -39,6 +39,10 @@ trainer's version-0 adapter (same seed) is written to a folder of this engine's 
 every request carries its ``LoRARequest``, and each version is an adapter, staged and
 swapped by the worker under the same lock, deadline and version stamps.
 
+``actor.vllm.tensor_parallel_size`` > 1: vLLM runs a worker per GPU; every
+``collective_rpc`` answer is merged (a version is staged or live only on every rank)
+and the workers swap between the same two steps (actor/vllm_tp.py).
+
 vLLM is imported lazily (:func:`load_vllm`).
 """
 
