@@ -117,3 +117,45 @@ def test_greedy_logprobs_under_a_b_a(engine):
         assert got["A"] != got["B"]
     finally:
         engine.sampling["temperature"] = 1.0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for TP=2")
+def test_tensor_parallel_2_swaps_every_shard_between_the_same_steps(tmp_path):
+    """TP=2: versions A, B, A under greedy decoding; A is reproduced bit for bit (every
+    rank holds its shard of A again), B differs, and requests streaming through the
+    swaps finish at full length (no step mixed versions across ranks: it would
+    corrupt the output, not fail loudly, so A-B-A exactness is the check)."""
+    folder = tmp_path / "tiny-llama"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**CFG)).to(torch.bfloat16).save_pretrained(folder)
+    settings = SimpleNamespace(
+        in_flight=64,
+        gpu_memory_utilization=0.3,
+        max_num_seqs=128,
+        tensor_parallel_size=2,
+        enforce_eager=False,
+        enable_prefix_caching=True,
+        max_model_len=1024,
+        lock_timeout_s=10.0,
+        rpc_timeout_s=120.0,
+    )
+    e = VLLMEngine(str(folder), None, temperature=0.0, top_p=1.0, top_k=0, settings=settings)
+    try:
+        assert e.info["tp_size"] == 2
+        got = {}
+        for k, (tag, seed) in enumerate((("A", 10), ("B", 11), ("A2", 10)), start=1):
+            install(e, k, weights(seed))
+            out = e.generate([list(range(100, 164))], 16)[0]
+            got[tag] = (out.tokens, out.logprobs)
+        assert got["A"] == got["A2"] and got["A"] != got["B"]
+        result = {}
+        prompts = [[(i * 31 + j) % 4000 + 1 for j in range(32)] for i in range(64)]
+        t = threading.Thread(target=lambda: result.setdefault("o", e.generate(prompts, 256)))
+        t.start()
+        for k in (4, 5):
+            time.sleep(0.3)
+            install(e, k, weights(k))
+        t.join()
+        assert [len(o.tokens) for o in result["o"]] == [256] * 64
+    finally:
+        e.close()
