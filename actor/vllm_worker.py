@@ -40,6 +40,11 @@ actor/engines/vllm_lora.py), and the adapter's GPU slot is rewritten under the s
 lock, deadline and version bookkeeping (``AdapterSwap.swap``). An announcement of the
 other kind fails the update, saying which ``model.lora`` setting differs.
 
+With ``tensor_parallel_size`` > 1 every worker gets every call; rank 0 receives and
+broadcasts, and the swap is issued from ``nonstop_swap`` itself, in the order vLLM
+delivers calls to all workers (actor/vllm_tp.py). The lock, staging and swap live in
+actor/vllm_locked.py (``LockedWeights``), the per-step versions in actor/vllm_steps.py.
+
 Everything except the vLLM Worker it is mixed into is plain torch, so the lock,
 staging, scatter and swap are tested on the CPU with a fake worker.
 """
@@ -51,262 +56,17 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from contextlib import nullcontext
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from actor.vllm_layout import Plan, build_plan
-from actor.vllm_steps import StepVersions
+from actor.vllm_locked import BucketSource, LockedWeights
+from actor.vllm_steps import StepVersions  # noqa: F401 (re-exported for tests)
 from actor.vllm_tp import TPSource, tp_of, weights_group
-from pipeline.lora import KIND_FULL, KIND_LORA
 from pipeline.messages import WeightAnnouncement, decode
-from pipeline.weights import checksum
 
 log = logging.getLogger(__name__)
-ALIGN = 256  # bytes: staging views start on 256-byte boundaries
-
-
-class BucketSource(Protocol):
-    """Fills bucket ``i`` of an announced version (a transport's receiving end)."""
-
-    def fetch(self, index: int, out: torch.Tensor, deadline: float) -> None: ...
-
-
-class LockedWeights:
-    """The live parameters, a staging copy in the same layout, and the forward lock.
-
-    ``adapter`` (an ``AdapterSwap``, with ``model.lora``): versions are LoRA adapters;
-    the parameters are never written and no staging copy of them is made."""
-
-    def __init__(
-        self,
-        named: list[tuple[str, torch.Tensor]],
-        lock_timeout_s: float,
-        adapter: Any = None,
-        tp: tuple[int, int] = (0, 1),
-    ):
-        self.names = [n for n, _ in named]
-        self.params = [p.data for _, p in named]
-        self.device = self.params[0].device
-        self.cuda = self.device.type == "cuda"
-        self.compute = torch.cuda.current_stream() if self.cuda else None  # the engine's
-        self.side = torch.cuda.Stream() if self.cuda else None
-        self.lock = threading.Lock()
-        self.lock_timeout_s = lock_timeout_s
-        self.live_version = 0
-        self.staged_version: int | None = None  # staging holds this whole version
-        self.steps = StepVersions()
-        self.swaps: deque[dict] = deque(maxlen=1024)
-        self.failed, self.last_error, self.orphans = 0, "", 0
-        self._pending = False
-        self.tp_rank, self.tp_size = tp
-        self.armed: int | None = None  # TP > 1: swap at the next execute_model entry
-        self._copy_done: Any = None  # CUDA event: the last swap's copy out of staging
-        self.adapter = adapter
-        self.kind = KIND_FULL if adapter is None else KIND_LORA
-        self.plan: Plan | None = None
-        self.staging: torch.Tensor | None = None
-        self.views: list[torch.Tensor] = []
-        self.by_name: dict[str, torch.Tensor] = {}
-        if adapter is None:
-            self._make_staging()
-
-    def _make_staging(self) -> None:
-        """A staging copy of every parameter in one buffer, initialised to them."""
-        offsets, total = [], 0
-        for p in self.params:
-            if not p.is_contiguous():
-                raise ValueError("vLLM parameters must be contiguous to be staged")
-            offsets.append(total)
-            total += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
-        self.staging = torch.empty(total, dtype=torch.uint8, device=self.device)
-        self.views = [
-            self.staging[o : o + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
-            for o, p in zip(offsets, self.params, strict=True)
-        ]
-        with torch.no_grad():
-            torch._foreach_copy_(self.views, self.params)  # padding rows keep their values
-        self.by_name = dict(zip(self.names, self.views, strict=True))
-
-    # -- the per-forward-pass lock ------------------------------------------------
-    def wrap(self, worker: Any) -> None:
-        """Shadow the worker's execute_model / sample_tokens with locked versions."""
-        run, sample = worker.execute_model, worker.sample_tokens
-
-        def execute_model(scheduler_output, *args, **kwargs):
-            if self._pending:  # the last step's sample_tokens never came: end its hold
-                self._pending = False
-                self.orphans += 1
-                self.lock.release()
-            self.lock.acquire()
-            try:
-                if self.armed is not None:  # asked for mid-step on every rank: apply now
-                    version, self.armed = self.armed, None
-                    self._apply_logged(version, time.perf_counter())
-                if scheduler_output.total_num_scheduled_tokens > 0:
-                    self.steps.record(scheduler_output, self.live_version)
-                out = run(scheduler_output, *args, **kwargs)
-            except BaseException:
-                self.lock.release()
-                raise
-            if out is None and scheduler_output.total_num_scheduled_tokens > 0:
-                self._pending = True  # sample_tokens of this step releases it
-            else:
-                self.lock.release()
-            return out
-
-        def sample_tokens(grammar_output, *args, **kwargs):
-            try:
-                return sample(grammar_output, *args, **kwargs)
-            finally:
-                if self._pending:
-                    self._pending = False
-                    self.lock.release()
-
-        worker.execute_model = execute_model
-        worker.sample_tokens = sample_tokens
-
-    # -- receive and swap ---------------------------------------------------------
-    def check_kind(self, ann: WeightAnnouncement) -> None:
-        """Refuse an announcement of the other kind (full weights vs a LoRA adapter)."""
-        if ann.kind == self.kind:
-            return
-        if ann.kind == KIND_LORA:
-            raise ValueError(
-                f"version {ann.version} is a LoRA adapter (kind='lora') but this vLLM engine "
-                "was started without model.lora; give the actors the trainer's model.lora"
-            )
-        raise ValueError(
-            f"version {ann.version} holds {ann.kind!r} weights but this vLLM engine was "
-            "started with model.lora (it takes adapters only); give the actors the "
-            "trainer's model.lora (rank 0 or null for full fine-tuning)"
-        )
-
-    def stage(self, ann: WeightAnnouncement, source: BucketSource, deadline: float) -> None:
-        """Receive every bucket of ``ann`` into staging; raise on any failure."""
-        self.check_kind(ann)
-        if self._copy_done is not None:
-            self._copy_done.synchronize()  # the last swap has read staging
-        self.staged_version = None  # from here staging is partial until the end
-        if self.adapter is not None:
-            self._stage_adapter(ann, source, deadline)
-            self.staged_version = ann.version
-            return
-        if self.plan is None:
-            hf = {p.name: tuple(p.shape) for b in ann.buckets for p in b.params}
-            self.plan = build_plan(
-                {n: tuple(p.shape) for n, p in zip(self.names, self.params, strict=True)},
-                hf,
-                self.tp_rank,
-                self.tp_size,
-            )
-        dtype = getattr(torch, ann.dtype)
-        buf = torch.empty(max(b.numel for b in ann.buckets), dtype=dtype, device=self.device)
-        side = torch.cuda.stream(self.side) if self.cuda else nullcontext()
-        for i, spec in enumerate(ann.buckets):
-            part = buf[: spec.numel]
-            with side:
-                source.fetch(i, part, deadline)
-                if checksum([part])[0] != ann.checksums[i]:
-                    raise RuntimeError(f"version {ann.version} bucket {i} failed its checksum")
-                for p in spec.params:
-                    n = 1
-                    for d in p.shape:
-                        n *= d
-                    self.plan.scatter(
-                        p.name, part[p.offset : p.offset + n].view(p.shape), self.by_name
-                    )
-            if self.cuda:
-                self.side.synchronize()  # paced: one bucket in flight, buf reused next
-        self.staged_version = ann.version
-
-    def _stage_adapter(self, ann: WeightAnnouncement, source: BucketSource, deadline: float):
-        """Receive the adapter's buckets (small: one buffer each), check their sums, and
-        build the vLLM LoRAModel outside the lock (AdapterSwap.stage)."""
-        from actor.engines.vllm_lora import adapter_tensors_from_buckets
-
-        dtype = getattr(torch, ann.dtype)
-        bufs = [torch.empty(b.numel, dtype=dtype, device=self.device) for b in ann.buckets]
-        with torch.cuda.stream(self.side) if self.cuda else nullcontext():
-            for i, buf in enumerate(bufs):
-                source.fetch(i, buf, deadline)
-                if checksum([buf])[0] != ann.checksums[i]:
-                    raise RuntimeError(f"version {ann.version} bucket {i} failed its checksum")
-        if self.cuda:
-            self.side.synchronize()
-        self.adapter.stage(ann.version, adapter_tensors_from_buckets(ann.buckets, bufs))
-
-    def swap(self, version: int) -> dict:
-        """Enqueue staging -> parameters under the lock; the next step runs ``version``."""
-        self._check_staged(version)
-        t0 = time.perf_counter()
-        if not self.lock.acquire(timeout=self.lock_timeout_s):
-            raise TimeoutError(
-                f"the per-forward-pass lock was not free within {self.lock_timeout_s:g} s; "
-                f"version {version} not applied, generation goes on with version "
-                f"{self.live_version} (raise actor.vllm.lock_timeout_s if steps are that long)"
-            )
-        try:
-            rec = self._apply(version, t0)
-        finally:
-            self.lock.release()  # right after enqueuing: the copy runs on, the lock is free
-        if self._copy_done is not None:
-            self._copy_done.synchronize()
-            rec["done_ms"] = 1e3 * (time.perf_counter() - t0) - rec["lock_wait_ms"]
-        return rec
-
-    def swap_between_steps(self, version: int) -> None:
-        """TP > 1, on the engine's thread in the broadcast queue's order (the same place
-        on every rank): apply now if no step is in progress, else at the next
-        execute_model entry. Never waits for the lock (this thread may hold it)."""
-        self._check_staged(version)
-        if self._pending:  # between a step's execute_model and its sample_tokens
-            self.armed = version
-            return
-        with self.lock:  # free: only this thread takes it when TP > 1
-            self._apply_logged(version, time.perf_counter())
-
-    def _check_staged(self, version: int) -> None:
-        if self.staged_version != version:
-            raise RuntimeError(
-                f"version {version} is not staged (staging holds {self.staged_version}); "
-                "stage it first"
-            )
-
-    def _apply_logged(self, version: int, t0: float) -> None:
-        """_apply where no caller can take the error: it is recorded for the poll."""
-        try:
-            self._apply(version, t0)
-        except Exception as e:
-            self.failed += 1
-            self.last_error = f"version {version}: {e}"
-            log.error("weight swap failed, keeping version %d: %s", self.live_version, e)
-
-    def _apply(self, version: int, t0: float) -> dict:
-        """The caller holds the lock: enqueue the copy on the engine's stream."""
-        t1 = time.perf_counter()
-        end = torch.cuda.Event() if self.cuda else None
-        with torch.cuda.stream(self.compute) if self.cuda else nullcontext(), torch.no_grad():
-            if self.adapter is not None:
-                self.adapter.swap(version)  # rewrites the adapter's GPU slot in place
-            else:
-                torch._foreach_copy_(self.params, self.views)
-            if end is not None:
-                end.record()
-        self.live_version = version
-        self._copy_done = end  # stage() waits for it before it writes staging again
-        t2 = time.perf_counter()
-        rec = {
-            "version": version,
-            "lock_wait_ms": 1e3 * (t1 - t0),
-            "hold_ms": 1e3 * (t2 - t1),
-            "done_ms": 1e3 * (t2 - t1),  # the copy enqueued (CPU); swap() adds the GPU's
-        }
-        self.swaps.append(rec)
-        return rec
 
 
 def import_path(path: str) -> Any:
