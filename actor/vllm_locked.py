@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from actor.engines.vllm_lora import AdapterLost
 from actor.vllm_layout import Plan, build_plan
 from actor.vllm_steps import StepVersions
 from pipeline.lora import KIND_FULL, KIND_LORA
@@ -66,6 +67,7 @@ class LockedWeights:
         self._pending = False
         self.tp_rank, self.tp_size = tp
         self.armed: int | None = None  # TP > 1: swap at the next execute_model entry
+        self.lost: str | None = None  # the weights are in no known version: never generate
         self._copy_done: Any = None  # CUDA event: the last swap's copy out of staging
         self.adapter = adapter
         self.kind = KIND_FULL if adapter is None else KIND_LORA
@@ -105,6 +107,8 @@ class LockedWeights:
                 self.lock.release()
             self.lock.acquire()
             try:
+                if self.lost is not None:  # vLLM dies with it; the actor restarts fresh
+                    raise RuntimeError(f"this engine may not generate any more: {self.lost}")
                 if self.armed is not None:  # asked for mid-step on every rank: apply now
                     version, self.armed = self.armed, None
                     self._apply_logged(version, time.perf_counter())
@@ -253,7 +257,11 @@ class LockedWeights:
         end = torch.cuda.Event() if self.cuda else None
         with torch.cuda.stream(self.compute) if self.cuda else nullcontext(), torch.no_grad():
             if self.adapter is not None:
-                self.adapter.swap(version)  # rewrites the adapter's GPU slot in place
+                try:
+                    self.adapter.swap(version)  # rewrites the adapter's GPU slot in place
+                except AdapterLost as e:
+                    self.lost = str(e)  # from now on every step fails (wrap)
+                    raise
             else:
                 torch._foreach_copy_(self.params, self.views)
             if end is not None:

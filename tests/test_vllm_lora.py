@@ -237,6 +237,10 @@ def test_a_failed_adapter_install_puts_the_old_adapter_back(make, base_dir, monk
     failures["left"] = 2  # the new adapter and the restore both fail
     with pytest.raises(RuntimeError, match="holds neither"):
         engine.swap(2)
+    # the slot holds no known adapter: the engine refuses to generate (vLLM dies with
+    # the step's error and the actor restarts with a fresh engine), never silently
+    with pytest.raises(RuntimeError, match="may not generate any more"):
+        engine.generate(prompts(2), 2)
 
 
 def test_an_announcement_of_the_other_kind_is_refused(make, base_dir):

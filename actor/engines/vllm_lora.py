@@ -16,7 +16,10 @@ The vLLM engine (actor/engines/vllm.py) calls, when ``model.lora`` is set:
   so pointers, and CUDA graphs, stay valid). If vLLM fails half-way through that, the
   previous adapter (the LoRAModel the manager held) is put back and the version stays
   staged for a retry; without that the next step would reload version 0 from the
-  requests' folder while the stamps said otherwise.
+  requests' folder while the stamps said otherwise. If putting it back fails too
+  (``AdapterLost``), every later step raises: vLLM's engine dies with that message and
+  the actor is restarted with a fresh engine, rather than generating from an unknown
+  adapter.
 
 What a sequence in flight sees at an adapter swap: every request carries the same
 ``lora_int_id``, and the swap rewrites that id's slot between two forward passes (the
