@@ -116,24 +116,30 @@ class EmbeddedRedis:
             self.proc.wait()
 
 
+class UnsafeRedis(ValueError):
+    """This Redis may not hold the run (it may evict, or its policy cannot be read);
+    a pool stops at start-up in one line with EXIT_SETUP (pipeline/runtime.py)."""
+
+
 def check_no_eviction(client: redis.Redis) -> None:
     """Refuse a Redis that may evict stream data under memory pressure.
 
     Reads the policy with ``INFO memory`` (``maxmemory_policy``), which every role
     of deploy/redis/users.acl may run (``+info``), unlike CONFIG; a user that may
-    not run INFO gets a ValueError saying so, never a skipped check.
+    not run INFO gets an :class:`UnsafeRedis` (a ValueError) saying so, never a
+    skipped check.
     """
     try:
         policy = client.info("memory").get("maxmemory_policy")
     except redis.ResponseError as e:
-        raise ValueError(
+        raise UnsafeRedis(
             f"cannot check redis maxmemory-policy: INFO was refused ({e}); allow this "
             "user `+info` (deploy/redis/users.acl grants it to every role)"
         ) from None
     if policy is None:
-        raise ValueError("redis INFO memory has no maxmemory_policy; is this a Redis >= 4?")
+        raise UnsafeRedis("redis INFO memory has no maxmemory_policy; is this a Redis >= 4?")
     if policy != "noeviction":
-        raise ValueError(
+        raise UnsafeRedis(
             f"redis maxmemory-policy is {policy!r}: it could evict rollouts; "
             "set `maxmemory-policy noeviction` on the server"
         )

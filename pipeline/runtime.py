@@ -25,7 +25,7 @@ import redis
 import torch
 
 from pipeline.config import load_config, redis_url, shard_urls
-from pipeline.redis_server import check_no_eviction
+from pipeline.redis_server import UnsafeRedis, check_no_eviction
 from pipeline.shards import Shards
 from pipeline.streams import (
     DataLost,
@@ -144,14 +144,14 @@ def pin_cpus(role: str, cpus: Any) -> None:
 
 def run_main(main) -> None:
     """Entry point of a pool: a lost run (empty Redis) exits with EXIT_DATA_LOST; Redis
-    unusable at start-up (unreachable, credentials or a command refused) with EXIT_SETUP,
-    in one line each."""
+    unusable at start-up (unreachable, credentials, a command refused, an evicting
+    server or one whose policy may not be read) with EXIT_SETUP, in one line each."""
     try:
         main()
     except DataLost as e:
         log.error("%s", e)
         raise SystemExit(EXIT_DATA_LOST) from None
-    except RedisUnavailable as e:
+    except (RedisUnavailable, UnsafeRedis) as e:
         log.error("%s", e)
         raise SystemExit(EXIT_SETUP) from None
 

@@ -104,6 +104,27 @@ def test_a_pool_exits_2_in_one_line_when_redis_is_unreachable(tmp_path):
     assert took < 30, f"{took:.1f} s"  # imports (torch) plus the ~8 s budget
 
 
+def test_a_pool_exits_2_in_one_line_on_an_evicting_redis(tmp_path, redis_server, rclient):
+    """A server that may evict stream data stops a pool at start-up in one line (exit
+    2, like the other Redis set-up errors), not with a traceback and restarts."""
+    from tests.test_backpressure import actor_config
+
+    url = redis_server.url
+    env = dict(os.environ, NONSTOP_REDIS_URL=url, HF_HUB_OFFLINE="1")
+    env["NONSTOP_CACHE"] = str(tmp_path / "cache")
+    cmd = [sys.executable, "-m", "preprocessor", "--config", actor_config(tmp_path, url)]
+    rclient.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        rclient.config_set("maxmemory-policy", "noeviction")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert "Traceback" not in out, out
+    lines = [ln for ln in out.splitlines() if "maxmemory-policy is 'allkeys-lru'" in ln]
+    assert len(lines) == 1 and "noeviction" in lines[0], out
+
+
 @pytest.mark.slow
 def test_the_launcher_exits_2_in_one_line_when_redis_url_is_unreachable(tmp_path):
     url = closed_url()
