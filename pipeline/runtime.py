@@ -114,6 +114,8 @@ def start_pool(role: str, argv: list[str] | None = None) -> Pool:
     extra = [connect(u, reconnect_s=cfg.redis.reconnect_s) for u in shard_urls(cfg, role)]
     names = Names(cfg.redis.prefix, cfg.run.name)
     check_permissions(client, names, role, redis_url(cfg, role))  # NOPERM: exit 2 now
+    for url, shard in zip(shard_urls(cfg, role), extra, strict=True):
+        check_permissions(shard, names, role, url, shard=True)
     for shard in [client, *extra]:
         check_no_eviction(shard)
         mark_run(shard, names)

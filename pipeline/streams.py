@@ -187,12 +187,20 @@ ROLE_PROBES = {
 }
 
 
-def check_permissions(client: redis.Redis, names: Names, role: str, url: str) -> None:
+SHARDED = ("rollouts", "batches")  # the streams on shards 1.. (pipeline/shards.py)
+
+
+def check_permissions(
+    client: redis.Redis, names: Names, role: str, url: str, shard: bool = False
+) -> None:
     """Run each command ``role`` needs once, harmlessly (XADD with ID 0-0 and XACK of
     0-0 in no group change nothing; Redis checks the ACL before the arguments), so a
     user without it stops the pool at start-up with :class:`RedisUnavailable` naming
-    the command, the key and deploy/redis/users.acl instead of logging NOPERM later."""
+    the command, the key and deploy/redis/users.acl instead of logging NOPERM later.
+    ``shard``: an extra shard, which holds only the sharded work streams."""
     for command, stream in ROLE_PROBES.get(role, ()):
+        if shard and stream not in SHARDED:
+            continue
         key = getattr(names, stream)
         args = (key, "0-0", "probe", "1") if command == "XADD" else (key, "probe", "0-0")
         try:
