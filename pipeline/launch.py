@@ -107,6 +107,10 @@ def start_shards(cfg, run_dir: str, env: dict[str, str]) -> tuple[list[EmbeddedR
         urls = [s.url for s in servers]
         if urls:
             env["NONSTOP_REDIS_SHARD_URLS"] = ",".join(urls)
+            os.makedirs(os.path.join(run_dir, "redis"), exist_ok=True)
+            path = os.path.join(run_dir, "redis", "shard_urls")  # for pipeline.inspect
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                f.write(",".join(urls) + "\n")
     return servers, [connect(u, reconnect_s=2.0) for u in urls]
 
 

@@ -229,3 +229,42 @@ def test_publisher_failures_and_reward_errors_are_shown():
     for shown in ("unreceived 2", "publish failures 3", "actors dropped 1", "timed out receiving"):
         assert shown in text, text
     assert "reward errors 4" in text and "RecursionError 3" in text, text
+
+
+def test_inspect_shows_every_shards_work_streams_and_their_totals(tmp_path):
+    """redis.shards=2: the run dir's redis/shard_urls (written by the launcher for its
+    embedded shards) leads inspect to shard 1; its rollouts and batches are shown
+    labelled, and the totals over both shards are summed per consumer group."""
+    from pipeline.redis_server import EmbeddedRedis
+    from pipeline.streams import Names, connect, ensure_group
+
+    servers = [EmbeddedRedis(str(tmp_path / f"r{k}")) for k in range(2)]
+    for s in servers:
+        s.start()
+    try:
+        names = Names("nonstop", "sharded")
+        for k, s in enumerate(servers):
+            c = connect(s.url)
+            ensure_group(c, names.rollouts, "preprocessor")
+            for i in range(3 + k):  # 3 rollouts on the primary, 4 on shard 1
+                c.xadd(names.rollouts, {"i": i})
+            c.xreadgroup("preprocessor", "preprocessor-0", {names.rollouts: ">"}, count=1)
+            c.hset(names.status("actor-0"), mapping={"role": "actor", "heartbeat": time.time()})
+        run_dir = tmp_path / "run"
+        (run_dir / "redis").mkdir(parents=True)
+        (run_dir / "redis" / "port").write_text(f"{servers[0].port}\n")
+        (run_dir / "redis" / "auth").write_text(servers[0].password + "\n")
+        (run_dir / "redis" / "shard_urls").write_text(servers[1].url + "\n")
+        base = ("--run-dir", str(run_dir), "--prefix", "nonstop", "--run", "sharded")
+        snap = json.loads(_inspect(*base, "--json").stdout)
+        assert [s["shard"] for s in snap["shards"]] == [1]
+        assert snap["shards"][0]["streams"]["rollouts"]["length"] == 4
+        assert servers[1].password not in json.dumps(snap)
+        totals = snap["work_totals"]["rollouts"]
+        assert totals["length"] == 7
+        assert totals["groups"]["preprocessor"] == {"lag": 5, "pending": 2}
+        text = _inspect(*base).stdout
+        assert "rollouts@shard1" in text and "rollouts over 2 shards: length 7" in text
+    finally:
+        for s in servers:
+            s.stop()

@@ -27,6 +27,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--url", help="redis://[:PASS@]host:port/db (default: $NONSTOP_REDIS_URL)")
     p.add_argument("--config", help="a config.yaml to take redis.prefix and run.name from")
+    p.add_argument(
+        "--shard-urls",
+        help="redis.shards 1..: comma-joined URLs (default: the run dir's redis/shard_urls, "
+        "the config's redis.shard_urls or $NONSTOP_REDIS_SHARD_URLS)",
+    )
     p.add_argument("--prefix", help="redis.prefix of the run (default: from config, or found)")
     p.add_argument("--run", help="run.name (default: from config, or the only run found)")
     p.add_argument(
@@ -54,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         target = resolve(args)
         client = connect(target.url, attempts=3)
         target = pick_run(client, target)
+        shards = [(u, connect(u, attempts=3)) for u in target.shard_urls]
     except (ValueError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -62,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while True:
             try:
-                snap = snapshot(client, names, args.stale_after)
+                snap = snapshot(client, names, args.stale_after, shards)
                 text = json.dumps(snap) if args.json else render(snap, prev, target.url)
                 prev = snap
             except (redis.ConnectionError, redis.TimeoutError) as e:
@@ -80,3 +86,5 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         client.close()
+        for _, shard in shards:
+            shard.close()

@@ -16,7 +16,7 @@ from typing import Any
 
 import redis
 
-from pipeline.streams import Names
+from pipeline.streams import SHARDED, Names, _redact
 from pipeline.telemetry import read_statuses
 
 # Streams every run has (or will have); others found under the run's prefix are shown too.
@@ -161,8 +161,41 @@ def pool_info(fields: dict[str, str], now: float, stale_after_s: float) -> dict:
     }
 
 
-def snapshot(client: redis.Redis, names: Names, stale_after_s: float = 30.0) -> dict:
-    """Everything the view shows, as plain data (this is what --json prints)."""
+def shard_snapshot(shards: list[tuple[str, redis.Redis]], names: Names, now: float) -> list:
+    """The work streams (rollouts, batches) on each extra shard (redis.shards 1..)."""
+    return [
+        {
+            "shard": k,
+            "url": _redact(url),
+            "streams": {n: stream_info(c, names.stream(n), now) for n in SHARDED},
+        }
+        for k, (url, c) in enumerate(shards, start=1)
+    ]
+
+
+def work_totals(streams: dict, shards: list) -> dict:
+    """Per work stream, over every shard: length, and per group lag and pending."""
+    out = {}
+    for name in SHARDED:
+        parts = [streams[name]] + [s["streams"][name] for s in shards]
+        groups: dict[str, dict[str, int]] = {}
+        for p in parts:
+            for g in p["groups"]:
+                t = groups.setdefault(g["name"], {"lag": 0, "pending": 0})
+                t["lag"] += g["lag"] or 0
+                t["pending"] += g["pending"]
+        out[name] = {"length": sum(p["length"] for p in parts), "groups": groups}
+    return out
+
+
+def snapshot(
+    client: redis.Redis,
+    names: Names,
+    stale_after_s: float = 30.0,
+    shards: list[tuple[str, redis.Redis]] | None = None,
+) -> dict:
+    """Everything the view shows, as plain data (this is what --json prints).
+    ``shards``: (url, client) of redis.shards 1.., whose work streams are added."""
     now = time.time()
     server = client.info("server")
     memory = client.info("memory")
@@ -183,6 +216,7 @@ def snapshot(client: redis.Redis, names: Names, stale_after_s: float = 30.0) -> 
         names.samples_produced,
         names.samples_retired,
     )
+    extra = shard_snapshot(shards or [], names, now)
     dead = streams["dead"]
     recent_dead = [
         {_s(k): _s(v) for k, v in fields.items() if _s(k) != "data"} | {"id": _s(eid)}
@@ -200,6 +234,8 @@ def snapshot(client: redis.Redis, names: Names, stale_after_s: float = 30.0) -> 
         "published_version": int(published_v) if published_v is not None else None,
         "samples_in_flight": int(produced or 0) - int(retired or 0) if produced else None,
         "streams": streams,
+        "shards": extra,
+        "work_totals": work_totals(streams, extra) if extra else None,
         "pools": pools,
         "dead_letters": {
             "count": dead["length"],

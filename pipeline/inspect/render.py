@@ -104,10 +104,22 @@ def _pool_rows(pools: dict, rates: dict) -> list[list[str]]:
 def render(snap: dict, prev: dict | None = None, url: str = "") -> str:
     """The terminal view of one snapshot (rates need the previous one)."""
     lines = _header(snap, url) + [""]
+    streams = dict(snap["streams"])
+    for shard in snap.get("shards") or []:  # redis.shards: each shard's part, labelled
+        streams |= {f"{n}@shard{shard['shard']}": s for n, s in shard["streams"].items()}
     lines += _table(
         ["STREAM", "LENGTH", "ADDED", "NEWEST", "GROUP", "LAG", "PENDING", "CONSUMERS"],
-        _stream_rows(snap["streams"]),
+        _stream_rows(streams),
     )
+    if snap.get("shards"):
+        where = ", ".join(f"shard{s['shard']} {s['url']}" for s in snap["shards"])
+        lines.append(f"(the rows without @ are shard0, the primary; {where})")
+        for name, t in snap["work_totals"].items():
+            groups = ", ".join(
+                f"{g} lag {v['lag']} pending {v['pending']}" for g, v in t["groups"].items()
+            )
+            lines.append(f"{name} over {1 + len(snap['shards'])} shards: length {t['length']}"
+                         + (f"; {groups}" if groups else ""))  # fmt: skip
     lines.append("")
     if snap["pools"]:
         lines += _table(
