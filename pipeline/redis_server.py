@@ -118,7 +118,7 @@ class EmbeddedRedis:
 
 class UnsafeRedis(ValueError):
     """This Redis may not hold the run (it may evict, or its policy cannot be read);
-    a pool stops at start-up in one line with EXIT_SETUP (pipeline/runtime.py)."""
+    a pool stops at start-up in one line with EXIT_REFUSED (pipeline/runtime.py)."""
 
 
 def check_no_eviction(client: redis.Redis) -> None:

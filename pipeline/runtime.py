@@ -30,6 +30,7 @@ from pipeline.shards import Shards
 from pipeline.streams import (
     DataLost,
     Names,
+    RedisRefused,
     RedisUnavailable,
     check_permissions,
     check_run,
@@ -40,7 +41,8 @@ from pipeline.telemetry import MetricsFile, PoolStatus
 
 log = logging.getLogger(__name__)
 EXIT_DATA_LOST = 3
-EXIT_SETUP = 2  # Redis unreachable or a command the pool needs refused: fix and restart
+EXIT_SETUP = 2  # Redis unreachable at start-up: the launcher restarts the pool
+EXIT_REFUSED = 4  # Redis refuses the pool (ACL, credentials, eviction): the run stops
 
 
 @dataclass
@@ -113,7 +115,7 @@ def start_pool(role: str, argv: list[str] | None = None) -> Pool:
     client = connect(redis_url(cfg, role), reconnect_s=cfg.redis.reconnect_s)
     extra = [connect(u, reconnect_s=cfg.redis.reconnect_s) for u in shard_urls(cfg, role)]
     names = Names(cfg.redis.prefix, cfg.run.name)
-    check_permissions(client, names, role, redis_url(cfg, role))  # NOPERM: exit 2 now
+    check_permissions(client, names, role, redis_url(cfg, role))  # NOPERM: exit 4 now
     for url, shard in zip(shard_urls(cfg, role), extra, strict=True):
         check_permissions(shard, names, role, url, shard=True)
     for shard in [client, *extra]:
@@ -145,15 +147,19 @@ def pin_cpus(role: str, cpus: Any) -> None:
 
 
 def run_main(main) -> None:
-    """Entry point of a pool: a lost run (empty Redis) exits with EXIT_DATA_LOST; Redis
-    unusable at start-up (unreachable, credentials, a command refused, an evicting
-    server or one whose policy may not be read) with EXIT_SETUP, in one line each."""
+    """Entry point of a pool, each exit in one line: a lost run (empty Redis) exits with
+    EXIT_DATA_LOST; Redis unreachable at start-up with EXIT_SETUP (the launcher tries
+    again); Redis refusing the pool (credentials, a command the ACL denies, an evicting
+    server or one whose policy may not be read) with EXIT_REFUSED (the run stops)."""
     try:
         main()
     except DataLost as e:
         log.error("%s", e)
         raise SystemExit(EXIT_DATA_LOST) from None
-    except (RedisUnavailable, UnsafeRedis) as e:
+    except (RedisRefused, UnsafeRedis) as e:
+        log.error("%s", e)
+        raise SystemExit(EXIT_REFUSED) from None
+    except RedisUnavailable as e:
         log.error("%s", e)
         raise SystemExit(EXIT_SETUP) from None
 

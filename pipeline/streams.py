@@ -116,6 +116,12 @@ class RedisUnavailable(ConnectionError):
     the message is one line for the operator. Pools and the launcher exit 2 on it."""
 
 
+class RedisRefused(RedisUnavailable):
+    """Redis answers but refuses this user (credentials, a command the ACL denies):
+    waiting will not fix it. Pools exit 4 on it (EXIT_REFUSED), so the launcher stops
+    the run at once instead of restarting them."""
+
+
 def connect(
     url: str,
     attempts: int = 20,
@@ -161,7 +167,7 @@ def _probe(url: str, attempts: int, delay_s: float, startup_s: float) -> None:
             probe.ping()
             return
         except redis.AuthenticationError as e:
-            raise RedisUnavailable(
+            raise RedisRefused(
                 f"redis at {_redact(url)} refused the credentials ({e}): check the user and "
                 "password in the URL (redis://USER:PASSWORD@host:port/db) against the "
                 "server's ACL (deploy/redis/users.acl)"
@@ -206,7 +212,7 @@ def check_permissions(
         try:
             client.execute_command(command, *args)
         except redis.exceptions.NoPermissionError as e:
-            raise RedisUnavailable(
+            raise RedisRefused(
                 f"the redis user of {_redact(url)} may not run {command} on {key} ({e}); the "
                 f"{role} needs it: grant +{command.lower()} and that key in the {role} user "
                 "of deploy/redis/users.acl (then ACL LOAD) or use a URL with such a user"

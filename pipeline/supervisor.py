@@ -8,7 +8,8 @@ running under a restart policy, with a watchdog for silent hangs.
     acts    restarts a crashed pool (launch.restart_policy, launch.max_restarts),
             SIGKILLs a pool silent for launch.watchdog_s (then the policy applies),
             restarts a dead embedded redis-server on its port and AOF,
-            stops the run when a pool exits with EXIT_DATA_LOST or runs out of restarts
+            stops the run when a pool exits with EXIT_DATA_LOST or EXIT_REFUSED (Redis
+            refused it: ACL, credentials, eviction policy) or runs out of restarts
 
 A group (the trainer's ranks ``trainer``, ``trainer-1``, ...) lives and dies
 together: when one member exits or is killed, the others are killed too and
@@ -28,7 +29,7 @@ import time
 from collections import Counter
 
 from pipeline.redis_server import EmbeddedRedis
-from pipeline.runtime import EXIT_DATA_LOST
+from pipeline.runtime import EXIT_DATA_LOST, EXIT_REFUSED
 from pipeline.telemetry import MetricsFile
 
 
@@ -122,6 +123,10 @@ class Supervisor:
                 continue  # a rank > 0 done at the end; rank 0 decides
             if code == EXIT_DATA_LOST:
                 return self._fatal(name, code, "redis lost the run's data")
+            if code == EXIT_REFUSED:
+                return self._fatal(
+                    name, code, "redis refused it; a restart cannot fix that, see its last line"
+                )
             self.event("exit", name, code=code)
             unit = group or name
             policy = self.cfg.launch.restart_policy

@@ -2,8 +2,10 @@
 real redis-server or a real closed port: an unreachable ``redis.url`` is one line
 within the start-up budget naming the URL (password hidden) and what to check,
 exit code 2 from a pool and from the launcher, no traceback; refused credentials
-are said at once; the run-time reconnect (``redis.reconnect_s``) is unchanged;
-summary.json counts the trainer's dead letters beside the preprocessors'."""
+are said at once; a pool that Redis refuses (ACL, eviction policy) exits 4 and the
+launcher's supervisor stops the run at once instead of restarting it; the run-time
+reconnect (``redis.reconnect_s``) is unchanged; summary.json counts the trainer's
+dead letters beside the preprocessors'."""
 
 from __future__ import annotations
 
@@ -104,9 +106,9 @@ def test_a_pool_exits_2_in_one_line_when_redis_is_unreachable(tmp_path):
     assert took < 30, f"{took:.1f} s"  # imports (torch) plus the ~8 s budget
 
 
-def test_a_pool_exits_2_in_one_line_on_an_evicting_redis(tmp_path, redis_server, rclient):
+def test_a_pool_exits_4_in_one_line_on_an_evicting_redis(tmp_path, redis_server, rclient):
     """A server that may evict stream data stops a pool at start-up in one line (exit
-    2, like the other Redis set-up errors), not with a traceback and restarts."""
+    4: Redis refuses the run, a restart cannot fix it), not with a traceback."""
     from tests.test_backpressure import actor_config
 
     url = redis_server.url
@@ -119,7 +121,7 @@ def test_a_pool_exits_2_in_one_line_on_an_evicting_redis(tmp_path, redis_server,
     finally:
         rclient.config_set("maxmemory-policy", "noeviction")
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out
+    assert proc.returncode == 4, out
     assert "Traceback" not in out, out
     lines = [ln for ln in out.splitlines() if "maxmemory-policy is 'allkeys-lru'" in ln]
     assert len(lines) == 1 and "noeviction" in lines[0], out
@@ -235,7 +237,7 @@ def test_a_user_without_xadd_is_named_with_the_command_key_and_acl_file(tmp_path
 
 
 @pytest.mark.slow
-def test_an_actor_without_xadd_exits_2_at_start_up(tmp_path):
+def test_an_actor_without_xadd_exits_4_at_start_up(tmp_path):
     from tests.test_backpressure import actor_config
 
     urls = acl_server(tmp_path, drop=" +xadd")
@@ -246,7 +248,7 @@ def test_an_actor_without_xadd_exits_2_at_start_up(tmp_path):
         cmd = [sys.executable, "-m", "actor", "--config", actor_config(tmp_path, urls["actor"])]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         out = proc.stdout + proc.stderr
-        assert proc.returncode == 2, out
+        assert proc.returncode == 4, out
         assert "Traceback" not in out and "may not run XADD on nonstop:tiny:rollouts" in out
     finally:
         urls["proc"].terminate()
@@ -254,7 +256,7 @@ def test_an_actor_without_xadd_exits_2_at_start_up(tmp_path):
 
 
 @pytest.mark.slow
-def test_an_actor_without_xadd_on_an_extra_shard_exits_2_naming_the_shard(tmp_path):
+def test_an_actor_without_xadd_on_an_extra_shard_exits_4_naming_the_shard(tmp_path):
     """redis.shards=2: the primary grants everything, shard 1's actor user lacks XADD;
     the actor stops at start-up naming shard 1's URL (password hidden), not later."""
     from tests.test_backpressure import actor_config
@@ -270,7 +272,7 @@ def test_an_actor_without_xadd_on_an_extra_shard_exits_2_naming_the_shard(tmp_pa
         cmd = [sys.executable, "-m", "actor", "--config", cfg, "redis.shards=2"]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         out = proc.stdout + proc.stderr
-        assert proc.returncode == 2, out
+        assert proc.returncode == 4, out
         assert "Traceback" not in out and "pw-actor" not in out
         port = shard["actor"].rsplit(":", 1)[1].split("/")[0]
         line = next(ln for ln in out.splitlines() if "may not run XADD" in ln)
@@ -279,3 +281,32 @@ def test_an_actor_without_xadd_on_an_extra_shard_exits_2_naming_the_shard(tmp_pa
         for server in (primary, shard):
             server["proc"].terminate()
             server["proc"].wait()
+
+
+@pytest.mark.parametrize("code", [2, 4])
+def test_the_supervisor_restarts_an_unreachable_pool_but_stops_on_a_refused_one(
+    tmp_path, capsys, code
+):
+    """Exit 2 (Redis unreachable at start-up: may come back) is restarted like a crash;
+    exit 4 (Redis refused the pool: ACL, credentials, eviction) stops the run at once
+    with the pool's last line."""
+    from pipeline.supervisor import Supervisor
+
+    cfg = OmegaConf.structured(Config)
+    cfg.launch.restart_policy, cfg.launch.max_restarts, cfg.launch.watchdog_s = "on-failure", 3, 0
+    script = f"print('the pool says why'); raise SystemExit({code})"
+    cmds = {"actor-0": [sys.executable, "-c", script]}
+    sup = Supervisor(cfg, str(tmp_path), dict(os.environ), cmds)
+    sup.spawn_all()
+    outcome = None
+    deadline = time.monotonic() + 60
+    while outcome is None and time.monotonic() < deadline:
+        outcome = sup.check({})
+        time.sleep(0.05)
+    assert outcome == (f"failed: actor-0 exited with {code}", 1)
+    out = capsys.readouterr().out
+    if code == 4:
+        assert sup.restarts["actor-0"] == 0 and "redis refused it" in out
+        assert "the pool says why" in out
+    else:
+        assert sup.restarts["actor-0"] == 3 and "restarting it (3/3)" in out
