@@ -22,6 +22,8 @@ may have two final outcomes (``samples_conflicting``).
 
 from __future__ import annotations
 
+import json
+import os
 from collections import Counter
 from typing import Any
 
@@ -47,8 +49,11 @@ def _newer(a: str, b: str) -> bool:
     return tuple(map(int, a.split("-"))) > tuple(map(int, b.split("-")))
 
 
-def _unconsumed(client: redis.Redis, stream: str, group: str) -> list[tuple[bytes, dict]]:
-    """Entries of ``stream`` the consumer group has not acknowledged (unread or pending);
+def _unconsumed(
+    client: redis.Redis, stream: str, group: str, after: str | None = None
+) -> list[tuple[bytes, dict]]:
+    """Entries of ``stream`` the consumer group has not acknowledged (unread or pending),
+    or newer than ``after`` (a resume position: a restarted consumer reads them again);
     every entry when the group does not exist yet."""
     try:
         info = next((g for g in client.xinfo_groups(stream) if g["name"] == group.encode()), None)
@@ -58,6 +63,8 @@ def _unconsumed(client: redis.Redis, stream: str, group: str) -> list[tuple[byte
     if info is None:
         return entries
     last = info["last-delivered-id"].decode()
+    if after is not None and _newer(last, after):
+        last = after
     pending = {
         p["message_id"].decode()
         for p in client.xpending_range(stream, group, "-", "+", max(1, int(info["pending"])))
@@ -65,25 +72,60 @@ def _unconsumed(client: redis.Redis, stream: str, group: str) -> list[tuple[byte
     return [(i, f) for i, f in entries if _newer(i.decode(), last) or i.decode() in pending]
 
 
-def in_flight(client: redis.Redis, names: Names, shards=()) -> dict[str, list[str]]:
+def in_flight(
+    client: redis.Redis, names: Names, shards=(), trainer_from: str | None = None
+) -> dict[str, list[str]]:
     """Group ids still in ``rollouts`` and sample ids still in ``batches``, not yet
     acknowledged by their consumer group, on the primary ``client`` and every other
     shard (``shards``: their clients, redis.shards > 1); undecodable entries by entry
-    id (``k@id`` on shard k > 0)."""
+    id (``k@id`` on shard k > 0). ``trainer_from``: the position a restarted trainer
+    resumes from (its last checkpoint's, one id per shard, comma-separated): the batches
+    after it are in flight too, acknowledged or not, since a resume reads them again
+    (a trainer stopped between a step's acknowledgement and its record left some)."""
     groups, samples, bad = set(), set(), []
-    for k, shard in enumerate([client, *shards]):
+    starts = trainer_from.split(",") if trainer_from else [None] * (1 + len(shards))
+    if len(starts) == 1 and shards:  # a plain id: shard 0's (as ShardedConsumer.parse)
+        starts += ["0-0"] * len(shards)
+    if len(starts) != 1 + len(shards):
+        raise ValueError(
+            f"trainer position {trainer_from!r} names {len(starts)} shards, the run has "
+            f"{1 + len(shards)}"
+        )
+    for k, (shard, start) in enumerate(zip([client, *shards], starts, strict=True)):
         tag = f"{k}@" if k else ""
         for entry_id, fields in _unconsumed(shard, names.rollouts, PREPROCESSOR_GROUP):
             try:
                 groups.add(decode(fields[b"data"], RolloutGroup).group_id)
             except (BadEntry, KeyError):
                 bad.append(f"rollouts/{tag}{entry_id.decode()}")
-        for entry_id, fields in _unconsumed(shard, names.batches, TRAINER_GROUP):
+        for entry_id, fields in _unconsumed(shard, names.batches, TRAINER_GROUP, start):
             try:
                 samples.update(_sample_ids(decode(fields[b"data"], TrainBatch)))
             except (BadEntry, KeyError, ValueError):
                 bad.append(f"batches/{tag}{entry_id.decode()}")
     return {"rollouts_groups": sorted(groups), "batches_samples": sorted(samples), "bad": bad}
+
+
+def trainer_resume_position(run_dir: str) -> str | None:
+    """Where a restarted trainer of the run in ``run_dir`` would read from: its latest
+    checkpoint's position (``checkpoints/latest``, trainer/checkpoint.py), the stream's
+    start without one; None when trainer.resume is off (a restart reads only new entries)."""
+    from omegaconf import OmegaConf
+
+    config = os.path.join(run_dir, "config.yaml")
+    if (
+        os.path.exists(config)
+        and OmegaConf.select(OmegaConf.load(config), "trainer.resume") is False
+    ):
+        return None
+    root = os.path.join(run_dir, "checkpoints")
+    try:
+        with open(os.path.join(root, "latest")) as f:
+            folder = os.path.join(root, f.read().strip())
+        with open(os.path.join(folder, "trainer_state.json")) as f:
+            return str(json.load(f)["entry_id"])
+    except FileNotFoundError:
+        return "0-0"
 
 
 def _role_of(source: str) -> str:

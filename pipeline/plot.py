@@ -231,8 +231,9 @@ def plot_stalls(plt, s: Series):
     )
     steps = s.steps
     if len(steps) > 1:
-        gaps = [
-            max(b["time"] - a["time"] - b.get("step_s", 0.0), 0.0)
+        saved = {r["step"]: r.get("checkpoint_s", 0.0) for r in s.by_event["checkpoint"]}
+        gaps = [  # the time between two step records, less the step and a's checkpoint
+            max(b["time"] - a["time"] - b.get("step_s", 0.0) - saved.get(a["step"], 0.0), 0.0)
             for a, b in zip(steps, steps[1:], strict=False)
         ]
         ax2.bar([r["step"] for r in steps[1:]], gaps, color="C4", label="trainer wait for data (s)")

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 import redis
 
-from pipeline.accounting import account, dead_letters, in_flight
+from pipeline.accounting import account, dead_letters, in_flight, trainer_resume_position
 from pipeline.streams import Names
 from pipeline.telemetry import read_jsonl, read_statuses, surviving_steps
 
@@ -186,7 +186,8 @@ def build_summary(
     trainer = statuses.get("trainer", {})
     by_role = lambda role: {k: v for k, v in statuses.items() if v.get("role") == role}  # noqa: E731
     actors, preps = by_role("actor"), by_role("preprocessor")
-    flight, dead = in_flight(client, names, shards), dead_letters(client, names)
+    flight = in_flight(client, names, shards, trainer_resume_position(run_dir))
+    dead = dead_letters(client, names)
     terms = account(records, flight, dead, _group_size(run_dir))
     errors, reasons = reward_errors(statuses)
     evals = [r for r in records if r.get("event") == "eval"]

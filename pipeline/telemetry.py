@@ -42,20 +42,25 @@ class Window:
 
 
 class MetricsFile:
-    """Append-only JSON lines, one record per event, flushed each write (thread-safe);
-    each record is also handed to the optional sinks (TensorBoard, W&B)."""
+    """Append-only JSON lines, one record per event (thread-safe); each record is also
+    handed to the optional sinks (TensorBoard, W&B). A record is one ``write(2)`` on an
+    O_APPEND descriptor: every pool appends to the same file, and a process killed
+    mid-record cannot leave half a line for the next process's line to run into."""
 
     def __init__(self, path: str, settings: Any = None):
         run_dir = os.path.dirname(path) or "."
         os.makedirs(run_dir, exist_ok=True)
-        self.f = open(path, "a", buffering=1)  # noqa: SIM115
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._lock = threading.Lock()
         self.sinks = open_sinks(run_dir, settings)
 
     def write(self, **record) -> None:
         record.setdefault("time", time.time())
+        line = (json.dumps(record) + "\n").encode()
         with self._lock:
-            self.f.write(json.dumps(record) + "\n")
+            written = os.write(self.fd, line)
+            if written != len(line):  # a full disk; never seen for a regular file otherwise
+                raise OSError(f"metrics.jsonl: wrote {written} of {len(line)} bytes")
             for sink in list(self.sinks):
                 try:
                     sink.write(record)
@@ -66,7 +71,7 @@ class MetricsFile:
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
-        self.f.close()
+        os.close(self.fd)
 
 
 def scalars(record: dict) -> dict[str, float]:

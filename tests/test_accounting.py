@@ -3,7 +3,15 @@ outcome, and the in-flight and dead-letter parts are read from a real redis-serv
 
 from __future__ import annotations
 
-from pipeline.accounting import account, conserved, dead_letters, in_flight
+import json
+
+from pipeline.accounting import (
+    account,
+    conserved,
+    dead_letters,
+    in_flight,
+    trainer_resume_position,
+)
 from pipeline.messages import (
     SCHEMA_VERSION,
     RolloutGroup,
@@ -121,3 +129,29 @@ def test_in_flight_and_dead_letters_read_from_redis(rclient):
     dead = dead_letters(rclient, NAMES)
     assert [d["groups"] for d in dead] == [["broken"]]  # from the plain field: no payload
     assert dead[0]["source"] == NAMES.rollouts and "RolloutGroup" in dead[0]["reason"]
+
+
+def test_batches_after_the_trainers_resume_position_stay_in_flight(rclient, tmp_path):
+    """A trainer stopped between a step's acknowledgement and its record: the entries are
+    acknowledged, but a resume from the checkpoint reads them again, so they are in flight."""
+    ensure_group(rclient, NAMES.batches, "trainer")
+    first = publish(rclient, NAMES.batches, encode(batch(["a/0", "a/1"])))
+    publish(rclient, NAMES.batches, encode(batch(["b/0", "b/1"])))
+    c = Consumer(rclient, NAMES, NAMES.batches, "trainer", "trainer", TrainBatch, block_ms=20)
+    c.ack([entry_id for entry_id, _ in c.read(10)])  # both acknowledged; b was never recorded
+    assert in_flight(rclient, NAMES)["batches_samples"] == []
+    assert in_flight(rclient, NAMES, trainer_from=first)["batches_samples"] == ["b/0", "b/1"]
+    records = produced("a", "b") + [step(1, ["a/0", "a/1"])]
+    terms = account(records, in_flight(rclient, NAMES, trainer_from=first), [], G)
+    assert terms["groups_trained"] == terms["groups_in_flight_at_end"] == 1
+    assert terms["groups_lost"] == 0 and conserved(terms)
+
+    run = tmp_path / "run"  # where that position comes from
+    assert trainer_resume_position(str(run)) == "0-0"  # no checkpoint: from the start
+    folder = run / "checkpoints" / "step-000001"
+    folder.mkdir(parents=True)
+    (folder / "trainer_state.json").write_text(json.dumps({"entry_id": first}))
+    (run / "checkpoints" / "latest").write_text("step-000001")
+    assert trainer_resume_position(str(run)) == first
+    (run / "config.yaml").write_text("trainer:\n  resume: false\n")
+    assert trainer_resume_position(str(run)) is None  # a restart would not read them again

@@ -11,6 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from pipeline.accounting import account, in_flight
 from pipeline.config import Config
 from pipeline.messages import (
     SCHEMA_VERSION,
@@ -26,6 +27,7 @@ from pipeline.models import materialize_model
 from pipeline.runtime import Pool
 from pipeline.streams import Names, publish
 from pipeline.telemetry import MetricsFile, PoolStatus, read_jsonl
+from trainer import checkpoint
 from trainer.backends.torch_backend import TorchBackend
 from trainer.collate import collate
 from trainer.main import Trainer
@@ -117,9 +119,7 @@ def make_trainer(tiny, tmp_path, rclient, monkeypatch):
 def run_step(trainer: Trainer) -> dict:
     plan = trainer.next_plan()
     assert not plan.stop and plan.batches
-    metrics = trainer.step(plan)
-    trainer.report(metrics)
-    return metrics
+    return trainer.step(plan)  # records the step
 
 
 def retired(trainer: Trainer) -> int:
@@ -226,6 +226,50 @@ def test_a_trainer_killed_before_its_first_checkpoint_loses_nothing(make_trainer
     assert {"event": "resume", "version": 0}.items() <= next(
         r for r in records if r.get("event") == "resume"
     ).items()
+
+
+def test_a_trainer_killed_right_after_a_checkpoint_keeps_the_steps_record(
+    make_trainer, rclient, monkeypatch
+):
+    """A checkpoint covers its step's entries (a restart resumes past them, never re-reading
+    them), so the step's record must already be in metrics.jsonl when the trainer dies
+    just after the save; else the accounting would count its groups as lost."""
+    first = make_trainer(samples_per_step=2, checkpoint_every=1)
+    rng = np.random.default_rng(8)
+    names = first.pool.names
+    publish(
+        rclient,
+        names.batches,
+        encode(batch("a", [sample(0, 5, 0, 1.0, rng), sample(1, 5, 0, -1.0, rng)], rng)),
+    )
+    real_save = checkpoint.save
+
+    class Killed(BaseException):
+        pass
+
+    def save_then_die(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise Killed  # SIGKILL between the save and anything after it
+
+    monkeypatch.setattr(checkpoint, "save", save_then_die)
+    with pytest.raises(Killed):
+        run_step(first)
+    monkeypatch.setattr(checkpoint, "save", real_save)
+    first.publisher.close(timeout_s=1)
+    publish(
+        rclient,
+        names.batches,
+        encode(batch("b", [sample(0, 5, 1, 1.0, rng), sample(1, 5, 1, -1.0, rng)], rng)),
+    )
+    again = make_trainer(samples_per_step=2, checkpoint_every=1)
+    assert again.state["version"] == 1  # resumed past "a": it is never read again
+    assert run_step(again)["sample_ids"] == ["b/0", "b/1"]
+    records = read_jsonl(f"{again.pool.cfg.run_dir}/metrics.jsonl")
+    produced = [{"event": "group", "group": g} for g in ("a", "b")]
+    terms = account(produced + records, in_flight(rclient, names), [], group_size=2)
+    assert terms["groups_trained"] == 2 and terms["groups_lost"] == 0, terms
+    # the first save died before its own record; the second one wrote it
+    assert [r["step"] for r in records if r.get("event") == "checkpoint"] == [2]
 
 
 def test_a_restarted_trainer_keeps_the_preprocessors_retirements(make_trainer, rclient):

@@ -12,9 +12,10 @@
 
 One optimizer step per ``samples_per_step`` samples (trainer/batches.py
 admits them; trainer/step.py computes the loss; trainer/backends/ steps).
-The step's entries are acknowledged after the step; the batches stream is
-trimmed only below the last checkpoint's position, which a restart of the
-whole rank group resumes from, with the dedupe window saved alongside.
+The step's entries are acknowledged after the step, and its ``step`` record is
+written before the checkpoint that covers it; the batches stream is trimmed
+only below the last checkpoint's position, which a restart of the whole rank
+group resumes from, with the dedupe window saved alongside.
 """
 
 from __future__ import annotations
@@ -175,6 +176,7 @@ class Trainer:
         )
 
     def step(self, plan: Plan) -> dict:
+        """Train on the plan, publish and checkpoint when due; records the step (report)."""
         cfg = self.pool.cfg.trainer
         t0 = time.monotonic()
         mine, slots = my_share(self.ranks, plan)
@@ -197,12 +199,21 @@ class Trainer:
         if s["version"] % cfg.publish_every == 0 or s["version"] == cfg.max_steps:
             self.publish()
             self.pool.tick()
+        metrics["step_s"] = time.monotonic() - t0
+        # the step's record before the checkpoint that covers it: a trainer killed after
+        # the save resumes past these entries and never re-reads them, so a record written
+        # later could be lost with it (and the step's samples with it, in the accounting)
+        self.report(metrics)
         if s["version"] % cfg.checkpoint_every == 0 or s["version"] == cfg.max_steps:
+            t1 = time.monotonic()
             checkpoint.save(self.ckpt_root, self.backend, s, cfg.keep_checkpoints, self.ranks)
             self.checkpoint_id = s["entry_id"]
+            if self.ranks.is_main:
+                self.pool.record(
+                    event="checkpoint", step=s["version"], checkpoint_s=time.monotonic() - t1
+                )
         if self.ranks.is_main:
             self.consumer.trim(keep_after=self.checkpoint_id)
-        metrics["step_s"] = time.monotonic() - t0
         return metrics
 
     def _account(self, metrics: dict) -> None:
@@ -296,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
         plan = trainer.next_plan()
         if plan.stop:
             break
-        trainer.report(trainer.step(plan))
+        trainer.step(plan)  # records the step (report) before its checkpoint
     trainer.finish()
 
 

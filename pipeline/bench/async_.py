@@ -109,12 +109,14 @@ def measure(run_dir: Path, window: dict, budget_s: float) -> dict:
     inside = lambda r: t0 <= r["time"] <= t_end  # noqa: E731
     steps = [r for r in records if r.get("event") == "step" and inside(r)]
     turns = [r for r in records if r.get("event") == "turn" and inside(r)]
+    saves = [r for r in records if r.get("event") == "checkpoint" and inside(r)]
     versions = {r["group"]: r["versions"] for r in records if r.get("event") == "group"}
     lags: Counter = Counter()
     for r in steps:
         for sid in r["sample_ids"]:
             lags[(r["step"] - 1) - versions[sid.rsplit("/", 1)[0]][0]] += 1
     samples = sum(r["samples"] for r in steps)
+    busy_s = sum(r["step_s"] for r in steps) + sum(r["checkpoint_s"] for r in saves)
     trained_tokens = sum(r.get("tokens", 0) for r in steps)
     rewards = [r["reward_mean"] for r in steps]
     half = max(1, len(rewards) // 2)
@@ -127,7 +129,7 @@ def measure(run_dir: Path, window: dict, budget_s: float) -> dict:
         "samples_trained": samples,
         "samples_per_s": round(samples / budget_s, 4),
         "samples_per_s_between_steps": steady,
-        "trainer_idle_frac": round(1 - min(sum(r["step_s"] for r in steps) / budget_s, 1), 3),
+        "trainer_idle_frac": round(1 - min(busy_s / budget_s, 1), 3),
         "actor_idle_frac": round(1 - min(sum(r["generate_s"] for r in turns) / budget_s, 1), 3),
         "policy_lag": {str(k): v for k, v in sorted(lags.items())},
         "mean_completion_tokens": round(trained_tokens / samples, 1) if samples else None,
