@@ -39,7 +39,7 @@ from pipeline.messages import (
 )
 from pipeline.models import load_model
 from pipeline.runtime import Pool, model_path, start_pool, trainer_version
-from pipeline.streams import publish
+from pipeline.streams import count_produced, publish
 from pipeline.telemetry import Window
 from pipeline.weight_receiver import WeightReceiver
 
@@ -153,8 +153,8 @@ def publish_group(
         reward=f"{np.mean(scores):.3f}",
         tokens=int(versions.size),
     )
-    pool.client.incrby(pool.names.samples_produced, len(group.samples))
-    pool.status.incr("groups_produced")  # kept in Redis: survives a restart
+    # samples_produced (back-pressure) and groups_produced, once even when re-sent
+    count_produced(pool.client, pool.names, pool.name, group.group_id, len(group.samples))
     pool.record(
         event="group",
         group=group.group_id,

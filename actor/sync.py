@@ -32,6 +32,7 @@ import logging
 import time
 
 from pipeline.runtime import Pool
+from pipeline.streams import Lua
 
 log = logging.getLogger("actor")
 
@@ -39,7 +40,7 @@ log = logging.getLogger("actor")
 # ARGV: actor, want, step_samples, now, expires_at, group_size, engine_version, slack
 # Returns the samples claimed (a multiple of group_size; 0: wait), or -1: not at the
 # trainer's version yet. want=0 releases this actor's claim.
-_CLAIM = """
+_CLAIM = Lua("""
 local produced = tonumber(redis.call('GET', KEYS[1]) or '0')
 local retired = tonumber(redis.call('GET', KEYS[2]) or '0')
 local version = tonumber(redis.call('GET', KEYS[3]) or '0')
@@ -58,7 +59,7 @@ local n = math.min(want, math.floor(free / g) * g)
 if n <= 0 then return 0 end
 redis.call('HSET', KEYS[4], ARGV[1], n .. ':' .. ARGV[5])
 return n
-"""
+""")
 
 
 class Turns:
@@ -67,7 +68,6 @@ class Turns:
     def __init__(self, pool: Pool, engine, wait_for_room):
         self.pool, self.engine, self.wait_for_room = pool, engine, wait_for_room
         self.mode = pool.cfg.pipeline.mode
-        self.claim = pool.client.register_script(_CLAIM)
         names = pool.names
         self.keys = [
             names.samples_produced,
@@ -85,7 +85,7 @@ class Turns:
         args = [self.pool.name, want, cfg.trainer.samples_per_step, now]
         args += [now + max(cfg.launch.watchdog_s, 30.0), cfg.task.group_size]
         args += [-1 if self.engine.version is None else self.engine.version, slack]
-        return int(self.claim(keys=self.keys, args=args))
+        return int(_CLAIM(self.pool.client, self.keys, args))
 
     def wait(self) -> int:
         """Block until this actor may generate; return the number of prompts (0: stop)."""

@@ -16,6 +16,7 @@ and :class:`ShardedConsumer` reads them all behind the Consumer interface.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -187,9 +188,21 @@ def _probe(url: str, attempts: int, delay_s: float, startup_s: float) -> None:
 
 # what each role writes, probed at start-up against its own keys: (command, Names property)
 ROLE_PROBES = {
-    "actor": (("XADD", "rollouts"),),
+    "actor": (("XADD", "rollouts"), ("EVALSHA", "samples_produced")),
     "preprocessor": (("XADD", "batches"), ("XACK", "rollouts"), ("XADD", "dead")),
-    "trainer": (("XADD", "weights"), ("XACK", "batches"), ("XADD", "dead")),
+    "trainer": (
+        ("XADD", "weights"),
+        ("XACK", "batches"),
+        ("XADD", "dead"),
+        ("EVALSHA", "samples_retired"),
+    ),
+}
+# each probe changes nothing: XADD with ID 0-0 and XACK of 0-0 in no group fail on their
+# arguments, EVALSHA of no script on NOSCRIPT; a missing grant fails first, with NOPERM
+_PROBE_ARGS = {
+    "XADD": lambda key: (key, "0-0", "probe", "1"),
+    "XACK": lambda key: (key, "probe", "0-0"),
+    "EVALSHA": lambda key: ("0" * 40, 1, key),
 }
 
 
@@ -199,8 +212,8 @@ SHARDED = ("rollouts", "batches")  # the streams on shards 1.. (pipeline/shards.
 def check_permissions(
     client: redis.Redis, names: Names, role: str, url: str, shard: bool = False
 ) -> None:
-    """Run each command ``role`` needs once, harmlessly (XADD with ID 0-0 and XACK of
-    0-0 in no group change nothing; Redis checks the ACL before the arguments), so a
+    """Run each command ``role`` needs once, harmlessly (``_PROBE_ARGS``; Redis checks
+    the ACL before the arguments), so a
     user without it stops the pool at start-up with :class:`RedisUnavailable` naming
     the command, the key and deploy/redis/users.acl instead of logging NOPERM later.
     ``shard``: an extra shard, which holds only the sharded work streams."""
@@ -208,7 +221,7 @@ def check_permissions(
         if shard and stream not in SHARDED:
             continue
         key = getattr(names, stream)
-        args = (key, "0-0", "probe", "1") if command == "XADD" else (key, "probe", "0-0")
+        args = _PROBE_ARGS[command](key)
         try:
             client.execute_command(command, *args)
         except redis.exceptions.NoPermissionError as e:
@@ -239,6 +252,43 @@ def publish(
     entry = {k: str(v) for k, v in fields.items()}
     entry["data"] = payload
     return client.xadd(stream, entry, maxlen=maxlen, approximate=maxlen is not None).decode()
+
+
+class Lua:
+    """A Lua script run with EVALSHA, and EVAL when the server does not have it cached
+    (after a restart, or the first time). Unlike redis-py's ``register_script`` it never
+    sends SCRIPT LOAD, which deploy/redis/users.acl does not grant the pools (+eval and
+    +evalsha only: SCRIPT also flushes and kills)."""
+
+    def __init__(self, source: str):
+        self.source, self.sha = source, hashlib.sha1(source.encode()).hexdigest()
+
+    def __call__(self, client: redis.Redis, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            return client.eval(self.source, len(keys), *keys, *args)
+
+
+# KEYS: samples_produced, the actor's status hash; ARGV: group id, samples in it.
+_COUNT_PRODUCED = Lua("""
+if redis.call('HGET', KEYS[2], 'last_counted_group') == ARGV[1] then return 0 end
+redis.call('HSET', KEYS[2], 'last_counted_group', ARGV[1])
+redis.call('HINCRBY', KEYS[2], 'groups_produced', 1)
+redis.call('INCRBY', KEYS[1], ARGV[2])
+return 1
+""")
+
+
+def count_produced(client: redis.Redis, names: Names, actor: str, group_id: str, n: int) -> bool:
+    """Add a published group to ``samples_produced`` (the back-pressure count) and the
+    actor's ``groups_produced``, atomically and once: a call whose reply was lost
+    (redis-server killed between applying and replying) is re-sent by connect()'s retry,
+    and the status hash remembers the last group counted, so the count does not drift
+    up by a group that never comes. False when ``group_id`` was counted already."""
+    return bool(
+        _COUNT_PRODUCED(client, [names.samples_produced, names.status(actor)], [group_id, n])
+    )
 
 
 def ensure_group(client: redis.Redis, stream: str, group: str, start: str = "0") -> None:

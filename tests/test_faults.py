@@ -22,7 +22,7 @@ from pipeline.bench.faults import DEFAULT_SCHEDULE, plan
 from pipeline.config import Config, validate
 from pipeline.messages import SCHEMA_VERSION, RolloutGroup, encode
 from pipeline.redis_server import EmbeddedRedis
-from pipeline.streams import Names, connect, publish
+from pipeline.streams import Names, connect, count_produced, publish
 from pipeline.telemetry import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -201,6 +201,29 @@ def test_a_resent_xadd_duplicates_the_entry_and_the_account_counts_it_once(tmp_p
         terms = account([{"event": "group", "group": "g-1"}], flight, [], group_size=2)
         assert terms["groups_produced"] == terms["groups_in_flight_at_end"] == 1
         assert terms["groups_duplicated"] == 0 and terms["groups_lost"] == 0
+    finally:
+        proxy.sock.close()
+        server.stop()
+
+
+def test_a_resent_produced_count_counts_the_group_once(tmp_path):
+    """The actor's samples_produced / groups_produced update, re-sent by connect()'s retry
+    after its reply was lost, adds the group once: else back-pressure would count a group
+    in flight forever, and the actors' room would shrink by it for the rest of the run."""
+    server = EmbeddedRedis(str(tmp_path / "redis"))
+    server.start()
+    proxy = ReplyDropper(server.port)
+    try:
+        client = connect(f"redis://:{server.password}@127.0.0.1:{proxy.port}/0", reconnect_s=4)
+        names = Names("t", "run")
+        assert count_produced(client, names, "actor-0", "g-1", 4)
+        proxy.armed.set()
+        assert count_produced(client, names, "actor-0", "g-2", 4) is False  # the re-sent call
+        assert not proxy.armed.is_set()  # the first reply was dropped, the retry answered
+        assert count_produced(client, names, "actor-0", "g-3", 4)
+        direct = redis.Redis.from_url(server.url)
+        assert int(direct.get(names.samples_produced)) == 12
+        assert int(direct.hget(names.status("actor-0"), "groups_produced")) == 3
     finally:
         proxy.sock.close()
         server.stop()

@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 
 import torch
 
@@ -32,6 +33,7 @@ from pipeline.config import run_secret
 from pipeline.messages import TrainBatch, decode, encode
 from pipeline.runtime import Pool, model_path, start_pool
 from pipeline.shards import open_consumer
+from pipeline.streams import Lua
 from pipeline.weight_publisher import WeightPublisher
 from trainer import checkpoint
 from trainer.backends import make_backend
@@ -44,6 +46,28 @@ GROUP = "trainer"
 # the status-hash field that holds the trainer's own share of samples_retired
 RETIRED_FIELD = "samples_retired_by_trainer"
 COUNTERS = ("samples_trained", "stale_samples_dropped", "duplicates_dropped")
+
+# A step's retirements, once: a call whose reply was lost (redis-server killed between
+# applying and replying) is re-sent by connect()'s retry, and the status hash remembers
+# the last step applied (this process's token and the version), so it is not added twice.
+# KEYS: samples_retired, the trainer's status hash
+# ARGV: token:version, RETIRED_FIELD, samples retired, entries dead-lettered
+_RETIRE = Lua("""
+if redis.call('HGET', KEYS[2], 'last_retired_step') == ARGV[1] then return 0 end
+redis.call('HSET', KEYS[2], 'last_retired_step', ARGV[1])
+redis.call('INCRBY', KEYS[1], ARGV[3])
+redis.call('HINCRBY', KEYS[2], ARGV[2], ARGV[3])
+if tonumber(ARGV[4]) > 0 then redis.call('HINCRBY', KEYS[2], 'dead_lettered', ARGV[4]) end
+return 1
+""")
+# Take back the retirements past the checkpoint's count; run again, it takes back nothing.
+# KEYS: samples_retired, the trainer's status hash; ARGV: RETIRED_FIELD, the checkpoint's count
+_UNDO_RETIRED = Lua("""
+local live = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+redis.call('INCRBY', KEYS[1], tonumber(ARGV[2]) - live)  -- never "-0": INCRBY refuses it
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+return live - tonumber(ARGV[2])
+""")
 
 
 def resolve_device(device: str, local_rank: int) -> str:
@@ -101,6 +125,7 @@ class Trainer:
             dead_maxlen=cfg.redis.dead_letter_maxlen,
         )
         self.dead_seen = 0  # the consumer's dead letters already in the status hash
+        self.token = uuid.uuid4().hex  # this process's steps, in the retire script's guard
         if cfg.trainer.resume:
             # re-read from the checkpoint's position (the stream's start without one): the
             # steps after it are undone, and entries a killed trainer held come again
@@ -133,12 +158,8 @@ class Trainer:
         the preprocessors' part stays.
         """
         client, names = self.pool.client, self.pool.names
-        live = int(client.hget(names.status(self.pool.name), RETIRED_FIELD) or 0)
-        undone = live - kept
-        with client.pipeline(transaction=True) as tx:
-            tx.incrby(names.samples_retired, -undone)
-            tx.hset(names.status(self.pool.name), RETIRED_FIELD, kept)
-            tx.execute()
+        keys = [names.samples_retired, names.status(self.pool.name)]
+        undone = int(_UNDO_RETIRED(client, keys, [RETIRED_FIELD, kept]))
         if undone:
             log.info("%d retired samples of undone steps come again", undone)
 
@@ -232,14 +253,13 @@ class Trainer:
         s["entry_id"] = self.consumer.position(s["entry_id"], data.entry_ids)
         self.pool.client.set(self.pool.names.trainer_version, s["version"])
         self.consumer.ack(data.entry_ids)
-        with self.pool.client.pipeline(transaction=True) as tx:
-            tx.incrby(self.pool.names.samples_retired, data.retired)
-            tx.hincrby(self.pool.names.status(self.pool.name), RETIRED_FIELD, data.retired)
-            if self.consumer.dead_lettered > self.dead_seen:  # entries, like a preprocessor's
-                dead = self.consumer.dead_lettered - self.dead_seen
-                tx.hincrby(self.pool.names.status(self.pool.name), "dead_lettered", dead)
-                self.dead_seen = self.consumer.dead_lettered
-            tx.execute()
+        dead = self.consumer.dead_lettered - self.dead_seen  # entries, like a preprocessor's
+        _RETIRE(
+            self.pool.client,
+            [self.pool.names.samples_retired, self.pool.names.status(self.pool.name)],
+            [f"{self.token}:{s['version']}", RETIRED_FIELD, data.retired, dead],
+        )
+        self.dead_seen = self.consumer.dead_lettered
         metrics.update(
             stale=data.stale,
             version=s["version"],

@@ -83,7 +83,7 @@ def run_actor(argv: list[str]) -> None:
     from pipeline.config import load_config, redis_url, shard_urls
     from pipeline.messages import SCHEMA_VERSION, RolloutGroup, encode, pack_i32
     from pipeline.shards import Shards
-    from pipeline.streams import Names, connect, publish
+    from pipeline.streams import Names, connect, count_produced, publish
 
     p = argparse.ArgumentParser(prog="scale actor")
     for a in ("--config", "--name", "--out", "--rates"):
@@ -128,8 +128,7 @@ def run_actor(argv: list[str]) -> None:
             t0 = time.perf_counter()
             publish(shards.next(), names.rollouts, payload, schema=SCHEMA_VERSION, group=g.group_id)
             lat.append((time.perf_counter() - t0) * 1e3)
-            client.incrby(names.samples_produced, args.group_size)  # as actor/main.py does
-            client.hincrby(names.status(args.name), "groups_produced", 1)
+            count_produced(client, names, args.name, g.group_id, args.group_size)  # as actors do
             sent, nbytes = sent + 1, nbytes + len(payload)
         levels.append({"groups": sent, "bytes": nbytes, "xadd_ms": lat, "late": late})
         with open(args.out + ".tmp", "w") as f:
