@@ -36,20 +36,22 @@ from pipeline.streams import Lua
 
 log = logging.getLogger("actor")
 
-# KEYS: produced, retired, trainer_version, claims hash
-# ARGV: actor, want, step_samples, now, expires_at, group_size, engine_version, slack
+# KEYS: produced, claims hash (the keys it writes)
+# ARGV: actor, want, step_samples, now, expires_at, group_size, engine_version, slack,
+#       retired, trainer_version (keys it only reads: EVAL's declared keys need write
+#       access, which users.acl does not give the actor; the GETs are checked as reads)
 # Returns the samples claimed (a multiple of group_size; 0: wait), or -1: not at the
 # trainer's version yet. want=0 releases this actor's claim.
 _CLAIM = Lua("""
 local produced = tonumber(redis.call('GET', KEYS[1]) or '0')
-local retired = tonumber(redis.call('GET', KEYS[2]) or '0')
-local version = tonumber(redis.call('GET', KEYS[3]) or '0')
+local retired = tonumber(redis.call('GET', ARGV[9]) or '0')
+local version = tonumber(redis.call('GET', ARGV[10]) or '0')
 local want, g = tonumber(ARGV[2]), tonumber(ARGV[6])
-redis.call('HDEL', KEYS[4], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
 if want == 0 then return 0 end
 if version ~= tonumber(ARGV[7]) then return -1 end
 local claimed = 0
-local all = redis.call('HGETALL', KEYS[4])
+local all = redis.call('HGETALL', KEYS[2])
 for i = 1, #all, 2 do
   local n, expires = string.match(all[i + 1], '^(%d+):([%d%.]+)$')
   if n and tonumber(expires) > tonumber(ARGV[4]) then claimed = claimed + tonumber(n) end
@@ -57,7 +59,7 @@ end
 local free = tonumber(ARGV[3]) + tonumber(ARGV[8]) - (produced - retired) - claimed
 local n = math.min(want, math.floor(free / g) * g)
 if n <= 0 then return 0 end
-redis.call('HSET', KEYS[4], ARGV[1], n .. ':' .. ARGV[5])
+redis.call('HSET', KEYS[2], ARGV[1], n .. ':' .. ARGV[5])
 return n
 """)
 
@@ -69,12 +71,8 @@ class Turns:
         self.pool, self.engine, self.wait_for_room = pool, engine, wait_for_room
         self.mode = pool.cfg.pipeline.mode
         names = pool.names
-        self.keys = [
-            names.samples_produced,
-            names.samples_retired,
-            names.trainer_version,
-            names.sync_claims,
-        ]
+        self.keys = [names.samples_produced, names.sync_claims]
+        self.read_keys = [names.samples_retired, names.trainer_version]
         self.waited = 0.0
         pool.record(event="mode", mode=self.mode)
         pool.status.set(mode=self.mode)
@@ -85,6 +83,7 @@ class Turns:
         args = [self.pool.name, want, cfg.trainer.samples_per_step, now]
         args += [now + max(cfg.launch.watchdog_s, 30.0), cfg.task.group_size]
         args += [-1 if self.engine.version is None else self.engine.version, slack]
+        args += self.read_keys
         return int(_CLAIM(self.pool.client, self.keys, args))
 
     def wait(self) -> int:
@@ -106,7 +105,8 @@ class Turns:
             n = self._call(prompts * g, slack)
             if n > 0:
                 return n // g
-            counters = pool.client.mget(self.keys[:3])
+            # produced, retired, trainer_version
+            counters = pool.client.mget([self.keys[0], *self.read_keys])
             trainer, buffered = pool.client.hmget(
                 pool.names.status("trainer"), ["state", "buffered_samples"]
             )

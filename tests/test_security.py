@@ -56,13 +56,15 @@ def acl_redis(tmp_path):
     proc.wait()
 
 
-def test_pools_run_as_their_own_restricted_redis_users(tmp_path, acl_redis):
+@pytest.mark.parametrize("mode", ["async", "sync"])  # sync: the actors' claim script
+def test_pools_run_as_their_own_restricted_redis_users(tmp_path, acl_redis, mode):
     env = {f"NONSTOP_REDIS_URL_{r.upper()}": acl_redis[r] for r in ROLES[:3]}
     code, out = run_tiny(
         tmp_path,
         tmp_path / "run",
         f"redis.url={acl_redis['operator']}",
         "trainer.max_steps=2",
+        f"pipeline.mode={mode}",
         env_extra=env,
     )
     assert code == 0, out
@@ -76,6 +78,7 @@ def test_pools_run_as_their_own_restricted_redis_users(tmp_path, acl_redis):
         lambda: actor.xadd("nonstop:tiny:batches", {"data": b"x"}),
         lambda: actor.set("other:key", 1),
         lambda: actor.keys("*"),
+        lambda: actor.script_load("return 1"),  # scripts run with EVALSHA/EVAL only
     ):
         with pytest.raises(redis.exceptions.NoPermissionError):
             forbidden()
