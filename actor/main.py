@@ -4,7 +4,8 @@
 
     reads   task problems; <run>:weights + buckets over weights.transport (receiver thread);
             <run>:trainer_version; lag of the preprocessor group on rollouts
-    writes  <run>:rollouts (one entry per group); status hash; metrics.jsonl
+    writes  <run>:rollouts (one entry per group); <run>:samples_produced and the
+            status hash (count_produced, once per group); metrics.jsonl
     blocks  while more than actor.max_lag versions behind the trainer, or while
             actor.max_queue_groups rollouts wait unread (back-pressure)
 

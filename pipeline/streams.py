@@ -7,6 +7,10 @@ an entry that does not decode goes to ``<prefix>:<run>:dead`` with the reason
 and is acknowledged, so the consumer goes on. Trimming removes only entries
 every group has read and acknowledged.
 
+Counters that must not drift when a command is re-sent after a lost reply
+(``samples_produced``, ``samples_retired``) are updated by :class:`Lua` scripts
+that remember the last update applied (:func:`count_produced`).
+
 Sharding (``redis.shards``): the work streams (``rollouts`` and ``batches``)
 may live on several independent Redis instances, each with its own consumer
 groups; :class:`Shards` holds the clients (shard 0 is the primary, which also
