@@ -105,6 +105,10 @@ class Names:
         return self.key("samples_retired")
 
     @property
+    def retired_recent(self) -> str:  # sorted set: groups the preprocessors retired lately
+        return self.key("retired_recent")
+
+    @property
     def rendezvous(self) -> str:  # hash: the trainer's transfer address, port, epoch
         return self.key("rendezvous")
 
@@ -193,7 +197,13 @@ def _probe(url: str, attempts: int, delay_s: float, startup_s: float) -> None:
 # what each role writes, probed at start-up against its own keys: (command, Names property)
 ROLE_PROBES = {
     "actor": (("XADD", "rollouts"), ("EVALSHA", "samples_produced")),
-    "preprocessor": (("XADD", "batches"), ("XACK", "rollouts"), ("XADD", "dead")),
+    "preprocessor": (
+        ("XADD", "batches"),
+        ("XACK", "rollouts"),
+        ("XADD", "dead"),
+        ("EVALSHA", "samples_retired"),
+        ("EVALSHA", "retired_recent"),
+    ),
     "trainer": (
         ("XADD", "weights"),
         ("XACK", "batches"),
@@ -293,6 +303,36 @@ def count_produced(client: redis.Redis, names: Names, actor: str, group_id: str,
     return bool(
         _COUNT_PRODUCED(client, [names.samples_produced, names.status(actor)], [group_id, n])
     )
+
+
+# KEYS: samples_retired, retired_recent; ARGV: now, cap, then (group id, samples) pairs.
+_RETIRE_GROUPS = Lua("""
+local total = 0
+for i = 3, #ARGV, 2 do
+  if redis.call('ZADD', KEYS[2], 'NX', ARGV[1], ARGV[i]) == 1 then
+    total = total + tonumber(ARGV[i + 1])
+  end
+end
+if total > 0 then redis.call('INCRBY', KEYS[1], total) end
+redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -tonumber(ARGV[2]) - 1)
+return total
+""")
+RETIRED_RECENT_CAP = 100_000  # groups remembered: far more than a re-read can bring back
+
+
+def retire_groups(client: redis.Redis, names: Names, groups: list[tuple[str, int]]) -> int:
+    """Add the samples of ``groups`` ((group id, samples) pairs a preprocessor dropped or
+    dead-lettered) to ``samples_retired``, each group once: a preprocessor restarted
+    before acknowledging its read re-reads those groups, another one may claim them,
+    and a call whose reply was lost is re-sent; ``retired_recent`` remembers the last
+    RETIRED_RECENT_CAP groups retired, so none of these counts a group twice (the
+    back-pressure count would drift). Returns the samples newly retired."""
+    if not groups:
+        return 0
+    args: list[Any] = [time.time(), RETIRED_RECENT_CAP]
+    for group_id, n in groups:
+        args += [group_id, n]
+    return int(_RETIRE_GROUPS(client, [names.samples_retired, names.retired_recent], args))
 
 
 def ensure_group(client: redis.Redis, stream: str, group: str, start: str = "0") -> None:

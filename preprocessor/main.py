@@ -3,7 +3,9 @@
 ::
 
     reads   <run>:rollouts  (consumer group "preprocessor", one consumer per process)
-    writes  <run>:batches   (TrainBatch entries), <run>:dead (undecodable entries)
+    writes  <run>:batches   (TrainBatch entries), <run>:dead (undecodable entries),
+            <run>:samples_retired + retired_recent (dropped and dead-lettered groups,
+            each once: pipeline.streams.retire_groups)
     blocks  on XREADGROUP when no rollouts wait
 
 Per read of up to ``read_count`` groups, batched across them::
@@ -38,7 +40,7 @@ from pipeline.messages import (
 )
 from pipeline.runtime import Pool, start_pool
 from pipeline.shards import open_consumer
-from pipeline.streams import DATA, Consumer, Names, publish
+from pipeline.streams import DATA, Consumer, Names, publish, retire_groups
 from preprocessor.scorers import ScoredGroup, Scorer, build_scorers
 from preprocessor.shaping import pack, set_advantages
 
@@ -57,13 +59,15 @@ def check_group(group: RolloutGroup) -> None:
         s.sampling_mask()  # raises BadEntry when inconsistent
 
 
-def usable(consumer: Consumer, entries: list[tuple[str, RolloutGroup]]) -> list:
-    """The entries whose groups pass check_group; the others go to the dead-letter stream."""
+def usable(pool: Pool, consumer: Consumer, entries: list[tuple[str, RolloutGroup]]) -> list:
+    """The entries whose groups pass check_group; the others go to the dead-letter stream
+    and are retired (the actor counted them produced; undecodable entries it did not)."""
     good = []
     for entry_id, group in entries:
         try:
             check_group(group)
         except BadEntry as e:
+            retire_groups(pool.client, pool.names, [(group.group_id, len(group.samples))])
             consumer.dead_letter(entry_id, {DATA: encode(group)}, str(e))
             continue
         good.append((entry_id, group))
@@ -130,9 +134,7 @@ def process(
     cfg = pool.cfg.preprocessor
     groups = [group for _id, group in entries]
     kept, dropped, counts = score_groups(scorers, groups, cfg.drop_no_signal)
-    retired = sum(len(g.samples) for g in dropped)
-    if retired:
-        pool.client.incrby(pool.names.samples_retired, retired)
+    retire_groups(pool.client, pool.names, [(g.group_id, len(g.samples)) for g in dropped])
     batches = to_batches(kept, cfg.token_budget) if kept else []
     for b in batches:
         versions = np.concatenate([s.token_versions() for s in b.samples])
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     dead_seen = 0
     while not pool.tick():
-        entries = usable(consumer, consumer.read(cfg.preprocessor.read_count))
+        entries = usable(pool, consumer, consumer.read(cfg.preprocessor.read_count))
         dead_seen = count_dead_letters(pool, consumer, dead_seen)
         if not entries:
             pool.status.set(state="idle")
