@@ -7,7 +7,8 @@ the faults benchmark.
             ``batched`` and ``no_signal``, trainer ``step`` (``sample_ids``,
             ``stale_ids``) and ``resume``; from Redis (while the run's server is
             up) the entries still unread or pending in ``rollouts`` and
-            ``batches``, and the dead-letter stream
+            ``batches`` (and the batches past the trainer's resume position,
+            which a restart reads again), and the dead-letter stream
     writes  nothing; :func:`account` returns the terms of
             produced = trained + stale + no_signal + dead_lettered + in_flight + lost
 
@@ -22,14 +23,13 @@ may have two final outcomes (``samples_conflicting``).
 
 from __future__ import annotations
 
-import json
-import os
 from collections import Counter
 from typing import Any
 
 import redis
 
 from pipeline.messages import BadEntry, RolloutGroup, TrainBatch, decode
+from pipeline.shards import parse_position
 from pipeline.streams import Names
 from pipeline.telemetry import surviving_steps
 
@@ -83,14 +83,8 @@ def in_flight(
     after it are in flight too, acknowledged or not, since a resume reads them again
     (a trainer stopped between a step's acknowledgement and its record left some)."""
     groups, samples, bad = set(), set(), []
-    starts = trainer_from.split(",") if trainer_from else [None] * (1 + len(shards))
-    if len(starts) == 1 and shards:  # a plain id: shard 0's (as ShardedConsumer.parse)
-        starts += ["0-0"] * len(shards)
-    if len(starts) != 1 + len(shards):
-        raise ValueError(
-            f"trainer position {trainer_from!r} names {len(starts)} shards, the run has "
-            f"{1 + len(shards)}"
-        )
+    n = 1 + len(shards)
+    starts = parse_position(trainer_from, n) if trainer_from else [None] * n
     for k, (shard, start) in enumerate(zip([client, *shards], starts, strict=True)):
         tag = f"{k}@" if k else ""
         for entry_id, fields in _unconsumed(shard, names.rollouts, PREPROCESSOR_GROUP):
@@ -104,28 +98,6 @@ def in_flight(
             except (BadEntry, KeyError, ValueError):
                 bad.append(f"batches/{tag}{entry_id.decode()}")
     return {"rollouts_groups": sorted(groups), "batches_samples": sorted(samples), "bad": bad}
-
-
-def trainer_resume_position(run_dir: str) -> str | None:
-    """Where a restarted trainer of the run in ``run_dir`` would read from: its latest
-    checkpoint's position (``checkpoints/latest``, trainer/checkpoint.py), the stream's
-    start without one; None when trainer.resume is off (a restart reads only new entries)."""
-    from omegaconf import OmegaConf
-
-    config = os.path.join(run_dir, "config.yaml")
-    if (
-        os.path.exists(config)
-        and OmegaConf.select(OmegaConf.load(config), "trainer.resume") is False
-    ):
-        return None
-    root = os.path.join(run_dir, "checkpoints")
-    try:
-        with open(os.path.join(root, "latest")) as f:
-            folder = os.path.join(root, f.read().strip())
-        with open(os.path.join(folder, "trainer_state.json")) as f:
-            return str(json.load(f)["entry_id"])
-    except FileNotFoundError:
-        return "0-0"
 
 
 def _role_of(source: str) -> str:

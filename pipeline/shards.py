@@ -73,6 +73,21 @@ def open_consumer(
     return ShardedConsumer(shards, names, stream, group, consumer, cls, **kw)
 
 
+def parse_position(position: str, shards: int) -> list[str]:
+    """Per-shard ids of a read position (one entry id per shard, comma-joined); a plain
+    id (a one-shard run's checkpoint) is shard 0's. A position of another shard count is
+    refused: entries cannot be mapped between shard layouts."""
+    parts = position.split(",")
+    if len(parts) == 1 and SEP not in position:
+        return [position] + ["0-0"] * (shards - 1)
+    if len(parts) != shards:
+        raise ValueError(
+            f"read position {position!r} has {len(parts)} shards but redis.shards="
+            f"{shards}: resume with the shard count the run was started with"
+        )
+    return parts
+
+
 def split_id(entry_id: str) -> tuple[int, str]:
     """``k@ms-seq`` -> (k, ``ms-seq``)."""
     shard, sep, plain = entry_id.partition(SEP)
@@ -158,18 +173,7 @@ class ShardedConsumer:
 
     # ---- positions: one entry id per shard, comma-joined
     def parse(self, position: str) -> list[str]:
-        """Per-shard ids of a position; a plain id (a one-shard run's checkpoint) is
-        shard 0's. A position of another shard count is refused: entries cannot be
-        mapped between shard layouts."""
-        parts = position.split(",")
-        if len(parts) == 1 and SEP not in position:
-            return [position] + ["0-0"] * (len(self.parts) - 1)
-        if len(parts) != len(self.parts):
-            raise ValueError(
-                f"read position {position!r} has {len(parts)} shards but redis.shards="
-                f"{len(self.parts)}: resume with the shard count the run was started with"
-            )
-        return parts
+        return parse_position(position, len(self.parts))
 
     def position(self, previous: str, ids: list[str]) -> str:
         current = self.parse(previous)

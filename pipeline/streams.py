@@ -9,7 +9,7 @@ every group has read and acknowledged.
 
 Counters that must not drift when a command is re-sent after a lost reply
 (``samples_produced``, ``samples_retired``) are updated by :class:`Lua` scripts
-that remember the last update applied (:func:`count_produced`).
+that remember the last update applied (:func:`add_once`, :func:`retire_groups`).
 
 Sharding (``redis.shards``): the work streams (``rollouts`` and ``batches``)
 may live on several independent Redis instances, each with its own consumer
@@ -284,24 +284,43 @@ class Lua:
             return client.eval(self.source, len(keys), *keys, *args)
 
 
-# KEYS: samples_produced, the actor's status hash; ARGV: group id, samples in it.
-_COUNT_PRODUCED = Lua("""
-if redis.call('HGET', KEYS[2], 'last_counted_group') == ARGV[1] then return 0 end
-redis.call('HSET', KEYS[2], 'last_counted_group', ARGV[1])
-redis.call('HINCRBY', KEYS[2], 'groups_produced', 1)
-redis.call('INCRBY', KEYS[1], ARGV[2])
+# KEYS: a counter, a status hash; ARGV: guard field, token, amount, then (field, amount)
+# pairs added to the status hash. Applied once per token: the guard field remembers it.
+_ADD_ONCE = Lua("""
+if redis.call('HGET', KEYS[2], ARGV[1]) == ARGV[2] then return 0 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('INCRBY', KEYS[1], ARGV[3])
+for i = 4, #ARGV, 2 do redis.call('HINCRBY', KEYS[2], ARGV[i], ARGV[i + 1]) end
 return 1
 """)
 
 
+def add_once(
+    client: redis.Redis,
+    counter: str,
+    status: str,
+    guard: str,
+    token: str,
+    n: int,
+    fields: dict[str, int],
+) -> bool:
+    """INCRBY ``counter`` by ``n`` and HINCRBY the ``fields`` of the ``status`` hash,
+    atomically and once per ``token`` (kept in the hash's ``guard`` field): a call whose
+    reply was lost (redis-server killed between applying and replying) is re-sent by
+    connect()'s retry, and the re-send changes nothing. False when already applied."""
+    args: list[Any] = [guard, token, n]
+    for field, by in fields.items():
+        args += [field, by]
+    return bool(_ADD_ONCE(client, [counter, status], args))
+
+
 def count_produced(client: redis.Redis, names: Names, actor: str, group_id: str, n: int) -> bool:
     """Add a published group to ``samples_produced`` (the back-pressure count) and the
-    actor's ``groups_produced``, atomically and once: a call whose reply was lost
-    (redis-server killed between applying and replying) is re-sent by connect()'s retry,
-    and the status hash remembers the last group counted, so the count does not drift
-    up by a group that never comes. False when ``group_id`` was counted already."""
-    return bool(
-        _COUNT_PRODUCED(client, [names.samples_produced, names.status(actor)], [group_id, n])
+    actor's ``groups_produced``, once (:func:`add_once`, the last group counted is the
+    token), so the count does not drift up by a group that never comes."""
+    status, fields = names.status(actor), {"groups_produced": 1}
+    return add_once(
+        client, names.samples_produced, status, "last_counted_group", group_id, n, fields
     )
 
 

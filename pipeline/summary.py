@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 import redis
 
-from pipeline.accounting import account, dead_letters, in_flight, trainer_resume_position
+from pipeline.accounting import account, dead_letters, in_flight
 from pipeline.streams import Names
 from pipeline.telemetry import read_jsonl, read_statuses, surviving_steps
 
@@ -136,6 +136,18 @@ def _config_str(run_dir: str, key: str, default: str) -> str:
     path = os.path.join(run_dir, "config.yaml")
     value = OmegaConf.select(OmegaConf.load(path), key) if os.path.exists(path) else None
     return default if value is None else str(value)
+
+
+def trainer_resume_position(run_dir: str) -> str | None:
+    """Where a restarted trainer of the run in ``run_dir`` would read from: its latest
+    checkpoint's position, the stream's start without one; None when trainer.resume is
+    off (a restart then reads only new entries)."""
+    from trainer import checkpoint
+
+    if _config_str(run_dir, "trainer.resume", "True") == "False":
+        return None
+    latest = checkpoint.latest(os.path.join(run_dir, "checkpoints"))
+    return str(checkpoint.load_state(latest)["entry_id"]) if latest else "0-0"
 
 
 def _group_size(run_dir: str) -> int:

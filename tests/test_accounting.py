@@ -5,13 +5,7 @@ from __future__ import annotations
 
 import json
 
-from pipeline.accounting import (
-    account,
-    conserved,
-    dead_letters,
-    in_flight,
-    trainer_resume_position,
-)
+from pipeline.accounting import account, conserved, dead_letters, in_flight
 from pipeline.messages import (
     SCHEMA_VERSION,
     RolloutGroup,
@@ -23,6 +17,7 @@ from pipeline.messages import (
 )
 from pipeline.messages import rle_encode as rle
 from pipeline.streams import Consumer, Names, ensure_group, publish
+from pipeline.summary import trainer_resume_position
 
 NAMES = Names("nsrl-acct", "run")
 G = 2  # samples per group in these tests

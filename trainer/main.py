@@ -33,7 +33,7 @@ from pipeline.config import run_secret
 from pipeline.messages import TrainBatch, decode, encode
 from pipeline.runtime import Pool, model_path, start_pool
 from pipeline.shards import open_consumer
-from pipeline.streams import Lua
+from pipeline.streams import Lua, add_once
 from pipeline.weight_publisher import WeightPublisher
 from trainer import checkpoint
 from trainer.backends import make_backend
@@ -47,19 +47,6 @@ GROUP = "trainer"
 RETIRED_FIELD = "samples_retired_by_trainer"
 COUNTERS = ("samples_trained", "stale_samples_dropped", "duplicates_dropped")
 
-# A step's retirements, once: a call whose reply was lost (redis-server killed between
-# applying and replying) is re-sent by connect()'s retry, and the status hash remembers
-# the last step applied (this process's token and the version), so it is not added twice.
-# KEYS: samples_retired, the trainer's status hash
-# ARGV: token:version, RETIRED_FIELD, samples retired, entries dead-lettered
-_RETIRE = Lua("""
-if redis.call('HGET', KEYS[2], 'last_retired_step') == ARGV[1] then return 0 end
-redis.call('HSET', KEYS[2], 'last_retired_step', ARGV[1])
-redis.call('INCRBY', KEYS[1], ARGV[3])
-redis.call('HINCRBY', KEYS[2], ARGV[2], ARGV[3])
-if tonumber(ARGV[4]) > 0 then redis.call('HINCRBY', KEYS[2], 'dead_lettered', ARGV[4]) end
-return 1
-""")
 # Take back the retirements past the checkpoint's count; run again, it takes back nothing.
 # KEYS: samples_retired, the trainer's status hash; ARGV: RETIRED_FIELD, the checkpoint's count
 _UNDO_RETIRED = Lua("""
@@ -254,10 +241,14 @@ class Trainer:
         self.pool.client.set(self.pool.names.trainer_version, s["version"])
         self.consumer.ack(data.entry_ids)
         dead = self.consumer.dead_lettered - self.dead_seen  # entries, like a preprocessor's
-        _RETIRE(
+        add_once(  # once even when re-sent after a lost reply
             self.pool.client,
-            [self.pool.names.samples_retired, self.pool.names.status(self.pool.name)],
-            [f"{self.token}:{s['version']}", RETIRED_FIELD, data.retired, dead],
+            self.pool.names.samples_retired,
+            self.pool.names.status(self.pool.name),
+            "last_retired_step",
+            f"{self.token}:{s['version']}",
+            data.retired,
+            {RETIRED_FIELD: data.retired, "dead_lettered": dead},
         )
         self.dead_seen = self.consumer.dead_lettered
         metrics.update(
