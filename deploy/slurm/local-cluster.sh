@@ -25,8 +25,30 @@ stop() {
   done
 }
 
-free_port() {
-  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+# COUNT consecutive free ports, below Linux's ephemeral range (32768-60999), so that a
+# client connection opened meanwhile cannot take one before its daemon binds it
+free_ports() {
+  python3 - "$1" <<'PY'
+import random, socket, sys
+n = int(sys.argv[1])
+for _ in range(1000):
+    base = random.randrange(20000, 32000 - n)
+    socks = []
+    try:
+        for port in range(base, base + n):
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("127.0.0.1", port))
+    except OSError:
+        continue
+    finally:
+        for s in socks:
+            s.close()
+    print(base)
+    break
+else:
+    sys.exit("no free port range")
+PY
 }
 
 start_munge() {  # reuse a running munged; else start one (as the munge user) and remember it
@@ -46,8 +68,8 @@ start_munge() {  # reuse a running munged; else start one (as the munge user) an
 
 write_conf() {
   local ctl_port first last
-  ctl_port=$(free_port)
-  first=$(free_port)
+  ctl_port=$(free_ports $((nodes + 1)))  # slurmctld, then one port per slurmd
+  first=$((ctl_port + 1))
   last=$((first + nodes - 1))
   mkdir -p "$dir/state" "$dir/log"
   for i in $(seq "$nodes"); do mkdir -p "$dir/spool/n$i"; done
@@ -90,7 +112,7 @@ case $cmd in
     write_conf
     slurmctld -f "$conf"
     for i in $(seq "$nodes"); do slurmd -f "$conf" -N "n$i"; done
-    for _ in $(seq 100); do
+    for _ in $(seq 300); do  # up to a minute: a loaded machine registers nodes slowly
       if SLURM_CONF=$conf sinfo -h -o '%T' 2>/dev/null | grep -qx idle &&
         [ "$(SLURM_CONF=$conf sinfo -h -N -o '%T' | grep -cx idle)" = "$nodes" ]; then
         echo "export SLURM_CONF=$conf"
