@@ -189,7 +189,7 @@ def build_engine(pool: Pool) -> tuple[Engine, object]:
     if cfg.actor.engine == "vllm":
         from transformers import AutoTokenizer
 
-        from actor.engines.vllm import from_config
+        from actor.engines.vllm.client import from_config
 
         tokenizer = AutoTokenizer.from_pretrained(model_path(cfg))
         return from_config(cfg, model_path(cfg), tokenizer, seed), tokenizer

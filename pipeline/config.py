@@ -92,12 +92,12 @@ class TaskConfig:
 
 @dataclass
 class VLLMConfig:
-    """``actor.engine=vllm`` (actor/engines/vllm.py; vLLM 0.24.0 AsyncLLM)."""
+    """``actor.engine=vllm`` (actor/engines/vllm/client.py; vLLM 0.24.0 AsyncLLM)."""
 
     in_flight: int = 64  # requests kept in flight (a finished one is replaced at once)
     gpu_memory_utilization: float = 0.5  # fraction of the GPU vLLM may take
     max_num_seqs: int = 256  # sequences the scheduler runs together
-    tensor_parallel_size: int = 1  # GPUs per engine (actor/vllm_tp.py; not with model.lora)
+    tensor_parallel_size: int = 1  # GPUs per engine (not with model.lora)
     enforce_eager: bool = False  # true: no CUDA graphs / torch.compile (faster start)
     enable_prefix_caching: bool = True  # salted per weight version (no stale KV reuse)
     max_model_len: int = 2048  # prompt + completion tokens

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 import actor.main as actor_main
 from actor import stream
-from actor.engines.vllm import VLLMEngine
+from actor.engines.vllm.client import VLLMEngine
 from actor.task import RewardErrors, make_task, score
 from pipeline.config import Config
 from pipeline.messages import RolloutGroup, decode, rle_decode

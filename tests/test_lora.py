@@ -356,11 +356,11 @@ def base_weights_of(named: dict) -> dict[str, torch.Tensor]:
     }
 
 
-# ---------------------------------------------------------------- vLLM (actor/engines/vllm_lora.py)
+# ---------------------------------------------------------------- vLLM (actor/engines/vllm/lora.py)
 
 
 def test_vllm_engine_kwargs_and_rank_rounding(models):
-    from actor.engines import vllm_lora
+    from actor.engines.vllm import lora as vllm_lora
 
     tiny, _ = models
     assert vllm_lora.engine_kwargs(lora_cfg(tiny, rank=0).model.lora) == {}
@@ -376,7 +376,8 @@ def test_vllm_engine_kwargs_and_rank_rounding(models):
 def test_vllm_initial_adapter_is_the_trainers_version_0(models, tmp_path):
     from peft import PeftModel
 
-    from actor.engines import vllm_lora
+    from actor.engines.vllm import lora as vllm_lora
+    from actor.engines.vllm.worker import lora as worker_lora
     from pipeline.weights import bucket_layout, flatten
 
     tiny, _ = models
@@ -392,7 +393,7 @@ def test_vllm_initial_adapter_is_the_trainers_version_0(models, tmp_path):
     # a published version, split back into peft-named tensors in the engine core
     layout = bucket_layout(list(theirs.items()), bucket_bytes=4096)
     buckets = flatten(theirs, layout)
-    split = vllm_lora.adapter_tensors_from_buckets(layout, buckets)
+    split = worker_lora.adapter_tensors_from_buckets(layout, buckets)
     assert set(split) == set(theirs) and all(torch.equal(split[n], theirs[n]) for n in theirs)
 
 
@@ -403,7 +404,8 @@ def test_vllm_swaps_the_adapter_in_place_and_matches_peft(models, tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU and vLLM 0.24")
     vllm = pytest.importorskip("vllm")
-    from actor.engines import vllm_lora
+    from actor.engines.vllm import lora as vllm_lora
+    from actor.engines.vllm.worker import lora as worker_lora
 
     tiny, _ = models
     cfg = lora_cfg(tiny, rank=8)
@@ -423,7 +425,7 @@ def test_vllm_swaps_the_adapter_in_place_and_matches_peft(models, tmp_path):
     folder = str(tmp_path / "v0")
 
     def swap(worker):
-        swapper = vllm_lora.AdapterSwap(worker, folder)
+        swapper = worker_lora.AdapterSwap(worker, folder)
         swapper.stage(1, adapter)
         swapper.swap(1)
         return True

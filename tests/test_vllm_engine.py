@@ -1,4 +1,4 @@
-"""actor/engines/vllm.py against a fake AsyncLLM (tests/vllm_fake.py, written from
+"""actor/engines/vllm/client.py against a fake AsyncLLM (tests/vllm_fake.py, written from
 vLLM 0.24.0's source) whose engine-core thread drives the real worker extension:
 requests held in flight, per-token versions across a swap, lock vs pause call
 sequences, a lock timeout, prefix-cache salting, and the clear error without vLLM.
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from actor.engines.vllm import VLLMEngine, load_vllm
+from actor.engines.vllm.client import VLLMEngine, load_vllm
 from pipeline.config import VLLM_MISSING
 from pipeline.transfer import TensorSource
 from tests import vllm_fake

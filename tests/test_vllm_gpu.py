@@ -19,7 +19,7 @@ if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from actor.engines.vllm import VLLMEngine  # noqa: E402
+from actor.engines.vllm.client import VLLMEngine  # noqa: E402
 from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement  # noqa: E402
 from pipeline.transfer import TensorSource  # noqa: E402
 from pipeline.weights import bucket_layout, checksum, flatten  # noqa: E402

@@ -23,8 +23,8 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
-from actor.engines import vllm as vllm_engine
-from actor.engines.vllm import VLLMEngine
+from actor.engines.vllm import client as vllm_engine
+from actor.engines.vllm.client import VLLMEngine
 from pipeline import lora
 from pipeline.messages import encode
 from pipeline.transfer import TensorSource

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from actor import stream  # noqa: E402
-from actor.engines.vllm import VLLMEngine  # noqa: E402
+from actor.engines.vllm.client import VLLMEngine  # noqa: E402
 from actor.task import RewardErrors, make_task  # noqa: E402
 from pipeline.config import Config  # noqa: E402
 from pipeline.messages import RolloutGroup, decode, rle_decode  # noqa: E402

@@ -1,4 +1,4 @@
-"""Tensor parallelism in the vLLM worker extension (actor/vllm_tp.py) on the CPU: two
+"""Tensor parallelism in the vLLM worker extension (actor/engines/vllm/worker/tp.py) on the CPU: two
 real processes, one per TP rank, joined by gloo as vLLM's workers are by NCCL, each a
 fake Worker holding its shard and the real extension, driven with the same calls in
 the same order (tests/tp_rank.py). What is not run here: vLLM itself with TP > 1."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from actor.vllm_tp import merge_polls
+from actor.engines.vllm.worker.tp import merge_polls
 from pipeline.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from actor.vllm_layout import build_plan, token_versions
-from actor.vllm_worker import LockedWeights, NonstopWorkerExtension, StepVersions
+from actor.engines.vllm.worker.extension import LockedWeights, NonstopWorkerExtension, StepVersions
+from actor.engines.vllm.worker.layout import build_plan, token_versions
 from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement, encode
 from pipeline.weights import bucket_layout, checksum, flatten
 

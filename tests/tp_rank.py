@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from actor.vllm_worker import NonstopWorkerExtension
+from actor.engines.vllm.worker.extension import NonstopWorkerExtension
 from pipeline.messages import encode
 from tests.test_vllm_worker import (
     FakeVllmModel,

@@ -1,4 +1,4 @@
-"""A fake of vLLM 0.24.0's AsyncLLM for CPU tests of actor/engines/vllm.py.
+"""A fake of vLLM 0.24.0's AsyncLLM for CPU tests of actor/engines/vllm/client.py.
 
 Written from the 0.24.0 wheel's source: the same method names and signatures
 (``AsyncLLM.from_engine_args``, ``generate``, ``collective_rpc``,

@@ -11,8 +11,8 @@ receive. Either way every pause of generation is recorded in ``stats`` as a
 swap with its lock-hold time.
 
 Implementations: ``hf`` (actor/engines/hf.py, CPU and GPU; one batch at a time) and
-``vllm`` (actor/engines/vllm.py: vLLM 0.24's AsyncLLM; its worker extension,
-actor/vllm_worker.py, stages in the engine-core process and swaps under a lock
+``vllm`` (actor/engines/vllm/client.py: vLLM 0.24's AsyncLLM; its worker extension,
+actor/engines/vllm/worker/extension.py, stages in the engine-core process and swaps under a lock
 around each forward pass). An engine with ``streaming = True`` also takes units of
 prompts one at a time (``submit`` / ``take`` / ``open_units`` / ``empty_s`` /
 ``abort_open``), and in ``pipeline.mode=async`` the actor keeps it fed without

@@ -1,8 +1,8 @@
 """Per-request weight versions of the engine steps that sampled each token.
 
-The worker extension (actor/vllm_worker.py) records, under the per-forward-pass
+The worker extension (actor/engines/vllm/worker/extension.py) records, under the per-forward-pass
 lock, the live version for every request a step samples for; the engine fetches
-them with ``nonstop_poll`` when a request is collected (actor/engines/vllm.py).
+them with ``nonstop_poll`` when a request is collected (actor/engines/vllm/client.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ::
 
-    receiver thread (actor)                 engine-core process (actor/vllm_worker.py)
+    receiver thread (actor)                 engine-core process (worker/extension.py)
     stage(ann, source)  --------------->    nonstop_update(ann, source, swap=False):
                                             staging filled on a side stream while
                                             generating; polled until staged on every rank
@@ -62,10 +62,10 @@ class EngineChannel:
 
 def merge(answers: list[Any]) -> Any:
     """One answer from every worker's: the first with one worker; with tensor
-    parallelism ``nonstop_poll`` answers are merged (actor/vllm_tp.py merge_polls)."""
+    parallelism ``nonstop_poll`` answers are merged (worker/tp.py merge_polls)."""
     if len(answers) == 1 or not isinstance(answers[0], dict) or "live_version" not in answers[0]:
         return answers[0]
-    from actor.vllm_tp import merge_polls
+    from actor.engines.vllm.worker.tp import merge_polls
 
     return merge_polls(answers)
 

@@ -120,7 +120,8 @@ def build_plan(
         else:
             raise ValueError(
                 f"vLLM parameter {vname} has no source among the trainer's tensors; "
-                "this model family is not mapped (actor/vllm_layout.py FUSED/ROW_PARALLEL)"
+                "this model family is not mapped (actor/engines/vllm/worker/layout.py "
+                "FUSED/ROW_PARALLEL)"
             )
         _check_rows(vname, vshape, covered[vname], pieces, hf_shapes)
     skipped = [h for h in hf_shapes if h not in pieces]

@@ -2,7 +2,7 @@
 engine generates, and the swap between two forward passes.
 
 Loaded by vLLM 0.24 in its engine-core process through
-``worker_extension_cls="actor.vllm_worker.NonstopWorkerExtension"``, which makes
+``worker_extension_cls="actor.engines.vllm.worker.extension.NonstopWorkerExtension"``, which makes
 this class a base of vLLM's GPU ``Worker`` (``self`` is the Worker; our method
 names start with ``nonstop_`` so they never clash with its own)::
 
@@ -12,7 +12,7 @@ names start with ``nonstop_`` so they never clash with its own)::
     collective_rpc("nonstop_update",    -->   a background thread receives the buckets on
                    announcement, source)      a side stream, one bucket in flight at a time,
                                               checks each bucket's sum, scatters it into
-                                              staging (actor/vllm_layout.py), then takes
+                                              staging (worker/layout.py), then takes
                                               the lock (with a deadline) and enqueues
                                               staging -> parameters on the engine's stream
     collective_rpc("nonstop_update",    -->   stage only (the engine interface's stage());
@@ -36,14 +36,14 @@ With ``model.lora`` (``nonstop_install(..., lora={"dir", "request"})``) the base
 weights never change and no staging copy of them is made: announcements must say
 ``kind="lora"``; the buckets (peft-named adapter tensors) are received and checked the
 same way, built into a vLLM LoRAModel outside the lock (``AdapterSwap.stage``,
-actor/engines/vllm_lora.py), and the adapter's GPU slot is rewritten under the same
+actor/engines/vllm/lora.py), and the adapter's GPU slot is rewritten under the same
 lock, deadline and version bookkeeping (``AdapterSwap.swap``). An announcement of the
 other kind fails the update, saying which ``model.lora`` setting differs.
 
 With ``tensor_parallel_size`` > 1 every worker gets every call; rank 0 receives and
 broadcasts, and the swap is issued from ``nonstop_swap`` itself, in the order vLLM
-delivers calls to all workers (actor/vllm_tp.py). The lock, staging and swap live in
-actor/vllm_locked.py (``LockedWeights``), the per-step versions in actor/vllm_steps.py.
+delivers calls to all workers (tp.py). The lock, staging and swap live in locked.py
+(``LockedWeights``), the per-step versions in steps.py (all in this folder).
 
 Everything except the vLLM Worker it is mixed into is plain torch, so the lock,
 staging, scatter and swap are tested on the CPU with a fake worker.
@@ -61,10 +61,11 @@ from typing import Any
 
 import torch
 
-from actor.vllm_locked import BucketSource, LockedWeights
-from actor.vllm_steps import StepVersions  # noqa: F401 (re-exported for tests)
-from actor.vllm_tp import TPSource, tp_of, weights_group
+from actor.engines.vllm.worker.locked import LockedWeights
+from actor.engines.vllm.worker.steps import StepVersions  # noqa: F401 (re-exported for tests)
+from actor.engines.vllm.worker.tp import TPSource, tp_of, weights_group
 from pipeline.messages import WeightAnnouncement, decode
+from pipeline.transfer.base import BucketSource
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class NonstopWorkerExtension:
             return self._nonstop_info
         adapter = None
         if lora is not None:
-            from actor.engines.vllm_lora import AdapterSwap
+            from actor.engines.vllm.worker.lora import AdapterSwap
 
             adapter = AdapterSwap(self, lora["dir"], import_path(lora["request"]))
         named = list(self.get_model().named_parameters())
@@ -127,7 +128,7 @@ class NonstopWorkerExtension:
         from pipeline.transfer import make_receiver
 
         if self._nonstop.tp_rank != 0:
-            return  # TP rank 0 receives and broadcasts to the others (actor/vllm_tp.py)
+            return  # TP rank 0 receives and broadcasts to the others (tp.py)
         if getattr(self, "_nonstop_receiver", None) is not None:
             self._nonstop_receiver.close()
         receiver = make_receiver(transport, self._nonstop_timeout)
@@ -154,7 +155,7 @@ class NonstopWorkerExtension:
         the lock here: this runs on the engine thread, which may hold it between a step's
         execute_model and sample_tokens. Returns at once: poll for the outcome.
         TP > 1: swapped between the same two steps on every rank, from right here
-        (LockedWeights.swap_between_steps, actor/vllm_tp.py)."""
+        (LockedWeights.swap_between_steps, actor/engines/vllm/worker/tp.py)."""
         w = self._nonstop
         if w.tp_size == 1:
             self._nonstop_jobs.put(("swap", version, None))

@@ -1,5 +1,5 @@
 """The live parameters of a vLLM Worker, a staging copy beside them, and the
-per-forward-pass lock that orders a swap between two steps (actor/vllm_worker.py
+per-forward-pass lock that orders a swap between two steps (actor/engines/vllm/worker/extension.py
 installs it; the recipe: ``device/VLLM_LOCK.md`` in the project's shared notes).
 
 The lock is taken on entry of ``execute_model`` and released on exit of the matching
@@ -7,7 +7,7 @@ The lock is taken on entry of ``execute_model`` and released on exit of the matc
 into the vLLM layout for this TP rank); ``swap`` enqueues staging -> parameters on the
 engine's stream under the lock and releases it at once; with tensor parallelism
 ``swap_between_steps`` does it on the engine thread in the broadcast queue's order
-(actor/vllm_tp.py). Plain torch: tested on the CPU with fake workers.
+(actor/engines/vllm/worker/tp.py). Plain torch: tested on the CPU with fake workers.
 """
 
 from __future__ import annotations
@@ -17,25 +17,20 @@ import threading
 import time
 from collections import deque
 from contextlib import nullcontext
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from actor.engines.vllm_lora import AdapterLost
-from actor.vllm_layout import Plan, build_plan
-from actor.vllm_steps import StepVersions
+from actor.engines.vllm.worker.layout import Plan, build_plan
+from actor.engines.vllm.worker.lora import AdapterLost
+from actor.engines.vllm.worker.steps import StepVersions
 from pipeline.lora import KIND_FULL, KIND_LORA
 from pipeline.messages import WeightAnnouncement
+from pipeline.transfer.base import BucketSource
 from pipeline.weights import checksum
 
 log = logging.getLogger(__name__)
 ALIGN = 256  # bytes: staging views start on 256-byte boundaries
-
-
-class BucketSource(Protocol):
-    """Fills bucket ``i`` of an announced version (a transport's receiving end)."""
-
-    def fetch(self, index: int, out: torch.Tensor, deadline: float) -> None: ...
 
 
 class LockedWeights:
@@ -192,7 +187,7 @@ class LockedWeights:
     def _stage_adapter(self, ann: WeightAnnouncement, source: BucketSource, deadline: float):
         """Receive the adapter's buckets (small: one buffer each), check their sums, and
         build the vLLM LoRAModel outside the lock (AdapterSwap.stage)."""
-        from actor.engines.vllm_lora import adapter_tensors_from_buckets
+        from actor.engines.vllm.worker.lora import adapter_tensors_from_buckets
 
         dtype = getattr(torch, ann.dtype)
         bufs = [torch.empty(b.numel, dtype=dtype, device=self.device) for b in ann.buckets]

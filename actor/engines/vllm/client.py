@@ -5,7 +5,7 @@
     actor thread (sync)              engine loop thread (asyncio)      engine-core process
     submit(group) / take() --------> each request waits for one of     scheduler + GPU Workers
       (pipeline.mode=async,          actor.vllm.in_flight slots, then  with NonstopWorkerExtension
-       actor/stream.py)              AsyncLLM.generate(); a finished   (actor/vllm_worker.py):
+       actor/stream.py)              AsyncLLM.generate(); a finished   (worker/extension.py):
     generate(batch) (sync mode)      request frees its slot at once    per-forward lock, staging,
     stage / swap (receiver thread) -> collective_rpc("nonstop_*")  --> per-step versions
 
@@ -22,7 +22,7 @@ extension records, under the per-forward lock, the live version for each request
 that step samples for (``StepVersions``); when a unit is collected the engine fetches
 them for its request ids in one ``nonstop_poll`` and spreads them over the tokens
 (``vllm_layout.token_versions``). They are exact per token. New weights:
-actor/engines/vllm_weights.py (``weights.update_mode=lock|pause``).
+actor/engines/vllm/weights.py (``weights.update_mode=lock|pause``).
 
 Prefix caching across a swap: every request carries ``cache_salt`` = the live
 version and this engine's swap count, so a request submitted under version B never
@@ -41,7 +41,7 @@ swapped by the worker under the same lock, deadline and version stamps.
 
 ``actor.vllm.tensor_parallel_size`` > 1: vLLM runs a worker per GPU; every
 ``collective_rpc`` answer is merged (a version is staged or live only on every rank)
-and the workers swap between the same two steps (actor/vllm_tp.py).
+and the workers swap between the same two steps (actor/engines/vllm/worker/tp.py).
 
 vLLM is imported lazily (:func:`load_vllm`).
 """
@@ -60,10 +60,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from types import SimpleNamespace
 from typing import Any
 
-from actor.engines import vllm_lora
 from actor.engines.base import Completion, Engine, EngineStats
-from actor.engines.vllm_weights import VLLMWeights, merge
-from actor.vllm_layout import token_versions
+from actor.engines.vllm import lora as vllm_lora
+from actor.engines.vllm.weights import VLLMWeights, merge
+from actor.engines.vllm.worker.layout import token_versions
 from pipeline import lora as lora_lib
 from pipeline.config import VLLM_MISSING
 
@@ -159,7 +159,7 @@ class VLLMEngine(VLLMWeights, Engine):
             enable_prefix_caching=settings.enable_prefix_caching,
             max_model_len=settings.max_model_len,
             logprobs_mode="processed_logprobs",  # the sampled-from distribution
-            worker_extension_cls="actor.vllm_worker.NonstopWorkerExtension",
+            worker_extension_cls="actor.engines.vllm.worker.extension.NonstopWorkerExtension",
             **vllm_lora.engine_kwargs(lora),
         )
         self.llm = self._call(self._start(args), self.rpc_timeout_s * 5)
