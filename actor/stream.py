@@ -9,7 +9,8 @@
             every REPORT_S seconds (engine empty: wait_s, busy: generate_s)
     blocks  never on a whole batch: a new group is submitted whenever fewer than
             open_target() groups are open and there is room (lag <= actor.max_lag,
-            backlog < actor.max_queue_groups); finished groups are taken as they come
+            backlog < actor.max_queue_groups, the backlog counting the groups finished
+            in the engine and not published yet); finished groups are taken as they come
 
 With ``actor.vllm.in_flight`` requests wanted and G completions per group, the actor
 keeps 2 * ceil(in_flight / G) unfinished groups in the engine: enough to fill every
@@ -18,6 +19,13 @@ their cache salt and version stamps when they start), so when groups finish thei
 slots are refilled at once, inside the engine, while the actor scores and publishes.
 The engine idles only when back-pressure holds new groups back. On stop, open groups
 are aborted and never published.
+
+Bound: a group is submitted only while (published, not retired) + (finished, not
+published) < max_queue_groups, and at most open_target() are unfinished, so without
+retirements at most ``max_queue_groups - 1 + open_target()`` groups are ever published.
+A group that has finished in the engine but is not published yet is no longer open and
+not yet in Redis's counters; the backlog counts it here, or the actor would refill the
+engine past a full backlog while it publishes.
 """
 
 from __future__ import annotations
@@ -43,32 +51,32 @@ def open_target(cfg) -> int:
 
 
 class Room:
-    """Back-pressure, read from Redis at most every ROOM_S seconds."""
+    """Back-pressure: the counters in Redis read at most every ROOM_S seconds, plus the
+    groups this actor holds finished and unpublished (``unpublished``, counted anew at
+    every call: groups finish in the engine between two reads of Redis)."""
 
     def __init__(self, pool: Pool, engine):
         self.pool, self.engine = pool, engine
-        self.checked, self.ok = 0.0, False
-        self.behind, self.backlog = 0, 0.0
+        self.checked = 0.0
+        self.behind, self.published, self.backlog = 0, 0.0, 0.0
 
     def changed(self) -> None:
         """A group was published: read the counters afresh before the next submit."""
         self.checked = 0.0
 
-    def __call__(self) -> bool:
-        now = time.monotonic()
-        if now - self.checked < ROOM_S:
-            return self.ok
+    def __call__(self, unpublished: int) -> bool:
         from actor.main import in_flight_groups
 
-        cfg = self.pool.cfg.actor
-        self.checked = now
+        now = time.monotonic()
         if self.engine.version is None:  # partial weights: nothing may be generated
-            self.ok = False
             return False
-        self.behind = trainer_version(self.pool) - self.engine.version
-        self.backlog = in_flight_groups(self.pool)
-        self.ok = self.behind <= cfg.max_lag and self.backlog < cfg.max_queue_groups
-        return self.ok
+        if now - self.checked >= ROOM_S:
+            self.checked = now
+            self.behind = trainer_version(self.pool) - self.engine.version
+            self.published = in_flight_groups(self.pool)
+        cfg = self.pool.cfg.actor
+        self.backlog = self.published + unpublished
+        return self.behind <= cfg.max_lag and self.backlog < cfg.max_queue_groups
 
 
 class Report:
@@ -137,7 +145,8 @@ def stream_groups(
     log.info("streaming: %d groups of %d kept open (actor.vllm.in_flight)", target, g)
     try:
         while not pool.stop.is_set():
-            while engine.open_units < target and room():
+            # len(open_groups) - open_now: finished in the engine, not published yet
+            while (open_now := engine.open_units) < target and room(len(open_groups) - open_now):
                 problem = task.sample()
                 prompt = build_prompt_ids(tokenizer, problem.question, system)
                 key = next(keys)

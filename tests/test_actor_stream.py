@@ -23,7 +23,7 @@ from pipeline.config import Config
 from pipeline.messages import RolloutGroup, decode, rle_decode
 from pipeline.models import materialize_model
 from pipeline.runtime import Pool
-from pipeline.streams import Names
+from pipeline.streams import Names, wait_until
 from pipeline.telemetry import MetricsFile, PoolStatus, Window, read_jsonl
 from pipeline.weight_receiver import WeightReceiver
 from tests import vllm_fake
@@ -181,14 +181,43 @@ def test_back_pressure_holds_groups_back_and_lets_them_go(setup, monkeypatch):
         return "held" in state and client.xlen(names.rollouts) >= state["held"] + 3
 
     run_stream(s, until)
-    # at most the open groups finish once the backlog is full (3 + open_target - 1)
-    assert 3 <= state["held"] <= 3 + stream.open_target(s.pool.cfg)
+    # at most the open groups finish once the backlog is full (3 - 1 + open_target)
+    assert 3 <= state["held"] <= 3 - 1 + stream.open_target(s.pool.cfg)
     assert state["empty_in_flight"] == 0
     assert state["status"][b"state"] == b"waiting"
     assert client.xlen(names.rollouts) >= state["held"] + 3  # resumed after retirement
     turns = [r for r in read_jsonl(str(s.tmp / "metrics.jsonl")) if r.get("event") == "turn"]
     assert turns and all(r["mode"] == "async" for r in turns)
     assert any(r["wait_s"] > 0.1 for r in turns)  # the engine sat empty while held back
+
+
+def test_groups_finished_while_the_actor_publishes_count_against_the_backlog(setup, monkeypatch):
+    """A deterministic reproduction of groups escaping back-pressure: each publish waits
+    until every submitted group has finished in the engine, so groups are always
+    finished but not yet published when the actor next looks for room. They are neither
+    open in the engine nor in the backlog; counted nowhere, they let the actor submit a
+    whole new set of groups past a full backlog (8 published with room for 3 + 4 - 1)."""
+    s = setup
+    s.pool.cfg.actor.max_queue_groups = 3
+    target = stream.open_target(s.pool.cfg)
+    publish = actor_main.publish_group
+
+    def publish_when_all_finished(*args, **kw):
+        assert wait_until(lambda: s.engine.open_units == 0, 10)
+        publish(*args, **kw)
+
+    monkeypatch.setattr(actor_main, "publish_group", publish_when_all_finished)
+    client, names = s.pool.client, s.pool.names
+    held = {}
+
+    def until():  # nobody consumes: once 3 groups are out, every later one must have
+        # been submitted before the backlog was full
+        if client.xlen(names.rollouts) >= 3 and "t" not in held:
+            held["t"] = time.monotonic()
+        return "t" in held and time.monotonic() - held["t"] > 1.0
+
+    run_stream(s, until)
+    assert 3 <= client.xlen(names.rollouts) <= 3 - 1 + target
 
 
 def test_a_restarted_actor_keeps_counting_its_weight_updates(setup):
