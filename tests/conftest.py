@@ -1,4 +1,5 @@
-"""Shared fixtures: a real redis-server per test module and a client for it."""
+"""Shared fixtures: a real redis-server per test module and a client for it; tests marked
+``vllm`` are skipped, with the reason, where real vLLM is not importable (tests/vllm_real.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 
 from pipeline.redis_server import EmbeddedRedis
 from pipeline.streams import connect
+from tests.vllm_real import vllm_available, vllm_engine  # noqa: F401 (the fixture)
 
 
 @pytest.fixture(scope="module")
@@ -32,3 +34,14 @@ def rclient(redis_server):
         yield client
     finally:
         client.close()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip the ``vllm`` tests, saying why, when ``import vllm`` fails (``make setup-vllm``)."""
+    marked = [item for item in items if item.get_closest_marker("vllm") is not None]
+    if not marked:
+        return
+    why = vllm_available()
+    if why is not None:
+        for item in marked:
+            item.add_marker(pytest.mark.skip(reason=why))

