@@ -154,14 +154,17 @@ def publish_group(
         reward=f"{np.mean(scores):.3f}",
         tokens=int(versions.size),
     )
-    # samples_produced (back-pressure) and groups_produced, once even when re-sent
-    count_produced(pool.client, pool.names, pool.name, group.group_id, len(group.samples))
+    # the actor's own record of what it published (pipeline/accounting.py checks the
+    # streams and the trainer's records against it): right after the XADD's reply
     pool.record(
         event="group",
         group=group.group_id,
+        samples=len(group.samples),
         reward=float(np.mean(scores)),
         versions=[int(versions.min()), int(versions.max())],
     )
+    # samples_produced (back-pressure) and groups_produced, once even when re-sent
+    count_produced(pool.client, pool.names, pool.name, group.group_id, len(group.samples))
 
 
 def record_swaps(pool: Pool, engine: Engine, logged: int) -> int:

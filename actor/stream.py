@@ -34,6 +34,7 @@ import itertools
 import logging
 import time
 
+from actor.sync import draining
 from actor.task import DEFAULT_SYSTEM_PROMPT, RewardErrors, build_prompt_ids
 from pipeline.runtime import Pool, trainer_version
 from pipeline.telemetry import Window
@@ -59,6 +60,7 @@ class Room:
         self.pool, self.engine = pool, engine
         self.checked = 0.0
         self.behind, self.published, self.backlog = 0, 0.0, 0.0
+        self.draining = False  # the run drains: no new group (actor.sync.draining)
 
     def changed(self) -> None:
         """A group was published: read the counters afresh before the next submit."""
@@ -74,6 +76,9 @@ class Room:
             self.checked = now
             self.behind = trainer_version(self.pool) - self.engine.version
             self.published = in_flight_groups(self.pool)
+            self.draining = draining(self.pool)
+        if self.draining:
+            return False
         cfg = self.pool.cfg.actor
         self.backlog = self.published + unpublished
         return self.behind <= cfg.max_lag and self.backlog < cfg.max_queue_groups
@@ -91,7 +96,8 @@ class Report:
 
     def tick(self, groups: int, room: Room) -> None:
         now = time.monotonic()
-        state = "generating" if self.engine.open_units else "waiting"
+        idle = "draining" if room.draining else "waiting"
+        state = "generating" if self.engine.open_units else idle
         if state != self.state or now - self.t_status >= 1.0:
             self.status(room, state)
             self.t_status, self.state = now, state

@@ -5,10 +5,11 @@
 
     reads   <run>:samples_produced, <run>:samples_retired, <run>:trainer_version,
             <run>:sync_claims (sync: what other actors are generating right now),
-            the trainer's status ``state`` (sync: is it waiting for data?)
+            the trainer's status ``state`` (sync: is it waiting for data?), the
+            ``drain`` field of <run>:run
     writes  <run>:sync_claims (sync: this actor's claim, released after publishing);
             a ``turn`` metrics record per batch (wait and generate seconds, mode)
-    blocks  async: while behind or backlogged (actor.main.wait_for_room);
+    blocks  while the run drains; async: while behind or backlogged (actor.main.wait_for_room);
             sync: until this actor holds the trainer's current version and the
             step still lacks samples nobody is generating
 
@@ -24,6 +25,11 @@ stuck for ``pipeline.sync_stall_s`` with nothing moving (samples lost on the way
 e.g. dead-lettered) is topped up: a step's worth is generated as if those were not in
 flight, with a warning. Stuck means: the trainer's status says it waits for data, this
 actor cannot claim, and no counter moved.
+
+Draining, in either mode: while the run's marker hash (``<run>:run``) has a ``drain``
+field, no actor starts a new group (the streaming loop's Room holds too); the
+preprocessors and the trainer go on until the streams are empty. The faults bench
+drains before it stops a run, so nothing is left in flight by the stop itself.
 """
 
 from __future__ import annotations
@@ -35,6 +41,13 @@ from pipeline.runtime import Pool
 from pipeline.streams import Lua
 
 log = logging.getLogger("actor")
+DRAIN_FIELD = "drain"  # in <run>:run: set, no actor starts a new group
+
+
+def draining(pool: Pool) -> bool:
+    """An operator (or the faults bench) asked the actors to stop producing."""
+    return pool.client.hget(pool.names.run_marker, DRAIN_FIELD) is not None
+
 
 # KEYS: produced, claims hash (the keys it writes)
 # ARGV: actor, want, step_samples, now, expires_at, group_size, engine_version, slack,
@@ -90,6 +103,10 @@ class Turns:
         """Block until this actor may generate; return the number of prompts (0: stop)."""
         t0 = time.monotonic()
         prompts = self.pool.cfg.engine.prompts_per_batch
+        while not self.pool.stop.is_set() and draining(self.pool):
+            self.pool.status.set(state="draining", version=self.engine.version)
+            self.pool.tick()  # waiting on purpose is not a hang
+            time.sleep(0.1)
         if self.mode == "async":
             self.wait_for_room(self.pool, self.engine)
         else:

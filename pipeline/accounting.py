@@ -1,24 +1,31 @@
-"""Where every produced group ended: the account behind ``summary.json`` and
-the faults benchmark.
+"""Where every published group ended: the account behind ``summary.json`` and
+the faults benchmark, checked across sources that do not derive from each other.
 
 ::
 
-    reads   metrics.jsonl events: actor ``group`` (produced), preprocessor
-            ``batched`` and ``no_signal``, trainer ``step`` (``sample_ids``,
-            ``stale_ids``) and ``resume``; from Redis (while the run's server is
-            up) the entries still unread or pending in ``rollouts`` and
-            ``batches`` (and the batches past the trainer's resume position,
-            which a restart reads again), and the dead-letter stream
-    writes  nothing; :func:`account` returns the terms of
-            produced = trained + stale + no_signal + dead_lettered + in_flight + lost
+    reads   metrics.jsonl, each pool's own records: the actors' ``group`` records (a
+            group id and its sample count, written once the XADD was acknowledged),
+            the preprocessors' ``batched`` and ``no_signal``, the trainer's ``step``
+            (``sample_ids`` trained, ``stale_ids`` dropped) and ``resume``; from Redis
+            (while the run's server is up) the entries physically in ``rollouts`` and
+            ``batches`` that their consumer group has not acknowledged (unread, or in
+            its pending list), the batches past the trainer's resume position (a
+            restart reads them again), and the dead-letter stream
+    writes  nothing; :func:`account` returns the counts and the discrepancies by id,
+            :func:`problems` says each discrepancy in one line
 
-A group's outcome is the first of: trained (a sample of it in a step that
-survived: steps undone by a trainer restart do not count), rejected as stale,
-dropped for no signal, dead-lettered, still in flight at the end (unread or
-pending in ``rollouts`` or ``batches``); a produced group with none of them is
-lost. Samples are checked too: every sample of a trained group must itself be
-trained, stale, dead-lettered or in flight (``samples_lost``), and no sample
-may have two final outcomes (``samples_conflicting``).
+The check: every sample the actors recorded as published must be found again
+somewhere else: trained or rejected as stale in a trainer step that survived (steps
+undone by a trainer restart do not count), dropped for no signal by a preprocessor,
+dead-lettered, or still in a stream (in flight); one found nowhere is **lost** (by
+group id when none of the group's samples is found, else by sample id). A sample
+in two surviving steps is **duplicated**; an id the trainer, a preprocessor or a
+stream holds that no actor recorded as published is a **phantom**; a sample with
+two final outcomes (trained, stale, no signal, dead-lettered) is **conflicting**.
+
+The counts (``groups_trained``, ``groups_in_flight_at_end``, ...) give each
+published group its first outcome in that order, for the summary; they add up by
+construction and prove nothing on their own: the id lists do.
 """
 
 from __future__ import annotations
@@ -51,53 +58,79 @@ def _newer(a: str, b: str) -> bool:
 
 def _unconsumed(
     client: redis.Redis, stream: str, group: str, after: str | None = None
-) -> list[tuple[bytes, dict]]:
+) -> list[tuple[bytes, dict, str]]:
     """Entries of ``stream`` the consumer group has not acknowledged (unread or pending),
     or newer than ``after`` (a resume position: a restarted consumer reads them again);
-    every entry when the group does not exist yet."""
+    every entry when the group does not exist yet. Each with where it lies: ``unread``,
+    ``pending:<consumer>`` (in the group's PEL) or ``after-resume-position``."""
     try:
         info = next((g for g in client.xinfo_groups(stream) if g["name"] == group.encode()), None)
     except redis.ResponseError:  # no such stream: nothing in it
         return []
     entries = client.xrange(stream)
     if info is None:
-        return entries
-    last = info["last-delivered-id"].decode()
-    if after is not None and _newer(last, after):
-        last = after
+        return [(i, f, "unread") for i, f in entries]
+    delivered = info["last-delivered-id"].decode()
+    last = after if after is not None and _newer(delivered, after) else delivered
     pending = {
-        p["message_id"].decode()
+        p["message_id"].decode(): p["consumer"].decode()
         for p in client.xpending_range(stream, group, "-", "+", max(1, int(info["pending"])))
     }
-    return [(i, f) for i, f in entries if _newer(i.decode(), last) or i.decode() in pending]
+    out = []
+    for i, f in entries:
+        eid = i.decode()
+        if eid in pending:
+            out.append((i, f, f"pending:{pending[eid]}"))
+        elif _newer(eid, delivered):
+            out.append((i, f, "unread"))
+        elif _newer(eid, last):
+            out.append((i, f, "after-resume-position"))
+    return out
 
 
 def in_flight(
     client: redis.Redis, names: Names, shards=(), trainer_from: str | None = None
-) -> dict[str, list[str]]:
+) -> dict[str, list]:
     """Group ids still in ``rollouts`` and sample ids still in ``batches``, not yet
     acknowledged by their consumer group, on the primary ``client`` and every other
     shard (``shards``: their clients, redis.shards > 1); undecodable entries by entry
     id (``k@id`` on shard k > 0). ``trainer_from``: the position a restarted trainer
     resumes from (its last checkpoint's, one id per shard, comma-separated): the batches
     after it are in flight too, acknowledged or not, since a resume reads them again
-    (a trainer stopped between a step's acknowledgement and its record left some)."""
-    groups, samples, bad = set(), set(), []
+    (a trainer stopped between a step's acknowledgement and its record left some).
+
+    ``entries`` shows where each of those ids physically lies: one item per stream
+    entry with its ``stream``, ``shard``, entry ``id``, ``where`` (``unread``,
+    ``pending:<consumer>``, ``after-resume-position``) and the ``ids`` it holds."""
+    groups, samples, bad, entries = set(), set(), [], []
     n = 1 + len(shards)
     starts = parse_position(trainer_from, n) if trainer_from else [None] * n
     for k, (shard, start) in enumerate(zip([client, *shards], starts, strict=True)):
         tag = f"{k}@" if k else ""
-        for entry_id, fields in _unconsumed(shard, names.rollouts, PREPROCESSOR_GROUP):
-            try:
-                groups.add(decode(fields[b"data"], RolloutGroup).group_id)
-            except (BadEntry, KeyError):
-                bad.append(f"rollouts/{tag}{entry_id.decode()}")
-        for entry_id, fields in _unconsumed(shard, names.batches, TRAINER_GROUP, start):
-            try:
-                samples.update(_sample_ids(decode(fields[b"data"], TrainBatch)))
-            except (BadEntry, KeyError, ValueError):
-                bad.append(f"batches/{tag}{entry_id.decode()}")
-    return {"rollouts_groups": sorted(groups), "batches_samples": sorted(samples), "bad": bad}
+        reads = (
+            ("rollouts", _unconsumed(shard, names.rollouts, PREPROCESSOR_GROUP)),
+            ("batches", _unconsumed(shard, names.batches, TRAINER_GROUP, start)),
+        )
+        for stream, found in reads:
+            for entry_id, fields, where in found:
+                item = {"stream": stream, "shard": k, "id": entry_id.decode(), "where": where}
+                try:
+                    if stream == "rollouts":
+                        item["ids"] = [decode(fields[b"data"], RolloutGroup).group_id]
+                        groups.update(item["ids"])
+                    else:
+                        item["ids"] = _sample_ids(decode(fields[b"data"], TrainBatch))
+                        samples.update(item["ids"])
+                except (BadEntry, KeyError, ValueError):
+                    bad.append(f"{stream}/{tag}{item['id']}")
+                    item["ids"] = []
+                entries.append(item)
+    return {
+        "rollouts_groups": sorted(groups),
+        "batches_samples": sorted(samples),
+        "bad": bad,
+        "entries": entries,
+    }
 
 
 def _role_of(source: str) -> str:
@@ -131,15 +164,27 @@ def dead_letters(client: redis.Redis, names: Names) -> list[dict[str, Any]]:
     return out
 
 
+def published(records: list[dict], group_size: int) -> dict[str, int]:
+    """Group id -> its number of samples, from the actors' own ``group`` records (each
+    written by the actor once its XADD was acknowledged); ``group_size`` for a record
+    without ``samples``."""
+    return {
+        r["group"]: int(r.get("samples", group_size)) for r in records if r.get("event") == "group"
+    }
+
+
 def account(
     records: list[dict],
-    flight: dict[str, list[str]],
+    flight: dict[str, list],
     dead: list[dict[str, Any]],
     group_size: int,
 ) -> dict[str, Any]:
-    """The conservation terms (see the module doc) from metrics records, the in-flight
-    ids and the dead letters; ``groups_lost_ids`` names the lost groups."""
-    produced = {r["group"] for r in records if r.get("event") == "group"}
+    """The account of every published group and sample (see the module doc): the count
+    of each outcome, and by id each discrepancy between the independent sources:
+    ``lost_ids``, ``duplicated_ids``, ``phantom_ids``, ``conflicting_ids``
+    (:func:`problems` says them in words)."""
+    sizes = published(records, group_size)
+    pub_samples = {f"{g}/{i}" for g, n in sizes.items() for i in range(n)}
     batched = {g for r in records if r.get("event") == "batched" for g in r["groups"]}
     no_signal = {g for r in records if r.get("event") == "no_signal" for g in r["groups"]}
     steps = surviving_steps(records)
@@ -147,59 +192,78 @@ def account(
     stale = {sid for s in steps for sid in s.get("stale_ids", [])}
     dead_samples = {sid for d in dead for sid in d["samples"]}
     dead_whole = {g for d in dead for g in d["groups"]}  # rollouts entries: whole groups
-    dead_groups = dead_whole | {_group_of(s) for s in dead_samples}
-    flight_groups = set(flight.get("rollouts_groups", []))
+    flight_rollouts = set(flight.get("rollouts_groups", []))
     flight_samples = set(flight.get("batches_samples", []))
-    flight_groups |= {_group_of(s) for s in flight_samples}
 
-    outcome: dict[str, str] = {}
-    for g in produced:
-        samples = [f"{g}/{i}" for i in range(group_size)]
+    def finals(g: str, s: str) -> list[bool]:  # a sample's final outcomes
+        return [s in trained, s in stale, g in no_signal, s in dead_samples or g in dead_whole]
+
+    def somewhere(g: str, s: str) -> bool:
+        return any(finals(g, s)) or s in flight_samples or g in flight_rollouts
+
+    outcome: dict[str, str] = {}  # a group's first outcome, for the counts
+    lost: list[str] = []
+    for g in sorted(sizes):
+        samples = [f"{g}/{i}" for i in range(sizes[g])]
+        missing = [s for s in samples if not somewhere(g, s)]
+        if len(missing) == len(samples):
+            lost.append(g)  # the whole group is nowhere
+        else:
+            lost.extend(missing)
         if any(s in trained for s in samples):
             outcome[g] = "trained"
         elif any(s in stale for s in samples):
             outcome[g] = "stale"
         elif g in no_signal:
             outcome[g] = "no_signal"
-        elif g in dead_groups:
+        elif g in dead_whole or any(s in dead_samples for s in samples):
             outcome[g] = "dead_lettered"
-        elif g in flight_groups:
+        elif g in flight_rollouts or any(s in flight_samples for s in samples):
             outcome[g] = "in_flight"
         else:
             outcome[g] = "lost"
     terms = Counter(outcome.values())
-
-    rollouts_groups = set(flight.get("rollouts_groups", []))
-    samples_lost, conflicting = 0, 0
-    for g, o in outcome.items():
-        for s in (f"{g}/{i}" for i in range(group_size)):
-            final = [s in trained, s in stale, g in no_signal, s in dead_samples or g in dead_whole]
-            conflicting += sum(final) > 1
-            waiting = s in flight_samples or g in rollouts_groups
-            samples_lost += o in ("trained", "stale") and not any(final) and not waiting
-    seen_downstream = batched | {_group_of(s) for s in trained} | no_signal
+    conflicting = sorted(s for s in pub_samples if sum(finals(_group_of(s), s)) > 1)
+    seen_samples = set(trained) | stale | dead_samples | flight_samples
+    seen_groups = batched | no_signal | dead_whole | flight_rollouts
+    phantom = sorted(s for s in seen_samples if s not in pub_samples)
+    phantom += sorted(g for g in seen_groups if g not in sizes)
+    duplicated = sorted(s for s, n in trained.items() if n > 1)
     reasons = Counter(d["reason"].split(":")[0] for d in dead)
     return {
-        "groups_produced": len(produced),
+        "groups_produced": len(sizes),
         "groups_trained": terms["trained"],
         "groups_stale": terms["stale"],
         "groups_no_signal": terms["no_signal"],
         "groups_dead_lettered": terms["dead_lettered"],
         "groups_in_flight_at_end": terms["in_flight"],
         "groups_lost": terms["lost"],
-        "groups_duplicated": len({_group_of(s) for s, n in trained.items() if n > 1}),
-        "groups_batched": len(batched & produced),
-        "groups_not_recorded_as_produced": len(seen_downstream - produced),
-        "samples_lost": samples_lost,
-        "samples_conflicting": conflicting,
+        "groups_duplicated": len({_group_of(s) for s in duplicated}),
+        "groups_batched": len(batched & set(sizes)),
+        "samples_produced": len(pub_samples),
+        "samples_trained": sum(s in pub_samples for s in trained),
+        "samples_lost": sum("/" in x for x in lost),  # of groups found in part
+        "samples_conflicting": len(conflicting),
         "dead_letters": len(dead),
         "dead_letter_reasons": dict(reasons),
         "in_flight_undecodable": len(flight.get("bad", [])),
-        "groups_lost_ids": sorted(g for g, o in outcome.items() if o == "lost"),
+        "groups_lost_ids": [x for x in lost if "/" not in x],
+        "lost_ids": lost,
+        "duplicated_ids": duplicated,
+        "phantom_ids": phantom,
+        "conflicting_ids": conflicting,
     }
 
 
-def conserved(terms: dict[str, Any]) -> bool:
-    """produced = trained + stale + no_signal + dead_lettered + in_flight + lost."""
-    parts = ("trained", "stale", "no_signal", "dead_lettered", "in_flight_at_end", "lost")
-    return terms["groups_produced"] == sum(terms[f"groups_{p}"] for p in parts)
+def problems(terms: dict[str, Any]) -> list[str]:
+    """Every discrepancy of an account, one line each naming the id; empty when the
+    actors', the streams' and the consumers' records agree."""
+    say = {
+        "lost_ids": "lost: {} (published by an actor; not trained, dropped, dead-lettered "
+        "or in a stream)",
+        "duplicated_ids": "duplicated: {} (trained in two surviving steps)",
+        "phantom_ids": "phantom: {} (trained, dropped or in a stream, never published by an actor)",
+        "conflicting_ids": "conflicting: {} (two final outcomes: trained, stale, no signal, "
+        "dead-lettered)",
+    }
+    return [text.format(x) for key, text in say.items() for x in terms.get(key, [])]

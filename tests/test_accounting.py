@@ -1,11 +1,13 @@
-"""Group accounting (pipeline/accounting.py): every produced group gets exactly one
-outcome, and the in-flight and dead-letter parts are read from a real redis-server."""
+"""Group accounting (pipeline/accounting.py): the actors' records of what they
+published, checked against the trainer's and the preprocessors' records and the streams
+(read from a real redis-server); every discrepancy is named by id."""
 
 from __future__ import annotations
 
+import copy
 import json
 
-from pipeline.accounting import account, conserved, dead_letters, in_flight
+from pipeline.accounting import account, dead_letters, in_flight, problems
 from pipeline.messages import (
     SCHEMA_VERSION,
     RolloutGroup,
@@ -18,6 +20,7 @@ from pipeline.messages import (
 from pipeline.messages import rle_encode as rle
 from pipeline.streams import Consumer, Names, ensure_group, publish
 from pipeline.summary import trainer_resume_position
+from pipeline.telemetry import MetricsFile, read_jsonl
 
 NAMES = Names("nsrl-acct", "run")
 G = 2  # samples per group in these tests
@@ -80,7 +83,8 @@ def test_every_outcome_is_counted_once_and_a_missing_group_is_lost():
     assert [terms[f"groups_{k}"] for k in ("trained", "stale", "no_signal")] == [1, 1, 1]
     assert terms["groups_dead_lettered"] == terms["groups_in_flight_at_end"] == 1
     assert terms["groups_lost"] == 1 and terms["groups_lost_ids"] == ["f"]
-    assert conserved(terms) and terms["groups_produced"] == 6
+    assert terms["groups_produced"] == 6
+    assert [p.split(" ")[:2] for p in problems(terms)] == [["lost:", "f"]]
 
 
 def test_steps_undone_by_a_trainer_restart_do_not_count_as_trained():
@@ -121,6 +125,15 @@ def test_in_flight_and_dead_letters_read_from_redis(rclient):
     flight = in_flight(rclient, NAMES)
     assert flight["rollouts_groups"] == ["pending", "unread"]
     assert flight["batches_samples"] == ["t/0", "t/1"]
+    where = {(e["stream"], tuple(e["ids"])): e["where"] for e in flight["entries"]}
+    assert where == {
+        ("rollouts", ("pending",)): "pending:p-0",  # read, never acknowledged
+        ("rollouts", ("unread",)): "pending:p-0",  # read by the second read
+        ("batches", ("t/0", "t/1")): "unread",  # no consumer group: nobody read it
+    }
+    assert all(
+        rclient.xrange(NAMES.stream(e["stream"]), e["id"], e["id"]) for e in flight["entries"]
+    )
     dead = dead_letters(rclient, NAMES)
     assert [d["groups"] for d in dead] == [["broken"]]  # from the plain field: no payload
     assert dead[0]["source"] == NAMES.rollouts and "RolloutGroup" in dead[0]["reason"]
@@ -135,11 +148,13 @@ def test_batches_after_the_trainers_resume_position_stay_in_flight(rclient, tmp_
     c = Consumer(rclient, NAMES, NAMES.batches, "trainer", "trainer", TrainBatch, block_ms=20)
     c.ack([entry_id for entry_id, _ in c.read(10)])  # both acknowledged; b was never recorded
     assert in_flight(rclient, NAMES)["batches_samples"] == []
-    assert in_flight(rclient, NAMES, trainer_from=first)["batches_samples"] == ["b/0", "b/1"]
+    again = in_flight(rclient, NAMES, trainer_from=first)
+    assert again["batches_samples"] == ["b/0", "b/1"]
+    assert [e["where"] for e in again["entries"]] == ["after-resume-position"]
     records = produced("a", "b") + [step(1, ["a/0", "a/1"])]
     terms = account(records, in_flight(rclient, NAMES, trainer_from=first), [], G)
     assert terms["groups_trained"] == terms["groups_in_flight_at_end"] == 1
-    assert terms["groups_lost"] == 0 and conserved(terms)
+    assert terms["groups_lost"] == 0 and problems(terms) == []
 
     run = tmp_path / "run"  # where that position comes from
     assert trainer_resume_position(str(run)) == "0-0"  # no checkpoint: from the start
@@ -150,3 +165,73 @@ def test_batches_after_the_trainers_resume_position_stay_in_flight(rclient, tmp_
     assert trainer_resume_position(str(run)) == first
     (run / "config.yaml").write_text("trainer:\n  resume: false\n")
     assert trainer_resume_position(str(run)) is None  # a restart would not read them again
+
+
+def test_each_discrepancy_is_named_by_id():
+    records = produced("a", "b", "c", "d") + [
+        {"event": "group", "group": "e", "samples": 1},  # the actor's record says 1 sample
+        step(1, ["a/0", "a/1", "b/0", "d/0", "d/1", "e/0", "e/1"]),
+        step(2, ["a/0", "x/0"]),  # a/0 trained again; x never published
+        {"event": "no_signal", "groups": ["d"]},  # d: trained and dropped
+    ]
+    terms = account(records, NO_FLIGHT, [], G)
+    assert terms["lost_ids"] == ["b/1", "c"]  # c: the whole group nowhere
+    assert terms["duplicated_ids"] == ["a/0"]
+    assert terms["phantom_ids"] == ["e/1", "x/0"]
+    assert terms["conflicting_ids"] == ["d/0", "d/1"]
+    said = problems(terms)
+    assert [p.split(" (")[0] for p in said] == [
+        "lost: b/1",
+        "lost: c",
+        "duplicated: a/0",
+        "phantom: e/1",
+        "phantom: x/0",
+        "conflicting: d/0",
+        "conflicting: d/1",
+    ]
+    assert terms["groups_lost"] == 1 and terms["samples_lost"] == 1
+
+
+def test_a_trained_id_dropped_from_the_trainers_record_is_lost(rclient, tmp_path):
+    """Records written as the pools write them (MetricsFile, one line per event) and the
+    streams of a real redis-server: groups published, batched by a consumer of the
+    preprocessors' group, read by the trainer's, one step trained and one step's
+    batch still pending in its list. The account agrees; without one trained id in
+    the trainer's record it names that id as lost; a group the actors never recorded
+    is a phantom."""
+    metrics = MetricsFile(str(tmp_path / "metrics.jsonl"))
+    for gid in ("g1", "g2"):
+        publish(rclient, NAMES.rollouts, encode(group(gid)), group=gid)
+        metrics.write(pool="actor-0", event="group", group=gid, samples=G)
+    prep = Consumer(rclient, NAMES, NAMES.rollouts, "preprocessor", "p-0", RolloutGroup)
+    for entry_id, g in prep.read(10):
+        publish(rclient, NAMES.batches, encode(batch([f"{g.group_id}/{i}" for i in range(G)])))
+        prep.ack([entry_id])
+        metrics.write(pool="preprocessor-0", event="batched", groups=[g.group_id])
+    trainer = Consumer(rclient, NAMES, NAMES.batches, "trainer", "trainer", TrainBatch)
+    (first_id, first), (second_id, _) = trainer.read(10)
+    trainer.ack([first_id])  # g2's batch stays pending: the trainer's unfinished step
+    ids = [f"{g}/{s.index}" for g, s in zip(first.group_ids, first.samples, strict=True)]
+    metrics.write(pool="trainer", event="step", step=1, sample_ids=ids, stale_ids=[])
+    metrics.close()
+
+    records = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    flight = in_flight(rclient, NAMES)
+    assert [(e["id"], e["where"]) for e in flight["entries"]] == [(second_id, "pending:trainer")]
+    terms = account(records, flight, dead_letters(rclient, NAMES), G)
+    assert problems(terms) == [] and terms["groups_trained"] == 1
+    assert terms["groups_in_flight_at_end"] == 1
+
+    broken = copy.deepcopy(records)
+    step_record = next(r for r in broken if r.get("event") == "step")
+    step_record["sample_ids"].remove("g1/1")
+    said = problems(account(broken, flight, [], G))
+    assert said == [
+        "lost: g1/1 (published by an actor; not trained, dropped, dead-lettered or in a stream)"
+    ]
+    unrecorded = [r for r in records if r.get("group") != "g2"]  # the actor's line for g2 gone
+    assert [p.split(" (")[0] for p in problems(account(unrecorded, flight, [], G))] == [
+        "phantom: g2/0",
+        "phantom: g2/1",
+        "phantom: g2",
+    ]

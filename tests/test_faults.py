@@ -1,10 +1,14 @@
 """The faults benchmark as a test: SIGKILL each pool, SIGSTOP one, restart
 redis-server and SIGKILL it; every fault must take effect (the process is gone, a new pid
-reports; the server comes back with a new run_id), and every produced group
-must be accounted for: produced = trained + stale + no_signal + dead_lettered
-+ in_flight + lost, with nothing lost or trained twice."""
+reports; the server comes back with a new run_id). The run is then drained (the actors
+stop, the rest empties the streams) and the account checks the actors' records of what
+they published against the trainer's and the preprocessors' records and the streams:
+nothing lost, duplicated or phantom, and nothing left in flight but the trainer's
+unfinished step; the same check on the run's records with one trained id dropped from
+the trainer's record must fail, naming that id."""
 
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -12,21 +16,25 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 import redis
 from omegaconf import OmegaConf
 
+from actor.stream import Room
+from actor.sync import DRAIN_FIELD, Turns
 from pipeline.accounting import account, in_flight
-from pipeline.bench.faults import DEFAULT_SCHEDULE, plan
+from pipeline.bench.faults import DEFAULT_SCHEDULE, account_run, passed, plan
 from pipeline.config import Config, validate
 from pipeline.messages import SCHEMA_VERSION, RolloutGroup, encode
 from pipeline.redis_server import EmbeddedRedis
-from pipeline.streams import Names, connect, count_produced, publish
-from pipeline.telemetry import read_jsonl
+from pipeline.runtime import Pool
+from pipeline.streams import Names, connect, count_produced, publish, wait_until
+from pipeline.telemetry import MetricsFile, PoolStatus, read_jsonl, surviving_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TERMS = ("trained", "stale", "no_signal", "dead_lettered", "in_flight_at_end", "lost")
 
 
 def check_fault_took_effect(fault: dict) -> None:
@@ -60,19 +68,32 @@ def run_faults_bench(tmp_path, *extra: str):
     return proc, result, run_dir
 
 
-def check_conservation(result: dict, run_dir) -> dict:
-    """The conservation, recomputed here from the run's own files."""
-    summary = json.loads((run_dir / "summary.json").read_text())
+def check_account(result: dict, run_dir) -> dict:
+    """The account, recomputed here from the run's own files; then the same check on
+    those records with one trained id dropped from the trainer's record must fail."""
     records = read_jsonl(str(run_dir / "metrics.jsonl"))
-    group_size = OmegaConf.load(run_dir / "config.yaml").task.group_size
-    terms = account(records, summary["in_flight"], summary["dead_letter_entries"], group_size)
+    terms = account_run(str(run_dir))
     produced = {r["group"] for r in records if r.get("event") == "group"}
     assert terms["groups_produced"] == len(produced) == result["groups_produced"] > 0
-    assert terms["groups_produced"] == sum(terms[f"groups_{t}"] for t in TERMS)
-    assert terms["groups_lost"] == 0, terms["groups_lost_ids"]
-    assert terms["samples_lost"] == 0 and terms["samples_conflicting"] == 0
-    assert terms["groups_duplicated"] == 0
-    assert terms["groups_trained"] > 0
+    assert terms["problems"] == [] == result["problems"]
+    assert terms["groups_trained"] > 0 and terms["groups_lost"] == 0
+    assert result["drain"]["drained"], result["drain"]
+    left = terms["in_flight_after_drain"]
+    assert left["ok"], left  # at most the trainer's unfinished step, in its pending list
+    assert all(e["where"] == "pending:trainer" for e in left["entries"]), left
+
+    # the trainer's record loses one trained id: the check names it as lost
+    flight = set(json.loads((run_dir / "summary.json").read_text())["in_flight"]["batches_samples"])
+    broken = copy.deepcopy(records)
+    last = surviving_steps(broken)[-1]  # the same dicts as in ``broken``
+    dropped = next(sid for sid in last["sample_ids"] if sid not in flight)
+    last["sample_ids"].remove(dropped)
+    bad = account_run(str(run_dir), broken)
+    assert bad["problems"] == [
+        f"lost: {dropped} (published by an actor; not trained, dropped, dead-lettered or in a "
+        "stream)"
+    ]
+    assert passed(result) and not passed(result | bad)
     return terms
 
 
@@ -99,7 +120,7 @@ def test_redis_sigkill_mid_run_loses_and_duplicates_nothing(tmp_path):
     )
     assert [f["name"] for f in result["faults"]] == ["redis_sigkill"] * 3
     assert OmegaConf.load(run_dir / "config.yaml").redis.embedded_appendfsync == "always"
-    check_conservation(result, run_dir)
+    check_account(result, run_dir)
     assert result["restarts"].get("redis", 0) >= 3, result["restarts"]
     assert result["passed"] and proc.returncode == 0, proc.stdout[-3000:]
 
@@ -107,10 +128,51 @@ def test_redis_sigkill_mid_run_loses_and_duplicates_nothing(tmp_path):
 @pytest.mark.slow
 def test_pipeline_survives_the_fault_schedule(tmp_path):
     proc, result, run_dir = run_faults_bench(tmp_path)
-    check_conservation(result, run_dir)
+    check_account(result, run_dir)
     assert {f["name"] for f in result["faults"]} >= {"redis_restart", "redis_sigkill"}
     assert result["restarts"].get("trainer", 0) >= 1 and result["restarts"].get("redis", 0) >= 1
     assert proc.returncode == 0, proc.stdout[-3000:]
+
+
+def test_a_draining_run_holds_every_actor_loop_back(rclient, tmp_path):
+    """The ``drain`` field of <run>:run (what the faults bench sets before it stops a
+    run): the batch loop's gate (Turns.wait) and the streaming loop's Room start no new
+    group while it is there, the actor says ``draining`` and keeps ticking (not a hang
+    to the watchdog), and both go on once it is gone."""
+    from actor.main import wait_for_room
+
+    cfg = OmegaConf.structured(Config)
+    names = Names("t", f"drain-{time.time_ns()}")
+    pool = Pool(
+        cfg=cfg,
+        name="actor-0",
+        role="actor",
+        client=rclient,
+        names=names,
+        stop=threading.Event(),
+        status=PoolStatus(rclient, names, "actor-0", "actor"),
+        metrics=MetricsFile(str(tmp_path / "metrics.jsonl")),
+    )
+    engine = SimpleNamespace(version=0)
+    turns, room = Turns(pool, engine, wait_for_room), Room(pool, engine)
+    assert turns.wait() == cfg.engine.prompts_per_batch and room(0)  # not draining
+
+    rclient.hset(names.run_marker, DRAIN_FIELD, "1")
+    got, ticked = {}, pool.last_tick
+    waiter = threading.Thread(target=lambda: got.update(n=turns.wait()), daemon=True)
+    waiter.start()
+    state = lambda: rclient.hget(names.status("actor-0"), "state")  # noqa: E731
+    assert wait_until(lambda: state() == b"draining", timeout_s=5)
+    time.sleep(0.5)
+    assert waiter.is_alive() and not got and pool.last_tick > ticked
+    room.changed()
+    assert room(0) is False and room.draining
+
+    rclient.hdel(names.run_marker, DRAIN_FIELD)
+    waiter.join(5)
+    assert got == {"n": cfg.engine.prompts_per_batch}
+    room.changed()
+    assert room(0) is True
 
 
 def test_embedded_redis_fsyncs_every_write_by_default(tmp_path, caplog):

@@ -14,14 +14,22 @@ then gone) and a new pid reports in its status hash; the redis-server comes
 back with a new pid and a new ``run_id``. ``--faults redis_sigkill,...`` runs
 only the named faults of the schedule, 20 s apart.
 
-After an operator's Ctrl-C, ``metrics.jsonl`` and ``summary.json`` (in-flight
-entries and dead letters, read by the launcher from Redis) give every produced
-group exactly one outcome (pipeline/accounting.py)::
+After the last fault and ``--tail-steps`` steps, the run is drained: the actors
+stop producing (the ``drain`` field of ``<run>:run``, actor/sync.py), the
+preprocessors and the trainer take what is in the streams and the pending lists,
+and once nothing has moved for a few seconds an operator's Ctrl-C stops it. What is
+left in flight must then be only the trainer's unfinished step (fewer than
+``trainer.samples_per_step`` samples, each entry named by id and shown in the
+trainer's pending list); anything in ``rollouts``, unread, or undecodable fails the run.
 
-    produced = trained + stale + no_signal + dead_lettered + in_flight + lost
-
-The run passes when that holds with ``groups_lost = 0``, no sample lost or
-trained twice, and every fault took effect and was recovered from.
+``metrics.jsonl`` and ``summary.json`` (in-flight entries and dead letters, read by
+the launcher from Redis) are then checked against each other
+(pipeline/accounting.py): every sample the actors recorded as published is found
+again (trained or dropped in the trainer's records, dropped by a preprocessor,
+dead-lettered, or in a stream); the run passes when nothing is lost, duplicated,
+phantom or conflicting (each would be named by id in ``problems``), the drain
+left only the trainer's unfinished step, and every fault took effect and was
+recovered from.
 ``--set trainer.backend=deepspeed --set trainer.world_size=2`` (any Hydra
 override, repeatable) runs the same schedule on another configuration.
 """
@@ -41,10 +49,11 @@ from pathlib import Path
 import redis
 from omegaconf import OmegaConf
 
-from pipeline.accounting import account, conserved
+from actor.sync import DRAIN_FIELD
+from pipeline.accounting import account, in_flight, problems
 from pipeline.bench.common import device_name, print_table, write_json
 from pipeline.streams import Names, connect, wait_until
-from pipeline.telemetry import read_jsonl, read_statuses
+from pipeline.telemetry import read_jsonl, read_statuses, surviving_steps
 
 DEFAULT_SCHEDULE = (
     "5:kill:actor-0,15:kill:preprocessor-0,25:kill:trainer,40:stop:preprocessor-0,"
@@ -52,6 +61,8 @@ DEFAULT_SCHEDULE = (
 )
 SIGNALS = {"kill": "sigkill", "stop": "sigstop", "restart": "restart"}
 RECOVERY_TIMEOUT_S = 180.0
+DRAIN_TIMEOUT_S = 240.0  # for the preprocessors and the trainer to empty the streams
+QUIET_S = 5.0  # nothing in the streams moved this long: drained
 
 
 def launch(run_dir: str, args) -> subprocess.Popen:
@@ -207,18 +218,83 @@ def apply_fault(fault: dict, run_dir: str, client, names: Names, metrics: str) -
     print(f"  {fault['effect']}", flush=True)
 
 
-# ------------------------------------------------------------------ the account
+# ------------------------------------------------------------------ drain and account
 
 
-def account_run(run_dir: str) -> dict:
-    records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+def shard_clients(run_dir: str) -> list:
+    """Clients of redis.shards 1.. (the launcher writes their URLs), none with one shard."""
+    path = Path(run_dir, "redis", "shard_urls")
+    if not path.exists():
+        return []
+    return [connect(u, attempts=3) for u in path.read_text().strip().split(",") if u]
+
+
+def drain(run_dir: str, client, names: Names, proc: subprocess.Popen) -> dict:
+    """Stop the actors producing and wait until the preprocessors and the trainer have
+    taken all they can: every actor says ``draining``, nothing is left in ``rollouts``,
+    nothing in ``batches`` is unread, and the entries left (the trainer's unfinished
+    step, in its pending list) have not changed for QUIET_S seconds."""
+    t0 = time.time()
+    client.hset(names.run_marker, DRAIN_FIELD, str(t0))
+    shards = shard_clients(run_dir)
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    last, since, actors, entries = None, time.monotonic(), {}, []
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            statuses = read_statuses(client, names)
+            entries = in_flight(client, names, shards)["entries"]
+        except redis.RedisError:
+            time.sleep(0.5)
+            continue
+        actors = {k: v.get("state") for k, v in statuses.items() if v.get("role") == "actor"}
+        now = [(e["stream"], e["shard"], e["id"], e["where"]) for e in entries]
+        settled = (
+            bool(actors)
+            and all(state == "draining" for state in actors.values())
+            and all(e[0] == "batches" and e[3] != "unread" for e in now)
+        )
+        if not settled or now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= QUIET_S:
+            return {"drained": True, "drain_s": round(time.time() - t0, 2), "actors": actors}
+        time.sleep(0.5)
+    print(f"not drained after {time.time() - t0:.0f}s: actors {actors}, entries {entries}")
+    return {"drained": False, "drain_s": round(time.time() - t0, 2), "actors": actors}
+
+
+def left_in_flight(records: list[dict], flight: dict, samples_per_step: int) -> dict:
+    """The entries still holding a sample that no surviving step trained or dropped, by
+    stream, shard, entry id and where (``pending:<consumer>``, ``unread``, ...). After a
+    drain that may only be the trainer's unfinished step: batches in its pending list,
+    fewer than ``samples_per_step`` samples; ``ok`` says so."""
+    steps = surviving_steps(records)
+    done = {sid for st in steps for sid in st.get("sample_ids", []) + st.get("stale_ids", [])}
+    left = [e for e in flight.get("entries", []) if not e["ids"] or set(e["ids"]) - done]
+    samples = sorted({sid for e in left for sid in e["ids"]} - done)
+    only_partial_step = all(
+        e["stream"] == "batches" and e["where"].startswith("pending:") and e["ids"] for e in left
+    )
+    return {
+        "ok": only_partial_step and len(samples) < samples_per_step,
+        "samples": len(samples),
+        "entries": left,
+    }
+
+
+def account_run(run_dir: str, records: list[dict] | None = None) -> dict:
+    """The account of a finished run from its own files (``records``: instead of its
+    metrics.jsonl, e.g. a deliberately broken copy)."""
+    if records is None:
+        records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     summary = json.loads(Path(run_dir, "summary.json").read_text())
-    group_size = int(OmegaConf.load(os.path.join(run_dir, "config.yaml")).task.group_size)
-    terms = account(records, summary["in_flight"], summary["dead_letter_entries"], group_size)
+    cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
+    flight = summary["in_flight"]
+    terms = account(records, flight, summary["dead_letter_entries"], int(cfg.task.group_size))
     terms.update(
-        conserved=conserved(terms),
-        in_flight_rollouts_groups=len(summary["in_flight"]["rollouts_groups"]),
-        in_flight_batches_samples=len(summary["in_flight"]["batches_samples"]),
+        problems=problems(terms),
+        in_flight_after_drain=left_in_flight(records, flight, int(cfg.trainer.samples_per_step)),
+        in_flight_rollouts_groups=len(flight["rollouts_groups"]),
+        in_flight_batches_samples=len(flight["batches_samples"]),
         trainer_steps=summary["trainer_steps"],
         outcome=summary["outcome"],
         restarts=summary.get("restarts", {}),
@@ -231,11 +307,11 @@ def account_run(run_dir: str) -> dict:
 
 def passed(result: dict) -> bool:
     return (
-        result["conserved"]
-        and result["groups_lost"] == 0
-        and result["samples_lost"] == 0
-        and result["samples_conflicting"] == 0
-        and result["groups_duplicated"] == 0
+        not result["problems"]
+        and result["groups_produced"] > 0
+        and result["groups_trained"] > 0
+        and result["drain"]["drained"]
+        and result["in_flight_after_drain"]["ok"]
         and result["all_effective"]
         and result["all_recovered"]
         and result["outcome"] == "interrupted"
@@ -260,7 +336,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--tail-steps",
         type=int,
         default=10,
-        help="trainer steps to wait for after the last fault, then Ctrl-C the run",
+        help="trainer steps to wait for after the last fault, then drain and Ctrl-C the run",
     )
     p.add_argument(
         "--set",
@@ -317,6 +393,8 @@ def main(argv: list[str]) -> int:
         faults.append({"name": name, "at": time.time(), "kind": kind, "target": target})
         apply_fault(faults[-1], run_dir, client, names, metrics)
     tail_ok = wait_steps(metrics, args.tail_steps, 300, proc)
+    drained = drain(run_dir, client, names, proc)
+    print(f"drain: {drained}", flush=True)
     proc.send_signal(signal.SIGINT)  # an operator's Ctrl-C ends the run; its summary follows
     proc.wait(timeout=args.timeout_s)
     print(launcher_out(run_dir, 1500))
@@ -334,12 +412,16 @@ def main(argv: list[str]) -> int:
         faults=faults,
         launcher_exit=proc.returncode,
         tail_steps_reached=tail_ok,
+        drain=drained,
         all_effective=all(f["effective"] is not None for f in faults),
         all_recovered=all(r is not None for r in recovery),
         max_recovery_s=max((r for r in recovery if r is not None), default=None),
     )
     result["passed"] = passed(result)
+    result["samples_left_after_drain"] = result["in_flight_after_drain"]["samples"]
     print_table([{k: result[k] for k in COLUMNS}], COLUMNS)
+    for line in result["problems"]:
+        print(line)
     write_json(args.out, result)
     return 0 if result["passed"] else 1
 
@@ -354,7 +436,7 @@ COLUMNS = [
     "groups_in_flight_at_end",
     "groups_lost",
     "groups_duplicated",
-    "conserved",
+    "samples_left_after_drain",
     "max_recovery_s",
     "trainer_steps",
 ]
