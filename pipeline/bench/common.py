@@ -1,10 +1,13 @@
-"""Shared by the benchmarks: percentiles, the device label, the table printer, the JSON writer."""
+"""Shared by the benchmarks: percentiles, the device label, the table printer, the JSON
+writer, and the machine's load over an interval (LoadProbe)."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import resource
+import time
 
 import numpy as np
 import torch
@@ -39,3 +42,45 @@ def write_json(path: str, payload: dict) -> None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)
     print(f"wrote {path}")
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds every process on the machine has used since boot, all cores together
+    (/proc/stat: user, nice, system, irq, softirq, steal; not idle or iowait)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process and of the children it has waited for."""
+    out = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        r = resource.getrusage(who)
+        out += r.ru_utime + r.ru_stime
+    return out
+
+
+class LoadProbe:
+    """The machine's load over an interval: the 1/5/15-min load averages at both ends and
+    the CPU the rest of the machine used (all processes, /proc/stat, less this process
+    and its waited-for children, plus ``own_extra_s`` for own processes not waited for
+    yet), in cores (CPU seconds per second of wall)."""
+
+    def __init__(self) -> None:
+        self.t0, self.load0 = time.monotonic(), os.getloadavg()
+        self.busy0, self.own0 = busy_cpu_s(), own_cpu_s()
+
+    def end(self, own_extra_s: float = 0.0) -> dict:
+        wall = max(time.monotonic() - self.t0, 1e-9)
+        busy = busy_cpu_s() - self.busy0
+        own = own_cpu_s() - self.own0 + own_extra_s
+        return {
+            "load_avg_before": [round(x, 2) for x in self.load0],
+            "load_avg_after": [round(x, 2) for x in os.getloadavg()],
+            "probe_wall_s": round(wall, 1),
+            "own_cpu_cores": round(own / wall, 2),
+            "other_cpu_cores": round(max(busy - own, 0.0) / wall, 2),
+            "cores": os.cpu_count(),
+        }

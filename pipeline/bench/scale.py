@@ -2,28 +2,39 @@
 one Redis carries the pipeline, and how far several (redis.shards) carry it.
 
 Per shard count, side by side in one run: that many real redis-servers (AOF,
-``--appendfsync``), the real preprocessor processes (``python -m preprocessor``,
-no scorers, no KL: no model), a trainer stand-in (the real batch intake,
-trainer/batches.py ``collect`` over the real consumer, then ACK, ``samples_retired``
-and trimming as the trainer does; no model), and ``--actors`` simulated actor
-processes. A simulated actor XADDs RolloutGroups of real size and shape (int32
-token ids, float32 log-probs, RLE versions; ``--group-size`` samples of about
+``--appendfsync``), ``--actors`` simulated actor processes, and one of two loads
+downstream (``--load``):
+
+- ``pipeline``: the real preprocessor processes (``python -m preprocessor``, no
+  scorers, no KL: no model) and a trainer stand-in (the real batch intake,
+  trainer/batches.py ``collect`` over the real consumer, then ACK, ``samples_retired``
+  and trimming as the trainer does; no model). On a small machine the Python pools
+  are the limit, not Redis.
+- ``redis``: the pools' Redis traffic without their Python work, to find where Redis
+  itself stops: relays (a preprocessor's commands: XREADGROUP rollouts, XADD each
+  entry's bytes to batches, XACK, trim, HINCRBY its totals) and a drain (the trainer's:
+  XREADGROUP batches, XACK, the ``samples_retired`` script, trim, HINCRBY).
+
+A simulated actor XADDs RolloutGroups of real size and shape (int32 token ids,
+float32 log-probs, RLE versions; ``--group-size`` samples of about
 ``--completion-tokens`` tokens after a ``--prompt-tokens`` prompt) through the real
-``publish`` path and shard rotation, with the real actor's INCRBY and HINCRBY per
-group, open loop at its share of the offered rate.
+``publish`` path and shard rotation, with the real actor's counting script per group,
+open loop at its share of the offered rate (as fast as it can when it falls behind).
+``--redis-cpus`` and ``--load-cpus`` pin the redis-servers and everything else (this
+controller too) to separate cores (taskset / sched_setaffinity).
 
 The offered rate ramps through ``--rates`` (samples/s), ``--level-s`` seconds each,
 until a level is not sustained (trained < 95% of offered, or a backlog of more
-than one second of offered samples left at its end). Per level: samples/s
-offered, produced and trained, MB/s into Redis, XADD p50/p99, consumer lag (entries
-unread by the preprocessor and trainer groups, every shard), used_memory (with
-the pools' trimming), each redis-server's CPU (from /proc), and what that many
-samples/s equals in GPU actors at ``--actor-tok-s`` tokens/s each (a vLLM actor on
-the 1.5B shape: ../shared/device/README.md). ``redis_bound_samples_s`` projects the
-trained rate to one full core per redis-server (measured rate / busiest
-redis-server's CPU share): the ceiling when the pools run on other hosts.
+than one second of offered samples left at its end). Every figure of a level is taken
+over that level's own window (the actors' schedule: the same wall-clock bounds for
+the counters, the bytes sent and the CPU): samples/s offered, sent, produced and
+trained, MB/s into Redis, XADD p50/p99, consumer lag, used_memory, and per
+redis-server its main thread's time on a CPU, waiting for one (run queue) and idle
+(from /proc/PID/task/PID/schedstat): a redis-server whose main thread is idle under
+5% of the window is saturated, and the rate it carried then is Redis's ceiling at
+the CPU share it got. Anything scaled beyond that is a projection and named so.
 
-Subcommands ``actor`` and ``trainer`` are the bench's own processes.
+Subcommands ``actor``, ``trainer``, ``relay`` and ``drain`` are the bench's own processes.
 """
 
 from __future__ import annotations
@@ -40,15 +51,24 @@ import uuid
 import numpy as np
 from omegaconf import OmegaConf
 
-from pipeline.bench.common import percentile, print_table, write_json
+from pipeline.bench.common import (
+    LoadProbe,
+    busy_cpu_s,
+    device_name,
+    percentile,
+    print_table,
+    write_json,
+)
 
 VOCAB = 151936  # Qwen2.5 vocabulary: token ids of the 1.5B shape
 SUSTAINED = 0.95
+SATURATED_IDLE = 0.05  # a redis-server main thread idle less than this share is saturated
 COLUMNS = [
-    "shards", "appendfsync", "offered_samples_s", "trained_samples_s", "rollouts_mb_s",
+    "load", "shards", "appendfsync", "offered_samples_s", "sent_samples_s",
+    "trained_samples_s", "trained_entries_s", "rollouts_mb_s", "trained_tokens_s",
     "xadd_p50_ms", "xadd_p99_ms", "lag_rollouts", "lag_batches", "used_memory_mb_max",
-    "redis_cpu_each",
-    "gpu_actors_equiv", "redis_bound_gpu_actors", "sustained",
+    "redis_cpu_each", "redis_runq_each", "redis_idle_each", "redis_core_others",
+    "other_cpu_cores", "sustained", "redis_saturated",
 ]  # fmt: skip
 
 
@@ -100,6 +120,7 @@ def run_actor(argv: list[str]) -> None:
     rng = np.random.default_rng(sum(args.name.encode()))
     groups = sample_pool(rng, 16, args.group_size, args.completion_tokens)
     prompt = pack_i32(rng.integers(0, VOCAB, args.prompt_tokens))
+    tokens = args.group_size * args.completion_tokens  # about: the plain field only
     levels = []
     for k, rate in enumerate(float(r) for r in args.rates.split(",")):
         start = args.start_at + k * args.level_s
@@ -126,7 +147,11 @@ def run_actor(argv: list[str]) -> None:
             )
             payload = encode(g)
             t0 = time.perf_counter()
-            publish(shards.next(), names.rollouts, payload, schema=SCHEMA_VERSION, group=g.group_id)
+            publish(  # the plain fields a real actor writes beside the payload
+                shards.next(), names.rollouts, payload, schema=SCHEMA_VERSION,
+                group=g.group_id, actor=args.name, problem="p", versions="0-1",
+                reward="0.500", tokens=tokens,
+            )  # fmt: skip
             lat.append((time.perf_counter() - t0) * 1e3)
             count_produced(client, names, args.name, g.group_id, args.group_size)  # as actors do
             sent, nbytes = sent + 1, nbytes + len(payload)
@@ -158,11 +183,128 @@ def run_trainer(argv: list[str]) -> None:
         pool.status.incr("samples_trained", data.samples)
 
 
+# ---------------------------------------------------------------- redis-only load
+def _raw_pool(argv: list[str], prog: str):
+    """--config, --name, --shard K: this process's client on shard K, names, status key."""
+    from pipeline.config import load_config, redis_url, shard_urls
+    from pipeline.streams import Names, connect
+
+    p = argparse.ArgumentParser(prog=f"scale {prog}")
+    p.add_argument("--config", required=True)
+    p.add_argument("--name", required=True)
+    p.add_argument("--shard", type=int, default=0)
+    args = p.parse_args(argv)
+    cfg = load_config(args.config)
+    urls = [redis_url(cfg, "trainer"), *shard_urls(cfg, "trainer")]
+    client = connect(urls[args.shard])
+    primary = client if args.shard == 0 else connect(urls[0])
+    names = Names(cfg.redis.prefix, cfg.run.name)
+    return client, primary, names, names.status(args.name), args.name, cfg
+
+
+def _stop_flag() -> list[bool]:
+    import signal
+
+    stop = [False]
+    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__(0, True))
+    return stop
+
+
+def run_relay(argv: list[str]) -> None:
+    """A preprocessor's Redis commands on one shard, without its Python work: read up to 8
+    rollouts, XADD each entry's fields to batches and XACK them (one round trip), trim
+    rollouts to what every group acknowledged, HINCRBY the totals on the primary."""
+    from pipeline.streams import ensure_group, trim_consumed
+
+    client, primary, names, status, name, _cfg = _raw_pool(argv, "relay")
+    ensure_group(client, names.rollouts, "preprocessor")
+    stop = _stop_flag()
+    while not stop[0]:
+        reply = client.xreadgroup("preprocessor", name, {names.rollouts: ">"}, count=8, block=200)
+        entries = [e for _s, es in reply or [] for e in es]
+        if not entries:
+            continue
+        pipe = client.pipeline(transaction=False)
+        for _id, fields in entries:
+            pipe.xadd(names.batches, fields)
+        pipe.xack(names.rollouts, "preprocessor", *(i for i, _ in entries))
+        pipe.execute()
+        trim_consumed(client, names.rollouts)
+        for key in ("kept", "dropped", "batches"):  # as add_totals does
+            primary.hincrby(status, key, len(entries) if key != "dropped" else 0)
+
+
+def run_drain(argv: list[str]) -> None:
+    """The trainer's Redis commands on one shard, without a model: read up to 8 batches,
+    XACK, the samples_retired script (add_once, on the primary), trim batches, HINCRBY."""
+    from pipeline.streams import add_once, ensure_group, trim_consumed
+
+    client, primary, names, status, name, cfg = _raw_pool(argv, "drain")
+    group_size = int(cfg.task.group_size)
+    ensure_group(client, names.batches, "trainer")
+    stop, step = _stop_flag(), 0
+    while not stop[0]:
+        reply = client.xreadgroup("trainer", name, {names.batches: ">"}, count=8, block=200)
+        entries = [e for _s, es in reply or [] for e in es]
+        if not entries:
+            continue
+        client.xack(names.batches, "trainer", *(i for i, _ in entries))
+        samples = len(entries) * group_size
+        step += 1
+        add_once(
+            primary, names.samples_retired, status, "last_retired_step", f"{name}:{step}",
+            samples, {"samples_trained": samples},
+        )  # fmt: skip
+        trim_consumed(client, names.batches)
+
+
 # ---------------------------------------------------------------- the controller
 def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
+    """CPU seconds of a live process, all its threads (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main_thread_sched(pid: int) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of a process's main thread
+    (/proc/PID/task/PID/schedstat); Redis executes commands on that thread."""
+    with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+        run_ns, wait_ns, _ = f.read().split()
+    return int(run_ns) / 1e9, int(wait_ns) / 1e9
+
+
+def cpu_busy_each() -> list[float]:
+    """Busy CPU seconds since boot per core (/proc/stat cpuN lines)."""
+    out = []
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith("cpu") and line[3].isdigit():
+                v = [int(x) for x in line.split()[1:9]]
+                out.append((v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK"))
+    return out
+
+
+def parse_cpus(text: str | None) -> set[int] | None:
+    if not text:
+        return None
+    try:
+        cpus = {int(x) for x in text.split(",")}
+    except ValueError:
+        raise ValueError(f"CPU list {text!r}: give core ids like 0 or 0,1") from None
+    if not cpus <= set(range(os.cpu_count() or 1)):
+        raise ValueError(f"CPU list {text!r}: this machine has cores 0-{os.cpu_count() - 1}")
+    return cpus
+
+
+def pin(pid: int, cpus: set[int] | None) -> None:
+    """Every thread of ``pid`` onto ``cpus`` (taskset -a)."""
+    if cpus:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setaffinity(int(tid), cpus)
 
 
 def _level_of(path: str, k: int) -> dict | None:
@@ -185,7 +327,7 @@ def lag(clients, names) -> dict[str, int]:
 
 
 class Setup:
-    """One shard count: its redis-servers, preprocessors and trainer stand-in."""
+    """One shard count: its redis-servers and the load downstream of the actors."""
 
     def __init__(self, args, shards: int, fsync: str, root: str):
         from pipeline.config import Config
@@ -193,17 +335,20 @@ class Setup:
         from pipeline.streams import Names, connect
 
         self.args, self.fsync = args, fsync
-        self.dir = os.path.join(root, f"shards{shards}-{fsync}")
+        self.redis_cpus, self.load_cpus = parse_cpus(args.redis_cpus), parse_cpus(args.load_cpus)
+        self.dir = os.path.join(root, f"{args.load}-shards{shards}-{fsync}")
         self.servers = [
             EmbeddedRedis(os.path.join(self.dir, f"redis{k}"), appendfsync=fsync)
             for k in range(shards)
         ]
         for s in self.servers:
             s.start()
+            pin(s.proc.pid, self.redis_cpus)
         self.clients = [connect(s.url) for s in self.servers]
         cfg = OmegaConf.structured(Config)
         cfg.run_dir, cfg.run.name, cfg.model.path = self.dir, "scale", "unused-no-scorers"
         cfg.redis.shards, cfg.preprocessor.scorers = shards, []
+        cfg.task.group_size = args.group_size
         cfg.trainer.kl_coef, cfg.trainer.samples_per_step = 0.0, args.samples_per_step
         cfg.preprocessor.token_budget, cfg.preprocessor.read_count = args.token_budget, 8
         cfg.trainer.max_lag = 1000
@@ -213,13 +358,27 @@ class Setup:
         self.env = dict(os.environ, NONSTOP_REDIS_URL=self.servers[0].url)
         self.env["NONSTOP_REDIS_SHARD_URLS"] = ",".join(s.url for s in self.servers[1:])
         self.env["NONSTOP_RUN_SECRET"] = "scale-bench"
-        self.procs = [
-            self.spawn(["preprocessor"], f"preprocessor-{i}") for i in range(args.preprocessors)
-        ]
-        self.procs.append(self.spawn(["pipeline.bench", "scale", "trainer"], "trainer"))
+        self.procs, self.actors = [], []
+        if args.load == "pipeline":
+            self.procs += [
+                self.spawn(["preprocessor"], f"preprocessor-{i}") for i in range(args.preprocessors)
+            ]
+            self.procs.append(self.spawn(["pipeline.bench", "scale", "trainer"], "trainer"))
+        else:  # per shard: relays and a drain on that shard
+            for k in range(shards):
+                shard = ["--shard", str(k)]
+                self.procs += [
+                    self.spawn(["pipeline.bench", "scale", "relay"], f"relay-{k}-{i}", shard)
+                    for i in range(args.preprocessors)
+                ]
+                self.procs.append(
+                    self.spawn(["pipeline.bench", "scale", "drain"], f"drain-{k}", shard)
+                )
 
     def spawn(self, module: list[str], name: str, extra=()) -> subprocess.Popen:
         cmd = [sys.executable, "-m", *module, "--config", self.config, "--name", name, *extra]
+        if self.load_cpus:
+            cmd = ["taskset", "-c", ",".join(map(str, sorted(self.load_cpus))), *cmd]
         with open(os.path.join(self.dir, f"{name}.log"), "ab") as log:
             return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
 
@@ -228,9 +387,24 @@ class Setup:
         produced, retired = self.clients[0].mget(n.samples_produced, n.samples_retired)
         return int(produced or 0), int(retired or 0)
 
+    def snapshot(self) -> dict:
+        """Everything a level's figures are differences of, taken at one instant."""
+        pids = [p.pid for p in self.procs + self.actors]
+        return {
+            "time": time.time(),
+            "counters": self.counters(),
+            "redis_cpu": [cpu_seconds(s.proc.pid) for s in self.servers],
+            "redis_sched": [main_thread_sched(s.proc.pid) for s in self.servers],
+            "core_busy": cpu_busy_each(),
+            "busy": busy_cpu_s(),
+            "own": sum(cpu_seconds(p) for p in pids)
+            + sum(cpu_seconds(s.proc.pid) for s in self.servers)
+            + cpu_seconds(os.getpid()),
+        }
+
     def ramp(self, rates: list[float]) -> list[dict]:
         """Every level back to back (the actors follow one wall-clock schedule), until
-        one is not sustained; one row per level run."""
+        one is not sustained; one row per level run, each over its own window."""
         a = self.args
         outs = [os.path.join(self.dir, f"actor-{i}.json") for i in range(a.actors)]
         start_at = time.time() + a.startup_s  # the actors import and connect before it
@@ -240,58 +414,75 @@ class Setup:
             "--prompt-tokens", str(a.prompt_tokens), "--group-size", str(a.group_size),
             "--completion-tokens", str(a.completion_tokens),
         ]  # fmt: skip
-        actors = [
+        self.actors = [
             self.spawn(["pipeline.bench", "scale", "actor"], f"actor-{i}", extra(i))
             for i in range(a.actors)
         ]
         rows = []
         try:
             time.sleep(max(0.0, start_at - time.time()))
+            before = self.snapshot()
             for k, rate in enumerate(rates):
-                row = self.level(k, rate, start_at + (k + 1) * a.level_s, outs)
+                end_at = start_at + (k + 1) * a.level_s
+                mem = self.poll_memory(end_at)
+                after = self.snapshot()
+                row = self.level(k, rate, before, after, mem, outs)
+                before = after
                 rows.append(row)
                 print_table([row], COLUMNS)
                 if not row["sustained"]:
                     break
         finally:
-            for p in actors:
+            for p in self.actors:
                 p.kill()
                 p.wait()
+            self.actors = []
         return rows
 
-    def level(self, k: int, rate: float, end_at: float, outs: list[str]) -> dict:
-        a = self.args
-        p0, r0 = self.counters()
-        cpu0 = [cpu_seconds(s.proc.pid) for s in self.servers]
-        t0 = time.monotonic()
+    def poll_memory(self, end_at: float) -> list[int]:
         mem = [0] * len(self.clients)
-        while time.time() < end_at:
+        while end_at - time.time() > 0:
             mem = [
                 max(m, c.info("memory")["used_memory"])
                 for m, c in zip(mem, self.clients, strict=True)
             ]
             time.sleep(min(1.0, max(0.0, end_at - time.time())))
-        wall = time.monotonic() - t0
-        p1, r1 = self.counters()
-        cpu = [
-            (cpu_seconds(s.proc.pid) - c) / wall for s, c in zip(self.servers, cpu0, strict=True)
+        return mem
+
+    def level(self, k: int, rate: float, s0: dict, s1: dict, mem: list, outs: list) -> dict:
+        a = self.args
+        wall = s1["time"] - s0["time"]
+        per = lambda key: [(y - x) / wall for x, y in zip(s0[key], s1[key], strict=True)]  # noqa: E731
+        cpu = per("redis_cpu")
+        run = [
+            (y[0] - x[0]) / wall for x, y in zip(s0["redis_sched"], s1["redis_sched"], strict=True)
         ]
+        runq = [
+            (y[1] - x[1]) / wall for x, y in zip(s0["redis_sched"], s1["redis_sched"], strict=True)
+        ]
+        idle = [max(1 - r - q, 0.0) for r, q in zip(run, runq, strict=True)]
+        core = per("core_busy")
+        redis_cores = sorted(self.redis_cpus) if self.redis_cpus else []
+        # CPU others used on the redis-servers' cores: those cores' busy time less Redis's
+        on_redis_cores = sum(core[c] for c in redis_cores) - sum(cpu) if redis_cores else None
+        (p0, r0), (p1, r1) = s0["counters"], s1["counters"]
         backlog = lag(self.clients, self.names)
-        time.sleep(1.0)  # the actors write the level's file
-        sent = [_level_of(o, k) for o in outs]
-        sent = [s for s in sent if s is not None]
+        sent = self.actor_levels(outs, k)
         xadd = [x for s in sent for x in s["xadd_ms"]]
         nbytes = sum(s["bytes"] for s in sent)
         trained = (r1 - r0) / wall
-        tokens_s = trained * a.completion_tokens
-        bound = trained / max(cpu) if max(cpu) > 0 else 0.0
         row = {
+            "load": a.load,
             "shards": len(self.servers),
             "appendfsync": self.fsync,
             "offered_samples_s": rate,
+            "window_s": round(wall, 2),
+            "sent_samples_s": round(sum(s["groups"] for s in sent) * a.group_size / a.level_s, 1),
             "produced_samples_s": round((p1 - p0) / wall, 1),
             "trained_samples_s": round(trained, 1),
-            "rollouts_mb_s": round(nbytes / wall / 1e6, 2),
+            "trained_entries_s": round(trained / a.group_size, 1),
+            "trained_tokens_s": round(trained * a.completion_tokens),
+            "rollouts_mb_s": round(nbytes / a.level_s / 1e6, 2),
             "xadd_p50_ms": round(percentile(xadd, 50), 3),
             "xadd_p99_ms": round(percentile(xadd, 99), 3),
             "lag_rollouts": backlog["rollouts"],
@@ -300,14 +491,27 @@ class Setup:
             "used_memory_mb_max": round(max(mem) / 1e6, 1),
             "redis_cpu_max": round(max(cpu), 3),
             "redis_cpu_each": [round(c, 3) for c in cpu],
+            "redis_runq_each": [round(q, 3) for q in runq],
+            "redis_idle_each": [round(i, 3) for i in idle],
+            "redis_core_others": None if on_redis_cores is None else round(on_redis_cores, 2),
+            "other_cpu_cores": round(max(s1["busy"] - s0["busy"] - (s1["own"] - s0["own"]), 0)
+                                     / wall, 2),
             "actors_late_sends": sum(s["late"] for s in sent),
             "actor_files": len(sent),
-            "gpu_actors_equiv": round(tokens_s / a.actor_tok_s, 1),
-            "redis_bound_samples_s": round(bound),
-            "redis_bound_gpu_actors": round(bound * a.completion_tokens / a.actor_tok_s),
-        }
+        }  # fmt: skip
         row["sustained"] = bool(trained >= SUSTAINED * rate and row["backlog_samples"] <= rate)
+        row["redis_saturated"] = bool(min(idle) < SATURATED_IDLE)
         return row
+
+    @staticmethod
+    def actor_levels(outs: list[str], k: int, timeout_s: float = 5.0) -> list[dict]:
+        """Each actor's record of level ``k`` (written just after the level ends)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            sent = [_level_of(o, k) for o in outs]
+            if all(s is not None for s in sent) or time.monotonic() > deadline:
+                return [s for s in sent if s is not None]
+            time.sleep(0.2)
 
     def close(self) -> None:
         for p in self.procs:
@@ -321,12 +525,22 @@ class Setup:
             s.stop()
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
-        """Until every pool process has written its heartbeat."""
+        """Until every pool process has written its heartbeat (pipeline load), or until
+        every consumer group exists (redis load)."""
         from pipeline.telemetry import read_statuses
 
-        want = {f"preprocessor-{i}" for i in range(self.args.preprocessors)} | {"trainer"}
+        if self.args.load == "pipeline":
+            want = {f"preprocessor-{i}" for i in range(self.args.preprocessors)} | {"trainer"}
+            ready = lambda: want <= set(read_statuses(self.clients[0], self.names))  # noqa: E731
+        else:
+            ready = lambda: all(  # noqa: E731
+                c.exists(self.names.rollouts) and c.exists(self.names.batches)
+                and len(c.xinfo_groups(self.names.rollouts)) == 1
+                and len(c.xinfo_groups(self.names.batches)) == 1
+                for c in self.clients
+            )  # fmt: skip
         deadline = time.monotonic() + timeout_s
-        while not want <= set(read_statuses(self.clients[0], self.names)):
+        while not ready():
             dead = [p.args for p in self.procs if p.poll() is not None]
             if dead or time.monotonic() > deadline:
                 raise RuntimeError(f"pools did not start (exited: {dead}); logs in {self.dir}")
@@ -334,23 +548,38 @@ class Setup:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per shard count: the highest sustained level and the redis-bound projection."""
+    """Per load and shard count: the highest sustained level, and the highest rate carried
+    while a redis-server was saturated (measured), with the projection to a whole core
+    beside the CPU share it rests on."""
     out = []
-    for n, fsync in dict.fromkeys((r["shards"], r["appendfsync"]) for r in rows):
-        mine = [r for r in rows if (r["shards"], r["appendfsync"]) == (n, fsync)]
+    for key in dict.fromkeys((r["load"], r["shards"], r["appendfsync"]) for r in rows):
+        mine = [r for r in rows if (r["load"], r["shards"], r["appendfsync"]) == key]
         ok = [r for r in mine if r["sustained"]]
         best = max(ok, key=lambda r: r["trained_samples_s"]) if ok else None
-        top = max(mine, key=lambda r: r["offered_samples_s"])
+        sat = [r for r in mine if r["redis_saturated"]]
+        top = max(sat, key=lambda r: r["trained_samples_s"]) if sat else None
+        top_mine = max(mine, key=lambda r: r["offered_samples_s"])
         out.append(
             {
-                "shards": n,
-                "appendfsync": fsync,
+                "load": key[0],
+                "shards": key[1],
+                "appendfsync": key[2],
                 "sustained_samples_s": best["trained_samples_s"] if best else 0.0,
-                "sustained_gpu_actors": best["gpu_actors_equiv"] if best else 0.0,
-                "first_unsustained_offered": None if top["sustained"] else top["offered_samples_s"],
-                "redis_cpu_at_best": best["redis_cpu_max"] if best else None,
-                "redis_bound_samples_s": best["redis_bound_samples_s"] if best else None,
-                "redis_bound_gpu_actors": best["redis_bound_gpu_actors"] if best else None,
+                "sustained_mb_s": best["rollouts_mb_s"] if best else 0.0,
+                "redis_cpu_at_sustained": best["redis_cpu_max"] if best else None,
+                "first_unsustained_offered": None
+                if top_mine["sustained"]
+                else top_mine["offered_samples_s"],
+                "saturated_trained_samples_s": top["trained_samples_s"] if top else None,
+                "saturated_entries_s": top["trained_entries_s"] if top else None,
+                "saturated_mb_s": top["rollouts_mb_s"] if top else None,
+                "saturated_tokens_s": top["trained_tokens_s"] if top else None,
+                "saturated_redis_cpu": top["redis_cpu_max"] if top else None,
+                "projection_full_core_samples_s": round(
+                    top["trained_samples_s"] / top["redis_cpu_max"]
+                )
+                if top and top["redis_cpu_max"] > 0
+                else None,
             }
         )
     return out
@@ -363,6 +592,12 @@ def markdown(payload: dict) -> str:
         "",
         f"`{payload['command']}`",
         "",
+        f"shape: {a['group_size']} x ~{a['completion_tokens']} completion tokens after "
+        f"{a['prompt_tokens']} prompt tokens; {a['actors']} actor processes, "
+        f"{a['preprocessors']} preprocessors (or relays) per shard, {a['level_s']} s per level; "
+        f"redis-servers on cores {a['redis_cpus'] or 'any'}, everything else on "
+        f"{a['load_cpus'] or 'any'}; machine load: {payload['load']}",
+        "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),
     ]
@@ -371,33 +606,32 @@ def markdown(payload: dict) -> str:
     lines += ["|" + "---|" * len(payload["summary"][0])]
     lines += ["| " + " | ".join(str(v) for v in s.values()) + " |" for s in payload["summary"]]
     lines += ["", *[f"- {n}" for n in payload["notes"]], ""]
-    lines.insert(4, "")
-    lines.insert(4, f"shape: {a['group_size']} x ~{a['completion_tokens']} completion tokens "
-                 f"after {a['prompt_tokens']} prompt tokens; {a['actors']} actor processes, "
-                 f"{a['preprocessors']} preprocessors, {a['level_s']} s per level")  # fmt: skip
     return "\n".join(lines)
 
 
-def notes(args, load: tuple, rows: list[dict]) -> list[str]:
+def notes(args, rows: list[dict]) -> list[str]:
     return [
-        f"{os.cpu_count()} CPU cores shared by the redis-servers, {args.actors} simulated actors, "
-        f"{args.preprocessors} preprocessors and the trainer stand-in (and other work on the "
-        f"machine: 1/5/15-min load average {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f} at the "
-        "start): the Python processes compete with redis-server for CPU, so the sustained "
-        "rate is the whole pipeline's on this machine, not Redis's ceiling",
-        "redis_bound_*: the trained rate divided by the busiest redis-server's CPU share, "
-        "i.e. projected to one full core per redis-server (Redis executes commands on one "
-        "thread); what one instance carries when the pools run on other hosts. A projection "
-        "from CPU share, not a measurement at that rate",
-        f"gpu_actors_equiv: trained samples/s x {args.completion_tokens} tokens / "
-        f"{args.actor_tok_s:g} tok/s (a vLLM actor on the 1.5B shape, shared/device/README.md)",
-        f"redis appendfsync: {args.appendfsync} (each row says which); lag_* are entries not "
-        "yet acknowledged by the preprocessor (rollouts) and trainer (batches) groups at the "
-        "level's end, summed over the shards; redis_cpu_each: each redis-server's CPU share "
-        "(one core = 1.0), the primary first",
-        "appendfsync always: redis-server fsyncs the AOF before it replies; that wait is not CPU, "
-        "so its redis_bound_* (a CPU projection) overstates what it carries: read its sustained "
-        "rows against everysec's, measured side by side",
+        f"{os.cpu_count()} CPU cores shared by the redis-servers, {args.actors} simulated "
+        "actors, the load downstream and other work on the machine (other_cpu_cores: CPU the "
+        "rest of the machine used during the level, in cores; redis_core_others: CPU others "
+        "used on the redis-servers' pinned cores, which pinning cannot keep them off)",
+        "load=pipeline: real preprocessors and the trainer stand-in (Python work included); "
+        "load=redis: the same Redis commands per entry without the Python work (relays and "
+        "a drain), the way to reach Redis's own limit on a machine this small",
+        "redis_cpu_each / redis_runq_each / redis_idle_each: each redis-server main thread's "
+        "share of the level's window on a CPU, runnable but waiting for one, and idle "
+        f"(waiting for commands); saturated = idle under {SATURATED_IDLE:.0%}: Redis had "
+        "work the whole window and the rate it carried is its ceiling at the CPU it got",
+        "saturated_* in the summary: measured at the highest level where a redis-server was "
+        "saturated. projection_full_core_samples_s = that rate / its redis_cpu share: a "
+        "projection to a whole core, resting on the CPU share measured at saturation (the "
+        "cost per sample is taken as fixed), not a measurement",
+        "trained_tokens_s: trained samples/s x --completion-tokens; trained_entries_s: "
+        f"samples/s / {args.group_size} (one rollouts entry per group); rollouts_mb_s: the "
+        "actors' payload bytes over the level; each row is that level's own window",
+        "lag_* are entries not yet acknowledged by the preprocessor (rollouts) and trainer "
+        "(batches) groups at the level's end, summed over the shards; the primary's "
+        "figures come first in *_each",
         *primary_notes(rows),
     ]
 
@@ -407,66 +641,74 @@ def primary_notes(rows: list[dict]) -> list[str]:
     out = []
     for r in rows:
         cpu = r["redis_cpu_each"]
-        same = [
-            x for x in rows if (x["shards"], x["appendfsync"]) == (r["shards"], r["appendfsync"])
-        ]
-        top = max((x["offered_samples_s"] for x in same if x["sustained"]), default=None)
-        if len(cpu) > 1 and r["sustained"] and r["offered_samples_s"] == top:
+        if len(cpu) > 1 and (r["sustained"] or r["redis_saturated"]):
             rest = sum(cpu[1:]) / (len(cpu) - 1)
             out.append(
-                f"{r['shards']} shards ({r['appendfsync']}), {r['trained_samples_s']:g} samples/s: "
-                f"primary {cpu[0]:.3f} of a core, the others {rest:.3f} each: the primary also "
-                "carries the control keys (per group the actor's INCRBY samples_produced and "
-                "HINCRBY status, the pools' status hashes and counters), so its share does not "
-                "shrink with more shards; that part bounds the sharded pipeline"
+                f"{r['load']}, {r['shards']} shards ({r['appendfsync']}), "
+                f"{r['trained_samples_s']:g} samples/s: primary {cpu[0]:.3f} of a core, the "
+                f"others {rest:.3f} each (the primary also carries the control keys)"
             )
     return out
 
 
 def main(argv: list[str]) -> int:
-    if argv and argv[0] in ("actor", "trainer"):
-        {"actor": run_actor, "trainer": run_trainer}[argv[0]](argv[1:])
+    subs = {"actor": run_actor, "trainer": run_trainer, "relay": run_relay, "drain": run_drain}
+    if argv and argv[0] in subs:
+        subs[argv[0]](argv[1:])
         return 0
     p = argparse.ArgumentParser(prog="python -m pipeline.bench scale")
     p.add_argument("--out", default="bench/results/scale.json")
+    p.add_argument("--load", default="pipeline", help="pipeline and/or redis, comma-joined")
     p.add_argument("--shards", default="1,2", help="shard counts, run side by side")
     p.add_argument("--rates", default="250,500,1000,2000,4000,8000", help="samples/s")
     p.add_argument("--level-s", type=float, default=12.0)
     p.add_argument("--startup-s", type=float, default=8.0)
     p.add_argument("--actors", type=int, default=4)
-    p.add_argument("--preprocessors", type=int, default=2)
+    p.add_argument("--preprocessors", type=int, default=2, help="(relays per shard)")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--completion-tokens", type=int, default=512)
     p.add_argument("--samples-per-step", type=int, default=64)
     p.add_argument("--token-budget", type=int, default=8192)
+    p.add_argument("--redis-cpus", default="", help="cores for the redis-servers, e.g. 0")
+    p.add_argument("--load-cpus", default="", help="cores for everything else, e.g. 1")
     p.add_argument(
         "--appendfsync", default="everysec", help="redis appendfsync values, run side by side"
     )
-    p.add_argument("--actor-tok-s", type=float, default=19000.0)
     args = p.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
-    load, rows = os.getloadavg(), []
+    loads = args.load.split(",")
+    if set(loads) - {"pipeline", "redis"}:
+        raise ValueError(f"--load {args.load!r}: choose pipeline, redis or both (comma-joined)")
+    parse_cpus(args.redis_cpus), parse_cpus(args.load_cpus)  # bad lists fail before any run
+    if args.load_cpus:
+        pin(os.getpid(), parse_cpus(args.load_cpus))  # this controller with the load
+    probe, rows = LoadProbe(), []
     with tempfile.TemporaryDirectory(prefix="scale-") as root:
-        for fsync, n in (
-            (f, int(x)) for f in args.appendfsync.split(",") for x in args.shards.split(",")
+        for load, fsync, n in (
+            (ld, f, int(x))
+            for ld in loads
+            for f in args.appendfsync.split(",")
+            for x in args.shards.split(",")
         ):
+            args.load = load
             setup = Setup(args, n, fsync, root)
             try:
                 setup.wait_ready()
                 rows += setup.ramp(rates)
             finally:
                 setup.close()
+    args.load = ",".join(loads)
     payload = {
         "bench": "scale",
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "command": "python -m pipeline.bench scale " + " ".join(argv),
+        "machine": device_name(),
         "args": vars(args),
-        "load_average_start": load,
-        "load_average_end": os.getloadavg(),
+        "load": probe.end(),
         "rows": rows,
         "summary": summarize(rows),
-        "notes": notes(args, load, rows),
+        "notes": notes(args, rows),
     }
     print()
     print_table(rows, COLUMNS)
