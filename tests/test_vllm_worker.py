@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from actor.engines.vllm.worker.extension import LockedWeights, NonstopWorkerExtension, StepVersions
-from actor.engines.vllm.worker.layout import build_plan, token_versions
+from actor.engines.vllm.worker.layout import build_plan
 from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement, encode
 from pipeline.weights import bucket_layout, checksum, flatten
 
@@ -283,9 +283,7 @@ def test_step_versions_count_sampling_steps_only():
     steps.record(sched(cached=[(rid, 10)], scheduled={rid: 1}), 4)
     steps.record(sched(cached=[(rid, 11)], scheduled={rid: 1}, finished=[rid]), 4)
     runs = steps.take(["req7"])["req7"]
-    assert runs == [[3, 1], [4, 2]]
-    assert token_versions(runs, 3) == ([3, 4, 4], True)
-    assert token_versions(runs, 4) == ([3, 3, 4, 4], False)
+    assert runs == [[3, 1], [4, 2]]  # actor/engines/vllm/client.py token_versions spreads them
     assert steps.take(["req7"]) == {}
 
 
@@ -330,4 +328,141 @@ def test_worker_receives_a_version_over_the_gloo_transport_while_stepping():
     live = dict(worker.model.named_parameters())
     for name, t in vllm_layout(new).items():
         assert torch.equal(live[name], t), name
+    sender.close()
+
+
+def finish(ids):
+    """vLLM's step with no tokens scheduled that only says which requests finished."""
+    return sched(finished=ids)
+
+
+class FlushingWorker(FakeWorker):
+    def execute_model(self, scheduler_output):  # gpu_model_runner: no tokens, no forward
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return "EMPTY_MODEL_RUNNER_OUTPUT"  # and sample_tokens is not called
+        return super().execute_model(scheduler_output)
+
+
+def test_zero_token_steps_retire_finished_requests_and_take_is_by_key():
+    """vLLM calls execute_model with zero tokens to flush finished ids (the model runner
+    returns an empty output, no sample_tokens follows): those steps must be recorded,
+    or the finished requests' runs stay in the running table for ever."""
+    worker = FlushingWorker(FakeVllmModel(vllm_layout(hf_state(hf_model(0)))))
+    worker.nonstop_install(lock_timeout_s=1.0)
+    w = worker._nonstop
+    ids = [f"q{i}-{i:08d}" for i in range(50)]
+    worker.execute_model(sched(new=[(r, 4, 0) for r in ids], scheduled={r: 4 for r in ids}))
+    worker.sample_tokens(None)
+    worker.execute_model(sched(cached=[(r, 4) for r in ids], scheduled={r: 1 for r in ids}))
+    worker.sample_tokens(None)
+    # the client collects the first 25 right after their final output: before vLLM
+    # has told the workers (the next step), so they are still running here
+    got = w.steps.take([f"q{i}" for i in range(25)])
+    assert got == {f"q{i}": [[0, 2]] for i in range(25)}
+    assert w.steps.sizes()["taken"] == 25
+    # the flush: the empty output, and no sample_tokens
+    assert worker.execute_model(finish(ids)) == "EMPTY_MODEL_RUNNER_OUTPUT"
+    assert not w.lock.locked()
+    # the taken ones are gone; the rest wait, finished, for their poll
+    assert w.steps.sizes() == {"running": 0, "ids": 0, "taken": 0, "finished": 25, "evicted": 0}
+    assert w.steps.take([f"q{i}" for i in range(25, 50)]) == {
+        f"q{i}": [[0, 2]] for i in range(25, 50)
+    }
+    assert w.steps.sizes() == {"running": 0, "ids": 0, "taken": 0, "finished": 0, "evicted": 0}
+
+
+def test_an_armed_tp_swap_is_refused_once_staging_is_written_again():
+    """TP > 1: a swap asked for mid-step is armed and applied at the next execute_model
+    entry. If a new version began staging meanwhile (the client timed out and moved
+    on), the armed apply must not copy the half-written staging as the old version."""
+    from tests.tp_rank import shard  # rank 0's shard of each version, as tp_rank holds
+
+    old, v1, v2 = (hf_state(hf_model(s)) for s in (0, 1, 2))
+    worker = FakeWorker(FakeVllmModel(shard(old, 0, 2)))
+    w = LockedWeights(list(worker.model.named_parameters()), 5.0, tp=(0, 2))
+    w.wrap(worker)
+    ann1, flat1 = announcement(1, v1)
+    w.stage(ann1, MemorySource(flat1), time.monotonic() + 10)
+    rid = "r-abcdefgh"
+    worker.execute_model(sched(new=[(rid, 4, 0)], scheduled={rid: 4}))  # a step begins
+    w.swap_between_steps(1)
+    assert w.armed == 1 and w.live_version == 0  # mid-step: armed
+
+    ann2, flat2 = announcement(2, v2)
+    first_written, go_on = threading.Event(), threading.Event()
+
+    class HalfSource(MemorySource):
+        def fetch(self, index, out, deadline):
+            super().fetch(index, out, deadline)
+            if index == 0:
+                first_written.set()
+                assert go_on.wait(10)
+
+    stager = threading.Thread(target=w.stage, args=(ann2, HalfSource(flat2), time.monotonic() + 10))
+    stager.start()  # waits for the lock (the step holds it), then writes bucket 0
+    worker.sample_tokens(None)
+    assert first_written.wait(10)
+    worker.execute_model(sched(cached=[(rid, 4)], scheduled={rid: 1}))  # the armed apply
+    worker.sample_tokens(None)
+    assert w.live_version == 0 and w.armed is None
+    assert w.failed == 1 and "version 1 is not staged" in w.last_error
+    live = dict(worker.model.named_parameters())
+    for name, t in shard(old, 0, 2).items():
+        assert torch.equal(live[name], t), name  # nothing of the half-written staging
+    go_on.set()
+    stager.join()
+    assert w.staged_version == 2
+    w.swap_between_steps(2)  # between steps: at once
+    assert w.live_version == 2
+    for name, t in shard(v2, 0, 2).items():
+        assert torch.equal(live[name], t), name
+
+
+class Clashing:
+    def sample_tokens(self, grammar_output):  # a name vLLM's Worker has
+        return None
+
+
+def test_the_fake_loads_the_extension_as_vllm_does():
+    """vLLM 0.32 (v1/worker/worker_base.py) appends the extension to the Worker's bases
+    after asserting that no attribute clashes; the fake does the same."""
+    from tests import vllm_fake
+
+    worker_cls = type("Worker", (vllm_fake.FakeWorkerBase,), {})
+    vllm_fake.inject_extension(
+        worker_cls, "actor.engines.vllm.worker.extension.NonstopWorkerExtension"
+    )
+    assert worker_cls.__mro__[1:3] == (vllm_fake.FakeWorkerBase, NonstopWorkerExtension)
+    clash = type("Worker", (vllm_fake.FakeWorkerBase,), {})
+    with pytest.raises(AssertionError, match="sample_tokens"):
+        vllm_fake.inject_extension(clash, "tests.test_vllm_worker.Clashing")
+
+
+def test_a_join_never_stops_the_engine_loop():
+    """nonstop_connect returns at once; the handshake (here: a trainer that never
+    accepts) runs on the receiver thread while the engine steps, and its outcome is
+    polled."""
+    from pipeline.transfer.gloo import GlooSender
+
+    worker = FakeWorker(FakeVllmModel(vllm_layout(hf_state(hf_model(0)))))
+    worker.nonstop_install(lock_timeout_s=1.0, transfer_timeout_s=1.5)
+    sender = GlooSender("127.0.0.1", 5.0)  # it never accepts this join
+    t0 = time.monotonic()
+    worker.nonstop_connect("gloo", sender.rendezvous(), "n-late")
+    assert time.monotonic() - t0 < 0.5
+    assert worker.nonstop_poll()["channel"] == {
+        "nonce": "n-late",
+        "state": "connecting",
+        "error": "",
+    }
+    steps = 0
+    while worker.nonstop_poll()["channel"]["state"] == "connecting":
+        worker.execute_model(sched(cached=[("r-abcdefgh", 5)], scheduled={"r-abcdefgh": 1}))
+        worker.sample_tokens(None)
+        steps += 1
+        time.sleep(0.01)
+        assert time.monotonic() - t0 < 30
+    assert steps > 20  # the engine stepped all along
+    channel = worker.nonstop_poll()["channel"]
+    assert channel["nonce"] == "n-late" and channel["state"] == "failed" and channel["error"]
     sender.close()

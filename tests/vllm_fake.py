@@ -9,9 +9,10 @@ Written from the 0.24.0 wheel's source: the same method names and signatures
 ``num_cached_tokens``. An "engine core" thread steps like EngineCore with
 UniProcExecutor: utility calls (collective_rpc, pause) are served between steps, and
 each step calls the worker's ``execute_model`` then ``sample_tokens`` on a fake
-Worker that mixes in the real worker extension (``worker_extension_cls``), so the
-real lock, staging, swap and StepVersions run. Outputs reach the asyncio loop from
-that thread.
+Worker that mixes in the real worker extension (``worker_extension_cls``) the way
+vLLM 0.32 does (:func:`inject_extension`: appended to the Worker's bases after a
+check that no attribute clashes), so the real lock, staging, swap and StepVersions
+run. Outputs reach the asyncio loop from that thread.
 
 Prefix caching is keyed like vLLM's (v1/core/kv_cache_utils.py: ``hash_block_tokens``
 hashes (parent hash, block tokens, extra keys) and ``generate_block_hash_extra_keys``
@@ -81,6 +82,7 @@ class AsyncEngineArgs:
     enable_prefix_caching: bool | None = None
     max_model_len: int | None = None
     logprobs_mode: str = "raw_logprobs"
+    async_scheduling: bool | None = None
     worker_extension_cls: str = ""
     enable_lora: bool = False
     max_loras: int = 1
@@ -145,6 +147,7 @@ class FakeCore:
         self.paused = False
         self.stopped = False
         self.empty_spins = 0  # loop turns with no request to run, after the first step
+        self.flushes = 0  # zero-token steps (finished ids only)
         self.thread = threading.Thread(target=self.run, name="fake-engine-core", daemon=True)
         self.thread.start()
 
@@ -161,6 +164,9 @@ class FakeCore:
                         fut.set_exception(error) if error else fut.set_result(result)
             except queue.Empty:
                 pass
+            if not self.paused and not (self.waiting or self.running) and self.finished_ids:
+                self.flush()  # as EngineCore: has_requests() counts finished ids
+                continue
             if self.paused or not (self.waiting or self.running):
                 if self.active_log and not self.paused:
                     self.empty_spins += 1  # nothing to run after the first step
@@ -192,6 +198,21 @@ class FakeCore:
             parent = h
         return hit
 
+    def flush(self):
+        """A step with no tokens scheduled that only tells the workers which requests
+        finished (vLLM's scheduler does this when nothing else runs; the model runner
+        returns an empty output at once and sample_tokens is not called)."""
+        so = SimpleNamespace(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+            num_scheduled_tokens={},
+            total_num_scheduled_tokens=0,
+            finished_req_ids=set(self.finished_ids),
+        )
+        self.finished_ids.clear()
+        self.flushes += 1
+        assert self.worker.execute_model(so) is not None, "a zero-token step samples nothing"
+
     def step(self):
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting.pop(0)
@@ -218,9 +239,9 @@ class FakeCore:
                 **{r.rid: len(r.prompt) - r.cached_tokens for r in new},
                 **{r.rid: 1 for r in old},
             },
-            total_num_scheduled_tokens=1,
             finished_req_ids=set(self.finished_ids),
         )
+        so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
         self.finished_ids.clear()
         self.worker.execute_model(so)
         weights, version = self.worker.sample_tokens(None)
@@ -368,6 +389,8 @@ class FakeWorkerBase:
         return self.model
 
     def execute_model(self, scheduler_output):
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return "EMPTY_MODEL_RUNNER_OUTPUT"  # gpu_model_runner: no forward, no sampling
         self.in_step = True
         runner = getattr(self, "model_runner", None)
         if runner is not None:
@@ -394,6 +417,24 @@ class FakeWorkerBase:
         return self._seen, self._version
 
 
+def inject_extension(worker_cls: type, qualname: str) -> None:
+    """As vLLM 0.32's ``WorkerWrapperBase.init_worker`` (v1/worker/worker_base.py): the
+    extension may not have any attribute the Worker class has (an AssertionError names
+    it), and it is appended to the Worker's bases, so the Worker's own methods win."""
+    module, _, name = qualname.rpartition(".")
+    ext = getattr(importlib.import_module(module), name)
+    if ext in worker_cls.__bases__:
+        return
+    for attr in dir(ext):
+        if attr.startswith("__"):
+            continue
+        assert not hasattr(worker_cls, attr), (
+            f"Worker class {worker_cls} already has an attribute {attr}, which conflicts "
+            f"with the worker extension class {ext}."
+        )
+    worker_cls.__bases__ = worker_cls.__bases__ + (ext,)
+
+
 class AsyncLLM:
     """``FakeAsyncLLM.model_tensors`` (set by the test) are the vLLM-layout weights."""
 
@@ -402,12 +443,14 @@ class AsyncLLM:
     last: AsyncLLM | None = None
 
     def __init__(self, args: AsyncEngineArgs):
-        module, _, name = args.worker_extension_cls.rpartition(".")
-        ext = getattr(importlib.import_module(module), name)
-        worker_cls = type("Worker", (ext, FakeWorkerBase), {})
+        worker_cls = type("Worker", (FakeWorkerBase,), {})  # vLLM changes its class: one each
+        inject_extension(worker_cls, args.worker_extension_cls)
         self.worker = worker_cls(FakeModel(self.model_tensors), args.enable_lora)
         self.worker.adapters_seen = []  # per step (LoRA): (live version, the slot's sum)
         self.args = args
+        self.vllm_config = SimpleNamespace(  # AsyncLLM.vllm_config: what the engine resolved
+            scheduler_config=SimpleNamespace(async_scheduling=bool(args.async_scheduling))
+        )
         self.lora_requests: list = []  # the lora_request of every generate call
         self.core = FakeCore(
             self.worker, args.max_num_seqs or 256, bool(args.enable_prefix_caching), self.step_s
@@ -461,8 +504,13 @@ class AsyncLLM:
             raise
 
     def _drop(self, rid):
-        self.core.waiting = [r for r in self.core.waiting if r.rid != rid]
-        self.core.running = [r for r in self.core.running if r.rid != rid]
+        """An abort: as vLLM's scheduler, the request is finished (its id goes to the
+        workers in the next step)."""
+        core = self.core
+        if any(r.rid == rid for r in core.waiting + core.running):
+            core.finished_ids.add(rid)
+        core.waiting = [r for r in core.waiting if r.rid != rid]
+        core.running = [r for r in core.running if r.rid != rid]
 
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         self.core.calls.append(method)
@@ -483,7 +531,17 @@ class AsyncLLM:
         return False
 
     async def abort(self, request_id, internal=False):
-        self._drop(request_id)
+        """As vLLM 0.32's AsyncLLM.abort: external ids (every internal id made for them)
+        unless ``internal``; dropped on the engine-core thread."""
+        ids = {request_id} if isinstance(request_id, str) else set(request_id)
+
+        def drop():
+            core = self.core
+            for r in core.waiting + core.running:
+                if (r.rid if internal else r.rid.rpartition("-")[0]) in ids:
+                    self._drop(r.rid)
+
+        await asyncio.wrap_future(self.core.utility(drop))
 
     def shutdown(self, timeout=None):
         self.core.stopped = True

@@ -44,7 +44,16 @@ class EngineChannel:
     def connect(self, rendezvous: dict[str, str], nonce: str, deadline: float) -> None:
         self.engine.rpc(
             "nonstop_connect", self.name, rendezvous, nonce, timeout=deadline - time.monotonic()
-        )
+        )  # returns at once: the worker's receiver thread does the handshake; wait for it
+        while True:
+            channel = self.engine.rpc("nonstop_poll", [], False).get("channel") or {}
+            if channel.get("nonce") == nonce and channel["state"] == "connected":
+                return
+            if channel.get("nonce") == nonce and channel["state"] == "failed":
+                raise ConnectionError(f"the vLLM worker's {self.name} channel: {channel['error']}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the vLLM worker's {self.name} channel did not open in time")
+            time.sleep(0.05)  # each poll is a step boundary for the engine: not too often
 
     def begin(self, version: int, buckets: int, deadline: float) -> None:
         self.receive([], deadline)

@@ -1,10 +1,13 @@
 """The vLLM worker extension: a per-forward-pass lock, a staged receive while the
 engine generates, and the swap between two forward passes.
 
-Loaded by vLLM 0.24 in its engine-core process through
-``worker_extension_cls="actor.engines.vllm.worker.extension.NonstopWorkerExtension"``, which makes
-this class a base of vLLM's GPU ``Worker`` (``self`` is the Worker; our method
-names start with ``nonstop_`` so they never clash with its own)::
+Loaded by vLLM (0.24 on CUDA, 0.32 on the CPU) in its engine-core process through
+``worker_extension_cls="actor.engines.vllm.worker.extension.NonstopWorkerExtension"``:
+vLLM's ``WorkerWrapperBase.init_worker`` asserts that the Worker class has none of
+this class's attributes, then appends this class to ``Worker.__bases__`` (the Worker's
+own methods come first; ``self`` is the Worker). Our names start with ``nonstop_`` or
+``_nonstop`` so they never clash; ``execute_model`` / ``sample_tokens`` are wrapped
+per instance at install, never overridden in the class::
 
     actor process (client)                    engine core (this module)
     collective_rpc("nonstop_install")   -->   wrap execute_model / sample_tokens with the
@@ -22,6 +25,9 @@ names start with ``nonstop_`` so they never clash with its own)::
     collective_rpc("nonstop_poll", ids) -->   live and staged version, swaps, errors, and
                                               per request the versions of the steps that
                                               sampled it
+    collective_rpc("nonstop_connect",   -->   returns at once; the receiver thread opens
+                   transport, rdv, nonce)     the channel (the handshake waits for the
+                                              trainer); the poll's ``channel`` says how
 
 The lock is taken on entry of ``execute_model`` and released on exit of the
 matching ``sample_tokens`` (model runner V2 computes the logits there), so no
@@ -124,16 +130,31 @@ class NonstopWorkerExtension:
 
     def nonstop_connect(self, transport: str, rendezvous: dict, nonce: str) -> None:
         """Open this worker's channel of ``weights.transport`` for a signed join (the
-        actor process did the Redis side: read the rendezvous, XADD the join)."""
-        from pipeline.transfer import make_receiver
-
+        actor process did the Redis side: read the rendezvous, XADD the join). Returns
+        at once: the handshake (which waits for the trainer to accept, up to
+        ``transfer_timeout_s``) runs on the receiver thread, never on the engine's loop,
+        where it would stop every step. Poll ``channel`` for this nonce's outcome."""
         if self._nonstop.tp_rank != 0:
             return  # TP rank 0 receives and broadcasts to the others (tp.py)
-        if getattr(self, "_nonstop_receiver", None) is not None:
-            self._nonstop_receiver.close()
-        receiver = make_receiver(transport, self._nonstop_timeout)
-        receiver.connect(rendezvous, nonce, time.monotonic() + self._nonstop_timeout)
+        self._nonstop_channel = {"nonce": nonce, "state": "connecting", "error": ""}
+        self._nonstop_jobs.put(("connect", (transport, rendezvous, nonce), None))
+
+    def _nonstop_open(self, transport: str, rendezvous: dict, nonce: str) -> None:
+        """The receiver thread's half of nonstop_connect."""
+        from pipeline.transfer import make_receiver
+
+        old, self._nonstop_receiver = getattr(self, "_nonstop_receiver", None), None
+        if old is not None:
+            old.close()
+        try:
+            receiver = make_receiver(transport, self._nonstop_timeout)
+            receiver.connect(rendezvous, nonce, time.monotonic() + self._nonstop_timeout)
+        except Exception as e:
+            self._nonstop_channel = {"nonce": nonce, "state": "failed", "error": str(e)}
+            log.error("transfer channel %s (join %s) not opened: %s", transport, nonce, e)
+            return
         self._nonstop_receiver = receiver
+        self._nonstop_channel = {"nonce": nonce, "state": "connected", "error": ""}
 
     def nonstop_disconnect(self) -> None:
         """Close this worker's transfer channel (the actor rejoins with a new one)."""
@@ -194,6 +215,8 @@ class NonstopWorkerExtension:
             "busy": self._nonstop_jobs.unfinished_tasks,
             "orphan_holds": w.orphans,
             "tp_rank": w.tp_rank,
+            "channel": getattr(self, "_nonstop_channel", None),
+            "step_records": w.steps.sizes(),
             "versions": w.steps.take(request_ids or []),
         }
 
@@ -221,6 +244,12 @@ class NonstopWorkerExtension:
             torch.cuda.set_device(w.device)
         while True:
             kind, job, spec = self._nonstop_jobs.get()
+            if kind == "connect":
+                try:
+                    self._nonstop_open(*job)
+                finally:
+                    self._nonstop_jobs.task_done()
+                continue
             version = job if kind == "swap" else job.version
             try:
                 if kind == "update" and w.tp_size > 1:

@@ -107,8 +107,8 @@ class LockedWeights:
                 if self.armed is not None:  # asked for mid-step on every rank: apply now
                     version, self.armed = self.armed, None
                     self._apply_logged(version, time.perf_counter())
-                if scheduler_output.total_num_scheduled_tokens > 0:
-                    self.steps.record(scheduler_output, self.live_version)
+                # zero tokens too: such a step tells the workers which requests finished
+                self.steps.record(scheduler_output, self.live_version)
                 out = run(scheduler_output, *args, **kwargs)
             except BaseException:
                 self.lock.release()
@@ -149,9 +149,17 @@ class LockedWeights:
     def stage(self, ann: WeightAnnouncement, source: BucketSource, deadline: float) -> None:
         """Receive every bucket of ``ann`` into staging; raise on any failure."""
         self.check_kind(ann)
+        # from here staging is partial until the end; set under the lock, so a swap armed
+        # on another thread (TP > 1), which re-checks it under the lock, never copies it
+        if not self.lock.acquire(timeout=self.lock_timeout_s):
+            raise TimeoutError(
+                f"the per-forward-pass lock was not free within {self.lock_timeout_s:g} s; "
+                f"version {ann.version} not staged"
+            )
+        self.staged_version = None
+        self.lock.release()
         if self._copy_done is not None:
             self._copy_done.synchronize()  # the last swap has read staging
-        self.staged_version = None  # from here staging is partial until the end
         if self.adapter is not None:
             self._stage_adapter(ann, source, deadline)
             self.staged_version = ann.version
@@ -240,6 +248,7 @@ class LockedWeights:
     def _apply_logged(self, version: int, t0: float) -> None:
         """_apply where no caller can take the error: it is recorded for the poll."""
         try:
+            self._check_staged(version)  # armed: staging may be written again since
             self._apply(version, t0)
         except Exception as e:
             self.failed += 1

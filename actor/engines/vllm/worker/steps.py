@@ -23,18 +23,30 @@ class StepVersions:
     A step samples for a request unless it is a prefill chunk that does not reach
     the end of the request's known tokens (prompt + tokens sampled so far). No
     speculative decoding: the vLLM engine refuses it (one token per decode step).
+
+    Every scheduler output must be recorded, including vLLM's steps with no tokens
+    scheduled (``execute_model`` is called with zero tokens to tell the workers which
+    requests finished): a finished request's runs leave ``rle`` there. The client
+    polls a request once, right after its final output, which is usually before the
+    step that says it finished: :meth:`take` then hands over a copy and marks the
+    request, and its runs are dropped when it finishes. Runs of requests that finish
+    without being taken (aborted ones) wait in ``finished``, the oldest evicted past
+    ``keep_finished``. Every look-up is by key (``ext``: external -> internal id).
     """
 
     def __init__(self, keep_finished: int = 65536):
-        self.known: dict[str, int] = {}
-        self.rle: dict[str, list[list[int]]] = {}
-        self.finished: OrderedDict[str, list[list[int]]] = OrderedDict()
+        self.known: dict[str, int] = {}  # internal id -> prompt + sampled tokens
+        self.rle: dict[str, list[list[int]]] = {}  # internal id -> runs (running)
+        self.ext: dict[str, str] = {}  # external id -> internal id (running)
+        self.taken: set[str] = set()  # running, handed over: dropped when finished
+        self.finished: OrderedDict[str, list[list[int]]] = OrderedDict()  # external id
         self.keep_finished, self.evicted = keep_finished, 0
 
     def record(self, so: Any, version: int) -> None:
         computed: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
             self.known[new.req_id] = len(new.prompt_token_ids or ())
+            self.ext[external_id(new.req_id)] = new.req_id
             computed[new.req_id] = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
         for rid, done in zip(cached.req_ids, cached.num_computed_tokens, strict=False):
@@ -43,26 +55,48 @@ class StepVersions:
             known = self.known.get(rid)
             if n == 1 or known is None or computed.get(rid, 0) + n >= known:
                 self.known[rid] = (known or 0) + 1
-                runs = self.rle.setdefault(rid, [])
+                runs = self.rle.get(rid)
+                if runs is None:
+                    runs = self.rle[rid] = []
+                    self.ext[external_id(rid)] = rid
                 if runs and runs[-1][0] == version:
                     runs[-1][1] += 1
                 else:
                     runs.append([version, 1])
         for rid in so.finished_req_ids:
-            self.known.pop(rid, None)
-            self.finished[external_id(rid)] = self.rle.pop(rid, [])
+            seen = self.known.pop(rid, None) is not None
+            runs = self.rle.pop(rid, None)
+            ext = external_id(rid)
+            if self.ext.get(ext) == rid:
+                del self.ext[ext]
+            if rid in self.taken:
+                self.taken.discard(rid)
+            elif seen or runs is not None:
+                self.finished[ext] = runs or []
         while len(self.finished) > self.keep_finished:
             self.finished.popitem(last=False)
             self.evicted += 1
 
     def take(self, ids: list[str]) -> dict[str, list[list[int]]]:
-        """Finished requests' runs (removed), or a running request's runs so far."""
+        """Finished requests' runs (removed), or a running request's runs so far (a
+        copy; the request's runs are dropped when it finishes)."""
         out = {}
         for ext in ids:
             if ext in self.finished:
                 out[ext] = self.finished.pop(ext)
                 continue
-            for rid, runs in self.rle.items():
-                if external_id(rid) == ext:
-                    out[ext] = [list(r) for r in runs]
+            rid = self.ext.get(ext)
+            if rid is not None and rid in self.rle:
+                out[ext] = [list(r) for r in self.rle[rid]]
+                self.taken.add(rid)
         return out
+
+    def sizes(self) -> dict[str, int]:
+        """How many requests are held, per table (a leak shows here)."""
+        return {
+            "running": len(self.rle),
+            "ids": len(self.ext),
+            "taken": len(self.taken),
+            "finished": len(self.finished),
+            "evicted": self.evicted,
+        }

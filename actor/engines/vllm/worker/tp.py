@@ -108,5 +108,7 @@ def merge_polls(answers: list[dict]) -> dict:
         "last_error": "; ".join(errors),
         "busy": sum(a["busy"] for a in answers),
         "orphan_holds": max(a["orphan_holds"] for a in answers),
+        "channel": answers[0].get("channel"),  # rank 0 alone opens the transfer channel
+        "step_records": answers[0].get("step_records"),
         "versions": answers[0]["versions"],
     }
