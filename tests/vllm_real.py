@@ -29,6 +29,7 @@ large enough that vLLM's CPU attention takes it (head size 32) and each step cos
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement
+from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement, encode
 from pipeline.transfer.base import TensorSource
 from pipeline.weights import bucket_layout, checksum, flatten
 
@@ -94,10 +95,34 @@ def announcement(
     return ann, flat
 
 
+def file_source(path: str) -> TensorSource:
+    """A BucketSource factory the worker loads by name (``tests.vllm_real:file_source``):
+    the buckets saved by :func:`stage`. (Tensors sent inline in ``collective_rpc``
+    arguments reach vLLM 0.32's worker as nested lists, so they go by file here.)"""
+    from safetensors.torch import load_file
+
+    tensors = load_file(path)
+    return TensorSource([tensors[f"b{i}"] for i in range(len(tensors))])
+
+
 def stage(engine, version: int, hf: dict[str, torch.Tensor], timeout_s: float = 60.0) -> None:
-    """Receive ``hf`` as ``version`` into the engine's staging copy (no swap yet)."""
+    """Receive ``hf`` as ``version`` into the engine's staging copy (no swap yet): the
+    worker reads the buckets from a file, as it would from the transfer channel."""
+    from safetensors.torch import save_file
+
     ann, flat = announcement(version, hf)
-    engine.stage(ann, TensorSource(flat), time.monotonic() + timeout_s)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "buckets.safetensors")
+        save_file({f"b{i}": t for i, t in enumerate(flat)}, path)
+        failed = engine.rpc("nonstop_poll", [], False)["failed"]
+        spec = {"factory": "tests.vllm_real:file_source", "path": path}
+        engine.rpc("nonstop_update", encode(ann), spec, False)
+        engine._wait_worker(
+            lambda s: s["busy"] == 0 and s["staged_version"] == version,
+            f"staging version {version}",
+            failed,
+            time.monotonic() + timeout_s,
+        )
 
 
 def push(engine, version: int, hf: dict[str, torch.Tensor], timeout_s: float = 60.0) -> None:

@@ -109,7 +109,7 @@ class NonstopWorkerExtension:
             adapter = AdapterSwap(self, lora["dir"], import_path(lora["request"]))
         named = list(self.get_model().named_parameters())
         tp = tp_of(self)
-        w = LockedWeights(named, lock_timeout_s, adapter, tp)
+        w = LockedWeights(named, lock_timeout_s, adapter, tp, self.get_model())
         w.wrap(self)
         self._nonstop, self._nonstop_timeout = w, transfer_timeout_s
         self._nonstop_group = (  # TP > 1: the weights-only group (every rank at once)

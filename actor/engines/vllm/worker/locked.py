@@ -23,6 +23,7 @@ import torch
 
 from actor.engines.vllm.worker.layout import Plan, build_plan
 from actor.engines.vllm.worker.lora import AdapterLost
+from actor.engines.vllm.worker.packed import CpuLayout, Prepared
 from actor.engines.vllm.worker.steps import StepVersions
 from pipeline.lora import KIND_FULL, KIND_LORA
 from pipeline.messages import WeightAnnouncement
@@ -45,7 +46,11 @@ class LockedWeights:
         lock_timeout_s: float,
         adapter: Any = None,
         tp: tuple[int, int] = (0, 1),
+        model: Any = None,
     ):
+        """``model`` (the vLLM model ``named`` comes from): on the CPU, its layers that
+        compute with packed copies of their weights (packed.py) are swapped by pointer
+        exchange; without it (fakes) every parameter is, the same way."""
         self.names = [n for n, _ in named]
         self.params = [p.data for _, p in named]
         self.device = self.params[0].device
@@ -70,24 +75,34 @@ class LockedWeights:
         self.staging: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
         self.by_name: dict[str, torch.Tensor] = {}
+        # CPU: the next version prepared outside the lock, exchanged in under it (packed.py)
+        self.cpu: CpuLayout | None = None
+        self._prepared: Prepared | None = None
+        self._retired: list[Any] = []  # the last swap's old tensors, dropped after the lock
+        if adapter is None and not self.cuda:
+            self.cpu = CpuLayout(model if model is not None else torch.nn.Module(), named)
         if adapter is None:
             self._make_staging()
 
     def _make_staging(self) -> None:
-        """A staging copy of every parameter in one buffer, initialised to them."""
+        """A staging copy of every parameter in one buffer, initialised to them. On the
+        CPU a packed layer's emptied weight is staged in its logical (rows, cols) shape,
+        initialised to zeros (every version covers all of its rows: layout.py)."""
+        shapes = self.cpu.shapes if self.cpu is not None else [p.shape for p in self.params]
         offsets, total = [], 0
-        for p in self.params:
+        for p, shape in zip(self.params, shapes, strict=True):
             if not p.is_contiguous():
                 raise ValueError("vLLM parameters must be contiguous to be staged")
             offsets.append(total)
-            total += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
-        self.staging = torch.empty(total, dtype=torch.uint8, device=self.device)
+            total += -(-shape.numel() * p.element_size() // ALIGN) * ALIGN
+        self.staging = torch.zeros(total, dtype=torch.uint8, device=self.device)
         self.views = [
-            self.staging[o : o + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
-            for o, p in zip(offsets, self.params, strict=True)
+            self.staging[o : o + shape.numel() * p.element_size()].view(p.dtype).view(shape)
+            for o, p, shape in zip(offsets, self.params, shapes, strict=True)
         ]
         with torch.no_grad():
-            torch._foreach_copy_(self.views, self.params)  # padding rows keep their values
+            live = [(v, p) for v, p in zip(self.views, self.params, strict=True) if p.numel()]
+            torch._foreach_copy_(*map(list, zip(*live, strict=True)))  # padding rows kept
         self.by_name = dict(zip(self.names, self.views, strict=True))
 
     # -- the per-forward-pass lock ------------------------------------------------
@@ -164,10 +179,11 @@ class LockedWeights:
             self._stage_adapter(ann, source, deadline)
             self.staged_version = ann.version
             return
+        self._prepared = None  # CPU: a version prepared earlier is never swapped in now
         if self.plan is None:
             hf = {p.name: tuple(p.shape) for b in ann.buckets for p in b.params}
             self.plan = build_plan(
-                {n: tuple(p.shape) for n, p in zip(self.names, self.params, strict=True)},
+                {n: tuple(v.shape) for n, v in zip(self.names, self.views, strict=True)},
                 hf,
                 self.tp_rank,
                 self.tp_size,
@@ -190,6 +206,8 @@ class LockedWeights:
                     )
             if self.cuda:
                 self.side.synchronize()  # paced: one bucket in flight, buf reused next
+        if self.cpu is not None:  # new tensors and packed layers, built while generating
+            self._prepared = self.cpu.prepare(ann.version, self.views)
         self.staged_version = ann.version
 
     def _stage_adapter(self, ann: WeightAnnouncement, source: BucketSource, deadline: float):
@@ -222,6 +240,7 @@ class LockedWeights:
             rec = self._apply(version, t0)
         finally:
             self.lock.release()  # right after enqueuing: the copy runs on, the lock is free
+            self._retired = []  # CPU: the old version's tensors, freed outside the lock
         if self._copy_done is not None:
             self._copy_done.synchronize()
             rec["done_ms"] = 1e3 * (time.perf_counter() - t0) - rec["lock_wait_ms"]
@@ -266,7 +285,12 @@ class LockedWeights:
                 except AdapterLost as e:
                     self.lost = str(e)  # from now on every step fails (wrap)
                     raise
-            else:
+            elif self.cpu is not None:  # pointers to what prepare() built from staging
+                if self._prepared is None or self._prepared.version != version:
+                    raise RuntimeError(f"version {version} is staged but not prepared")
+                self._retired = self.cpu.exchange(self._prepared)
+                self._prepared = None
+            else:  # CUDA: in place (CUDA graphs keep their pointers), on the engine stream
                 torch._foreach_copy_(self.params, self.views)
             if end is not None:
                 end.record()
