@@ -7,6 +7,15 @@ shows a live progress line, and stops everything cleanly: when the trainer
 finishes, on Ctrl-C, or when a pool fails (naming it and showing its log).
 Writes ``config.yaml``, ``logs/``, ``metrics.jsonl``, ``checkpoints/`` and
 ``summary.json`` into the run directory.
+
+Exit code: 0 when the trainer finished and every actor got its weights; 1 when a
+pool failed, or when the trainer finished but the weights did not reach an actor
+(pipeline/summary.py's rules; its outcome line names the actor); 130 on Ctrl-C or
+SIGTERM; 2 for bad config or an unreachable Redis. Every pool runs in a process
+group of its own, stopped whole at the end (pipeline/supervisor.py), so nothing a
+pool started (vLLM's engine core and workers) outlives the run. The pools' environment
+carries ``NONSTOP_RUN_DIR`` (this run's directory), so every process of the run,
+whoever started it, can be found by it.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from pipeline.evaluator import wait_for_final_eval
 from pipeline.progress import Progress
 from pipeline.redis_server import EmbeddedRedis, check_no_eviction
 from pipeline.streams import Names, RedisUnavailable, connect, mark_run
-from pipeline.summary import write_summary
+from pipeline.summary import newest_published, write_summary
 from pipeline.supervisor import Supervisor
 from pipeline.telemetry import read_statuses
 
@@ -74,6 +83,7 @@ def supervise(cfg, sup: Supervisor, client, names: Names) -> tuple[str, int]:
             sup.check_redis()  # first: only the launcher can bring it back
             try:
                 statuses = read_statuses(client, names)
+                progress.published = newest_published(client, names)
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 print(f"\nredis unreachable from the launcher ({e}); retrying", flush=True)
                 statuses = {}
@@ -152,6 +162,7 @@ def run(cfg) -> int:
         with open(os.path.join(run_dir, "redis", "port"), "w") as f:
             f.write(f"{server.port}\n")
     env["NONSTOP_REDIS_URL"] = url
+    env["NONSTOP_RUN_DIR"] = run_dir  # marks every process of the run (and its children)
     env.setdefault("NONSTOP_RUN_SECRET", secrets.token_hex(16))
     shard_servers, shards = start_shards(cfg, run_dir, env)
     client = client or connect(url, reconnect_s=2.0)
@@ -173,6 +184,9 @@ def run(cfg) -> int:
         sup.stop()
         summary = write_summary(run_dir, client, names, outcome, time.time() - start, shards)
         print(summary.render())
+        if code == 0 and summary.outcome != outcome:  # finished, but weights did not arrive
+            print(f"\nrun {summary.outcome}", flush=True)
+            code = 1
     finally:
         sup.stop()
         for s in [server, *shard_servers]:

@@ -1,12 +1,17 @@
-"""The launcher's live status line: trainer step, reward, versions, lag, and
-rates (groups generated, samples trained per second) over a sliding window of
-at least ``RATE_MIN_S`` seconds ("-" until that much has passed)."""
+"""The launcher's live status line: trainer step, reward, versions (the trainer's,
+the newest published to the actors, each actor's), lag, and rates (groups
+generated, samples trained per second) over a sliding window of at least
+``RATE_MIN_S`` seconds ("-" until that much has passed). An actor whose weight
+versions fail more often than they apply (pipeline/summary.py, weight_problems)
+is named at the end of the line, ``WEIGHTS NOT ARRIVING: ...``, while it happens."""
 
 from __future__ import annotations
 
 import sys
 import time
 from collections import deque
+
+from pipeline.summary import weight_problems
 
 RATE_MIN_S = 30.0  # a rate is shown only once measured over at least this long
 RATE_WINDOW_S = 120.0  # ... and over at most about this long (recent, not whole-run)
@@ -45,6 +50,7 @@ class Progress:
         self.last_line = ""
         self.printed = ""
         self.group_rate, self.sample_rate = Rate(), Rate()
+        self.published: int | None = None  # newest published version (the launcher sets it)
 
     @staticmethod
     def line(
@@ -52,6 +58,7 @@ class Progress:
         total: int,
         elapsed: float,
         rates: tuple[float | None, float | None] = (None, None),
+        published: int | None = None,
     ) -> str:
         trainer = statuses.get("trainer", {})
         step = int(trainer.get("step", 0))
@@ -64,11 +71,14 @@ class Progress:
         groups = sum(int(v.get("groups_produced", 0)) for v in actors.values())
         reward = trainer.get("reward_mean")
         reward_s = f"{float(reward):.3f}" if reward else "-"
+        published_s = f" published v{published}" if published is not None else ""
+        problems = weight_problems(statuses, at_end=False)
         return (
             f"[{'#' * done}{'.' * (width - done)}] step {step}/{total} "
-            f"reward {reward_s} | trainer v{trainer_v} actors v{versions} lag {lag} | "
-            f"groups {groups} ({_rate(rates[0], 'groups')}, trained "
+            f"reward {reward_s} | trainer v{trainer_v}{published_s} actors v{versions} "
+            f"lag {lag} | groups {groups} ({_rate(rates[0], 'groups')}, trained "
             f"{_rate(rates[1], 'samples')}) | {elapsed:.0f}s"
+            + (f" | WEIGHTS NOT ARRIVING: {'; '.join(problems)}" if problems else "")
         )
 
     def update(self, statuses: dict[str, dict[str, str]]) -> None:
@@ -77,7 +87,9 @@ class Progress:
         groups = sum(int(v.get("groups_produced", 0)) for v in actors)
         trained = int(statuses.get("trainer", {}).get("samples_trained", 0))
         rates = self.group_rate.add(now, groups), self.sample_rate.add(now, trained)
-        self.last_line = self.line(statuses, self.total, now - self.start, rates)
+        self.last_line = self.line(
+            statuses, self.total, now - self.start, rates, published=self.published
+        )
         if self.tty:
             self.stream.write("\r" + self.last_line.ljust(110))
             self.stream.flush()

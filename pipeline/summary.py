@@ -1,5 +1,27 @@
 """``summary.json``: what a finished (or stopped) run did, read from the pools'
-status hashes and ``metrics.jsonl``, plus a readable rendering."""
+status hashes and ``metrics.jsonl``, plus a readable rendering.
+
+A run whose weights did not reach its actors is not "finished": when the trainer
+finished but :func:`weight_problems` finds an actor that (per actor, from its
+status hash; versions are the trainer's optimizer steps)
+
+- applied no weight version although the trainer made one (trainer version > 0);
+- failed more of the versions announced to it than it applied
+  (``weight_versions_failed > weight_updates_applied``: fewer than half of what
+  reached it went in). Only versions *announced to this actor* count: the
+  publisher's skipped versions (replaced by a newer one before they were sent,
+  the trainer's ``weight_versions_unreceived``) and those published before the
+  actor joined were never announced to it, and a (re)joining actor is sent the
+  current version at once, so neither a late join nor the publisher's skipping
+  makes an actor look starved;
+- ended on an older version than the newest one published
+  (``<run>:published_version``, the newest some actor received whole), after the
+  launcher waited ``launch.final_sync_timeout_s`` for the last one;
+
+the outcome is ``failed: weights did not reach the actors: ...`` naming each
+one, and the launcher exits 1. The second rule is also checked live: the
+progress line (pipeline/progress.py) shows such an actor while it happens.
+"""
 
 from __future__ import annotations
 
@@ -52,6 +74,11 @@ class Summary:
     mode: str = "async"  # pipeline.mode: async (pipelined) or sync (phases alternate)
     last_eval: dict = field(default_factory=dict)  # the evaluator's last ``eval`` record
     dead_lettered_by_role: dict[str, int] = field(default_factory=dict)
+    # per actor: versions announced to it, and those it failed to apply (weight_receiver)
+    weight_versions_offered: dict[str, int] = field(default_factory=dict)
+    weight_versions_failed: dict[str, int] = field(default_factory=dict)
+    newest_published_version: int | None = None
+    weight_problems: list[str] = field(default_factory=list)  # weight_problems(), at the end
 
     def render(self) -> str:
         rows = [
@@ -75,10 +102,14 @@ class Summary:
             ),
             ("last publish error", self.last_publish_error or "-"),
             (
-                "weight updates applied",
-                ", ".join(f"{k}={v}" for k, v in sorted(self.weight_updates_applied.items()))
+                "weight updates applied (failed)",
+                ", ".join(
+                    f"{k}={v} ({self.weight_versions_failed.get(k, 0)})"
+                    for k, v in sorted(self.weight_updates_applied.items())
+                )
                 or "-",
             ),
+            ("weights not arriving", "; ".join(self.weight_problems) or "none"),
             ("sequences spanning versions", self.sequences_spanning_versions),
             ("stale samples dropped", self.stale_samples_dropped),
             (
@@ -186,6 +217,40 @@ def dead_lettered_by_role(statuses: dict[str, dict[str, str]], dead: list[dict])
     return {r: max(counted[r], listed[r]) for r in sorted(set(counted) | set(listed))}
 
 
+def weight_problems(
+    statuses: dict[str, dict[str, str]], newest_published: int | None = None, at_end: bool = True
+) -> list[str]:
+    """One line per actor whose weights are not arriving (the rules in this module's
+    docstring); ``at_end=False`` (the live progress line) checks only the failed-versions
+    rule, since during a run the first version may simply not have arrived yet."""
+    trainer_v = int(statuses.get("trainer", {}).get("version", 0))
+    problems = []
+    for name, st in sorted(statuses.items()):
+        if st.get("role") != "actor":
+            continue
+        applied = int(st.get("weight_updates_applied", 0))
+        failed = int(st.get("weight_versions_failed", 0))
+        offered = int(st.get("weight_versions_offered", 0))
+        version = int(st.get("version", 0) or 0)
+        why = st.get("last_error", "")
+        if failed > applied:
+            line = f"{name} applied {applied} weight versions; {failed} of {offered} sent failed"
+        elif at_end and applied == 0 and trainer_v > 0:
+            line = f"{name} applied no weight version (trainer at v{trainer_v})"
+        elif at_end and newest_published is not None and version < newest_published:
+            line = f"{name} ended on v{version}; the newest published is v{newest_published}"
+        else:
+            continue
+        problems.append(line + (f" (last error: {why[:200]})" if why and failed else ""))
+    return problems
+
+
+def newest_published(client: redis.Redis, names: Names) -> int | None:
+    """The newest version some actor received whole (the weight publisher's key)."""
+    value = client.get(names.published_version)
+    return int(value) if value is not None else None
+
+
 def build_summary(
     run_dir: str, client: redis.Redis, names: Names, outcome: str, wall_s: float, shards=()
 ) -> Summary:
@@ -203,10 +268,22 @@ def build_summary(
     terms = account(records, flight, dead, _group_size(run_dir))
     errors, reasons = reward_errors(statuses)
     evals = [r for r in records if r.get("event") == "eval"]
+    published_v = newest_published(client, names)
+    problems = weight_problems(statuses, published_v)
+    if outcome == "finished" and problems:
+        outcome = "failed: weights did not reach the actors: " + "; ".join(problems)
     return Summary(
         mode=_config_str(run_dir, "pipeline.mode", "async"),
         last_eval=max(evals, key=lambda r: r["version"], default={}),
         outcome=outcome,
+        weight_versions_offered={
+            k: int(v.get("weight_versions_offered", 0)) for k, v in actors.items()
+        },
+        weight_versions_failed={
+            k: int(v.get("weight_versions_failed", 0)) for k, v in actors.items()
+        },
+        newest_published_version=published_v,
+        weight_problems=problems,
         trainer_steps=int(trainer.get("step", 0)),
         samples_trained=int(trainer.get("samples_trained", 0)),
         weight_updates_published=int(trainer.get("weight_updates_published", 0)),

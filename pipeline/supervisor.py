@@ -8,8 +8,9 @@ running under a restart policy, with a watchdog for silent hangs.
     acts    restarts a crashed pool (launch.restart_policy, launch.max_restarts),
             SIGKILLs a pool silent for launch.watchdog_s (then the policy applies),
             restarts a dead embedded redis-server on its port and AOF,
-            stops the run when a pool exits with EXIT_DATA_LOST or EXIT_REFUSED (Redis
-            refused it: ACL, credentials, eviction policy) or runs out of restarts
+            stops the run when a pool exits with EXIT_DATA_LOST, EXIT_REFUSED (Redis
+            refused it: ACL, credentials, eviction policy) or EXIT_MISMATCH (an actor
+            cannot take the trainer's weights: transport or kind) or runs out of restarts
 
 A group (the trainer's ranks ``trainer``, ``trainer-1``, ...) lives and dies
 together: when one member exits or is killed, the others are killed too and
@@ -17,10 +18,22 @@ the whole group is started again (one restart of the group), with a fresh
 ``MASTER_PORT`` and ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` per member; it then
 resumes from its last checkpoint. The group is finished when its first member
 (rank 0) exits with 0.
+
+Nothing is left behind: every pool process starts a session of its own, so it
+leads a process group that holds whatever it starts (the vllm engine's
+``VLLM::EngineCore`` process and its workers, spawned by vLLM with no watch on
+their parent). Whenever a pool exits or is killed (a crash, the watchdog, a
+group restart), the supervisor SIGKILLs what is left of its process group
+before it restarts it, so a SIGKILLed actor's engine core never outlives it.
+:meth:`Supervisor.stop` sends SIGTERM to each pool (it shuts down its own
+children in order: the vllm engine ends its engine core), waits up to
+``launch.stop_timeout_s`` and then SIGKILLs each pool's whole process group,
+leader or leftovers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -29,7 +42,7 @@ import time
 from collections import Counter
 
 from pipeline.redis_server import EmbeddedRedis
-from pipeline.runtime import EXIT_DATA_LOST, EXIT_REFUSED
+from pipeline.runtime import EXIT_DATA_LOST, EXIT_MISMATCH, EXIT_REFUSED
 from pipeline.telemetry import MetricsFile
 
 
@@ -104,16 +117,18 @@ class Supervisor:
     def _kill_group(self, group: str) -> None:
         for name in self.groups[group]:
             proc = self.procs.get(name)
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
+            if proc is not None:
+                kill_process_group(proc)
 
     def check(self, statuses: dict[str, dict[str, str]]) -> tuple[str, int] | None:
         """One supervision round; returns (outcome, exit code) when the run is over."""
         self.check_redis()
+        for proc in self.procs.values():  # an exited pool's children die with it, at once
+            if proc.returncode is None and _exited(proc):
+                kill_process_group(proc)
         self._watchdog(statuses)
         for name, proc in list(self.procs.items()):
-            code = proc.poll()
+            code = proc.returncode
             if code is None or self.procs[name] is not proc:  # running, or its group restarted
                 continue
             if name == "trainer" and code == 0:
@@ -126,6 +141,10 @@ class Supervisor:
             if code == EXIT_REFUSED:
                 return self._fatal(
                     name, code, "redis refused it; a restart cannot fix that, see its last line"
+                )
+            if code == EXIT_MISMATCH:
+                return self._fatal(
+                    name, code, "its settings disagree with the trainer's, see its last line"
                 )
             self.event("exit", name, code=code)
             unit = group or name
@@ -163,7 +182,7 @@ class Supervisor:
             return
         now = time.time()
         for name, proc in self.procs.items():
-            if proc.poll() is not None:
+            if proc.returncode is not None:
                 continue
             st = statuses.get(name, {})
             beat = float(st.get("heartbeat", 0)) if st.get("pid") == str(proc.pid) else 0.0
@@ -178,8 +197,7 @@ class Supervisor:
                     flush=True,
                 )
                 self.event("watchdog", name, silent_s=round(now - last, 1))
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
+                kill_process_group(proc)
 
     def check_redis(self) -> None:
         for k, server in enumerate([self.server, *self.shard_servers]):
@@ -196,18 +214,48 @@ class Supervisor:
             self.event("restart", name)
 
     def stop(self) -> None:
+        """SIGTERM every pool, wait up to launch.stop_timeout_s, then SIGKILL each pool's
+        whole process group (a pool that did not stop, and whatever any pool left)."""
         for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-                p.send_signal(signal.SIGTERM)
+            if not _exited(p):
+                _signal_group(p, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+                os.kill(p.pid, signal.SIGTERM)  # the pool: it stops its own children in order
         deadline = time.monotonic() + self.cfg.launch.stop_timeout_s
+        while time.monotonic() < deadline and not all(_exited(p) for p in self.procs.values()):
+            time.sleep(0.05)
         for n, p in self.procs.items():
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                print(f"{n} did not stop in {self.cfg.launch.stop_timeout_s}s; killing it")
-                p.kill()
-                p.wait()
+            if not _exited(p):
+                print(
+                    f"{n} did not stop in {self.cfg.launch.stop_timeout_s}s; "
+                    "killing its process group"
+                )
+            kill_process_group(p)
+
+
+def _exited(proc: subprocess.Popen) -> bool:
+    """Whether ``proc`` has exited, without reaping it: until it is reaped its pid, and so
+    its process group's id, cannot be given to another process."""
+    if proc.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped by someone else
+        return True
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to the process group ``proc`` leads (spawned in a session of its own:
+    its group id is its pid), only while ``proc`` is not reaped (the id is still ours)."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):  # no process left in the group
+            os.killpg(proc.pid, sig)
+
+
+def kill_process_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the pool ``proc`` and every process in its process group (what it started:
+    vLLM's engine core and workers), alive or exited, then reap it."""
+    _signal_group(proc, signal.SIGKILL)
+    proc.wait()
 
 
 def _free_port() -> int:

@@ -4,7 +4,9 @@ and installs it in the engine without stopping generation.
 ::
 
     reads   <run>:rendezvous, <run>:weights announcements, buckets over the transport
-    writes  <run>:joins (asking in, again after any failure); the engine's weights
+    writes  <run>:joins (asking in, again after any failure); the engine's weights;
+            the actor's status hash: ``weight_versions_offered`` (announcements naming
+            it) and ``weight_versions_failed`` (those it did not apply), HINCRBY
     blocks  only itself; generation waits just for the swap (staged mode)
 
 Staged mode (default): ``target.stage`` receives into the engine's staging copy
@@ -16,6 +18,12 @@ weights (the engine records that whole hold as the swap); if that transfer
 fails, the weights are marked partial and the engine generates nothing until
 the next whole version has arrived. Either way no token is ever produced by a
 mix of two versions.
+
+A failed version is logged, counted (``failed``) and the next one taken; an error no
+retry can fix (:data:`PERMANENT`: the trainer's ``weights.transport`` or weight kind,
+full vs LoRA, differs from this actor's) ends the receiver at once and calls
+``on_fatal`` (the actor stops with EXIT_MISMATCH and that one line) instead of
+retrying every 0.5 s while the actor generates on old weights.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from typing import Protocol
 
 import redis
 
+from pipeline.lora import KindMismatch
 from pipeline.messages import WeightAnnouncement, decode
 from pipeline.streams import Names
 from pipeline.torch_logs import is_join_failure, join_failed, one_line
@@ -38,6 +47,16 @@ from pipeline.weights import join_mac
 
 log = logging.getLogger(__name__)
 HISTORY = 256  # recent transfer times kept for telemetry
+
+
+class TransportMismatch(ValueError):
+    """The trainer sends over another ``weights.transport`` than this actor's."""
+
+
+# errors no retry can fix (the pools' settings disagree): the receiver stops at the
+# first and the actor exits with EXIT_MISMATCH; any other error keeps the current
+# weights, rejoins and takes the next version
+PERMANENT = (TransportMismatch, KindMismatch)
 
 
 class SwapTarget(Protocol):
@@ -68,10 +87,14 @@ class WeightReceiver:
         transport: str = "gloo",
         nccl_backend: str | None = None,
         receiver: Receiver | None = None,
+        on_fatal: Callable[[str], None] | None = None,
     ):
         self.client, self.names, self.actor = client, names, actor
         self.target, self.timeout_s, self.staged = target, timeout_s, staged
         self.on_error = on_error or (lambda msg: None)
+        # a permanent error (PERMANENT): the receiver ends and calls on_fatal(message)
+        self.on_fatal = on_fatal or (lambda msg: None)
+        self.fatal: str | None = None
         # ``receiver``: a ready transport end (tests inject fakes); else weights.transport's
         self.transport = receiver or make_receiver(transport, timeout_s, nccl_backend=nccl_backend)
         self.applied = 0
@@ -98,7 +121,7 @@ class WeightReceiver:
         info = {k.decode(): v.decode() for k, v in self.client.hgetall(key).items()}
         theirs = info.get("transport", "gloo")
         if theirs != self.transport.name:
-            raise ValueError(
+            raise TransportMismatch(
                 f"the trainer sends weights over {theirs!r} but this actor expects "
                 f"{self.transport.name!r}; set the same weights.transport for every pool"
             )
@@ -135,7 +158,14 @@ class WeightReceiver:
                         after = entry_id.decode()
                         ann = decode(fields[b"data"], WeightAnnouncement)
                         if self.actor in ann.targets:
-                            self._receive(ann)
+                            self._receive_counted(ann)
+            except () as e:  # BROKEN  # retrying cannot help: the actor stops (EXIT_MISMATCH)
+                self.failed += 1
+                self.fatal = one_line(e)
+                log.error("weights refused, the actor stops: %s", self.fatal)
+                self.on_error(self.fatal)
+                self.on_fatal(self.fatal)
+                return
             except Exception as e:  # keep the current weights; rejoin and take the next
                 if self._stop.is_set():
                     return
@@ -145,6 +175,24 @@ class WeightReceiver:
                 self.joined = False
                 self.transport.close()
                 time.sleep(0.5)
+
+    def _receive_counted(self, ann: WeightAnnouncement) -> None:
+        """Receive a version announced to this actor, counting it offered and, when it
+        fails, failed (pipeline/summary.py: an actor whose versions fail more often than
+        they apply is not getting its weights)."""
+        self._count("weight_versions_offered")
+        try:
+            self._receive(ann)
+        except Exception:
+            if not self._stop.is_set():
+                self._count("weight_versions_failed")
+            raise
+
+    def _count(self, field: str) -> None:
+        try:
+            self.client.hincrby(self.names.status(self.actor), field, 1)
+        except redis.RedisError as e:  # an outage: the transfer goes on uncounted
+            log.warning("could not count %s in the status hash: %s", field, e)
 
     def _receive(self, ann: WeightAnnouncement) -> None:
         t0 = time.monotonic()

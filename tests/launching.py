@@ -1,5 +1,6 @@
 """Starting the real launcher on the tiny model from tests: one place for the
-command line, the environment (private model cache, no hub) and waiting."""
+command line, the environment (private model cache, no hub), waiting, and finding
+the processes a run left (by the ``NONSTOP_RUN_DIR`` its launcher gives every pool)."""
 
 import os
 import subprocess
@@ -32,6 +33,45 @@ def run_tiny(tmp, run_dir, *overrides, env_extra=None, timeout=300) -> tuple[int
     proc = launch_tiny(tmp, run_dir, *overrides, env_extra=env_extra)
     out, _ = proc.communicate(timeout=timeout)
     return proc.returncode, out
+
+
+def marked_processes(key: str, value: str) -> list[int]:
+    """Live processes (not zombies) whose environment has ``key=value``: a run's pools
+    and everything they started (vLLM's engine core and workers inherit it)."""
+    want, found = f"{key}={value}".encode(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if want in env and state != b"Z":
+            found.append(int(entry))
+    return found
+
+
+def run_leftovers(run_dir) -> list[str]:
+    """``pid cmdline`` of every live process of the run in ``run_dir`` (its marker)."""
+    out = []
+    for pid in marked_processes("NONSTOP_RUN_DIR", str(Path(run_dir).resolve())):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        out.append(f"{pid} {cmd.strip()}")
+    return out
+
+
+def wait_until(check, timeout: float, every: float = 0.05) -> None:
+    """Call ``check`` until it returns true; AssertionError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not true within {timeout}s: {check}"
+        time.sleep(every)
 
 
 def wait_for_step(run_dir, proc: subprocess.Popen, timeout=120) -> None:

@@ -7,7 +7,7 @@ import subprocess
 from collections import Counter
 
 from pipeline.telemetry import read_jsonl
-from tests.launching import launch_tiny, run_tiny, wait_for_step
+from tests.launching import launch_tiny, run_leftovers, run_tiny, wait_for_step
 
 
 def test_pipeline_end_to_end(tmp_path):
@@ -26,6 +26,8 @@ def test_pipeline_end_to_end(tmp_path):
     assert summary["weight_updates_published"] >= 2
     assert summary["weight_updates_applied"]["actor-0"] >= 2
     assert summary["sequences_spanning_versions"] >= 1, "no sequence continued across a swap"
+    assert summary["weight_problems"] == [] and summary["weight_versions_failed"]["actor-0"] == 0
+    assert run_leftovers(run_dir) == []
     for key in (
         "stale_samples_dropped",
         "reward_mean_first_window",
@@ -101,3 +103,4 @@ def test_ctrl_c_stops_every_pool_and_writes_a_summary(tmp_path):
     assert summary["outcome"] == "interrupted" and summary["trainer_steps"] >= 1
     leftovers = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
     assert leftovers.stdout.strip() == "", "pool processes outlived the launcher"
+    assert run_leftovers(run_dir) == []  # nor anything a pool started (by its env marker)

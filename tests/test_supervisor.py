@@ -1,0 +1,119 @@
+"""The supervisor stops each pool's whole process group: real processes, each pool
+starting a child that ignores SIGTERM (as vLLM's engine core outlived a SIGKILLed
+actor), found afterwards by an environment marker in /proc."""
+
+import os
+import signal
+import sys
+import time
+import uuid
+
+from omegaconf import OmegaConf
+
+from pipeline.config import Config
+from pipeline.supervisor import Supervisor
+from tests.launching import marked_processes, wait_until
+
+# a pool: starts a child (in the pool's process group) that ignores SIGTERM, writes
+# "<pool pid> <child pid>" to argv[1]; on SIGTERM it exits leaving the child ("leave")
+# or ignores SIGTERM too ("ignore")
+POOL = """
+import os, signal, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+if sys.argv[2] == "ignore":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+else:
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+with open(sys.argv[1], "a") as f:
+    f.write(f"{os.getpid()} {child.pid}\\n")
+time.sleep(600)
+"""
+
+
+def make_supervisor(tmp_path, mode: str, stop_timeout_s: float = 2.0):
+    cfg = OmegaConf.structured(Config)
+    cfg.launch.restart_policy, cfg.launch.max_restarts = "on-failure", 3
+    cfg.launch.watchdog_s, cfg.launch.stop_timeout_s = 0, stop_timeout_s
+    marker = uuid.uuid4().hex
+    pids = tmp_path / "pids"
+    cmds = {"actor-0": [sys.executable, "-c", POOL, str(pids), mode]}
+    env = dict(os.environ, NONSTOP_RUN_DIR=marker)
+    return Supervisor(cfg, str(tmp_path), env, cmds), marker, pids
+
+
+def cleanup(sup, marker: str) -> None:
+    """Stop the supervisor and kill whatever of the test is left (when the test failed)."""
+    sup.stop()
+    for pid in marked_processes("NONSTOP_RUN_DIR", marker):
+        os.kill(pid, signal.SIGKILL)
+
+
+def started(pids, n: int = 1) -> list[tuple[int, int]]:
+    wait_until(lambda: pids.exists() and len(pids.read_text().splitlines()) >= n, 30)
+    return [tuple(map(int, line.split())) for line in pids.read_text().splitlines()]
+
+
+def test_stop_kills_what_a_pool_left_behind(tmp_path, capsys):
+    """The pool exits on SIGTERM and leaves its child: stop() kills the child too."""
+    sup, marker, pids = make_supervisor(tmp_path, "leave")
+    sup.spawn_all()
+    try:
+        [(pool, child)] = started(pids)
+        assert set(marked_processes("NONSTOP_RUN_DIR", marker)) == {pool, child}
+        sup.stop()
+        assert sup.procs["actor-0"].returncode == 0  # it stopped on SIGTERM, in time
+        wait_until(lambda: not marked_processes("NONSTOP_RUN_DIR", marker), 5)
+        assert "did not stop" not in capsys.readouterr().out
+    finally:
+        cleanup(sup, marker)
+
+
+def test_stop_kills_the_group_of_a_pool_that_ignores_sigterm(tmp_path, capsys):
+    sup, marker, pids = make_supervisor(tmp_path, "ignore", stop_timeout_s=1.0)
+    sup.spawn_all()
+    try:
+        started(pids)
+        t0 = time.monotonic()
+        sup.stop()
+        assert 1.0 <= time.monotonic() - t0 < 10
+        assert sup.procs["actor-0"].returncode == -signal.SIGKILL
+        assert "actor-0 did not stop in 1.0s; killing its process group" in capsys.readouterr().out
+        wait_until(lambda: not marked_processes("NONSTOP_RUN_DIR", marker), 5)
+    finally:
+        cleanup(sup, marker)
+
+
+def test_a_sigkilled_pools_children_die_before_it_is_restarted(tmp_path, capsys):
+    """SIGKILL the pool alone (its child survives that): the supervisor kills the rest of
+    its process group as soon as it sees the exit, then restarts the pool."""
+    sup, marker, pids = make_supervisor(tmp_path, "leave")
+    sup.spawn_all()
+    try:
+        [(pool, child)] = started(pids)
+        os.kill(pool, signal.SIGKILL)
+        wait_until(lambda: sup.check({}) is None and sup.restarts["actor-0"] == 1, 10)
+        assert "actor-0 exited with code -9; restarting it (1/3)" in capsys.readouterr().out
+        [_, (pool2, child2)] = started(pids, 2)
+        assert set(marked_processes("NONSTOP_RUN_DIR", marker)) == {pool2, child2}
+        assert child not in marked_processes("NONSTOP_RUN_DIR", marker)
+        sup.stop()
+        wait_until(lambda: not marked_processes("NONSTOP_RUN_DIR", marker), 5)
+    finally:
+        cleanup(sup, marker)
+
+
+def test_the_watchdog_kills_the_whole_group(tmp_path):
+    sup, marker, pids = make_supervisor(tmp_path, "leave")
+    sup.cfg.launch.startup_timeout_s = 0.5  # no heartbeat: silent from the start
+    sup.cfg.launch.watchdog_s = 0.5
+    sup.spawn_all()
+    try:
+        [(pool, child)] = started(pids)
+        time.sleep(0.6)
+        sup.cfg.launch.max_restarts = 0  # the watchdog's kill ends the run: nothing respawns
+        outcome = sup.check({})
+        assert outcome == ("failed: actor-0 exited with -9", 1)
+        wait_until(lambda: not marked_processes("NONSTOP_RUN_DIR", marker), 5)
+    finally:
+        cleanup(sup, marker)

@@ -1,0 +1,94 @@
+"""A run whose weights never reach an actor is not "finished": the rules of
+pipeline/summary.py's weight_problems, the live progress line, and (slow) a real
+launcher run whose weight transfers all miss their deadline exiting 1."""
+
+import json
+
+import pytest
+
+from pipeline.progress import Progress
+from pipeline.summary import weight_problems
+from tests.launching import run_leftovers, run_tiny
+
+
+def statuses(trainer_v: int, **actors: dict) -> dict[str, dict[str, str]]:
+    out = {"trainer": {"role": "trainer", "version": str(trainer_v)}}
+    for name, fields in actors.items():
+        out[name.replace("_", "-")] = {"role": "actor", **{k: str(v) for k, v in fields.items()}}
+    return out
+
+
+def test_an_actor_that_applied_nothing_while_the_trainer_moved_on():
+    st = statuses(3, actor_0=dict(version=0, weight_updates_applied=0))
+    assert weight_problems(st, None) == ["actor-0 applied no weight version (trainer at v3)"]
+    # live, the first version may simply not have arrived yet: not flagged
+    assert weight_problems(st, None, at_end=False) == []
+    assert weight_problems(statuses(0, actor_0=dict(version=0)), None) == []  # nothing made
+
+
+def test_more_failed_than_applied_is_flagged_live_and_at_the_end():
+    fields = dict(
+        version=0,
+        weight_updates_applied=1,
+        weight_versions_offered=3,
+        weight_versions_failed=2,
+        last_error="RuntimeError: 0 rows",
+    )
+    st = statuses(3, actor_0=fields)
+    want = [
+        "actor-0 applied 1 weight versions; 2 of 3 sent failed (last error: RuntimeError: 0 rows)"
+    ]
+    assert weight_problems(st, None, at_end=False) == want
+    assert weight_problems(st, None) == want
+    # half or fewer failed: a flaky transfer, not starvation (versions the publisher
+    # skipped or sent before the actor joined are never offered, so never count)
+    fields.update(weight_updates_applied=2, version=3)
+    assert weight_problems(statuses(3, actor_0=fields), 3) == []
+
+
+def test_an_actor_left_on_an_older_version_than_the_newest_published():
+    st = statuses(6, actor_0=dict(version=6, weight_updates_applied=4), actor_1=dict(version=2))
+    st["actor-1"]["weight_updates_applied"] = "1"  # joined late: one catch-up, then stuck
+    assert weight_problems(st, 6) == ["actor-1 ended on v2; the newest published is v6"]
+    assert weight_problems(st, 6, at_end=False) == []
+    assert weight_problems(st, 2) == []  # v6 never reached any actor: nothing to hold
+
+
+def test_the_progress_line_shows_the_published_version_and_starved_actors():
+    st = statuses(
+        2,
+        actor_0=dict(
+            version=0, weight_updates_applied=0, weight_versions_offered=2, weight_versions_failed=2
+        ),
+        actor_1=dict(version=2, weight_updates_applied=2),
+    )
+    line = Progress.line(st, 10, 5.0, published=2)
+    assert "trainer v2 published v2 actors v0,2" in line
+    assert line.endswith(
+        "WEIGHTS NOT ARRIVING: actor-0 applied 0 weight versions; 2 of 2 sent failed"
+    )
+    st["actor-0"]["weight_versions_failed"] = "0"
+    assert "WEIGHTS" not in Progress.line(st, 10, 5.0)
+
+
+@pytest.mark.slow
+def test_a_run_whose_weights_never_arrive_exits_1(tmp_path):
+    """Every transfer misses its deadline (weights announced, buckets never in time): the
+    trainer finishes its steps, yet the launcher says the weights did not arrive, exits 1,
+    and summary.json's outcome says so too."""
+    run_dir = tmp_path / "run"
+    code, out = run_tiny(
+        tmp_path,
+        run_dir,
+        "trainer.max_steps=3",
+        "trainer.transfer_timeout_s=0.001",
+        "launch.final_sync_timeout_s=2",
+        timeout=300,
+    )
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["trainer_steps"] == 3, out
+    assert code == 1, out
+    assert summary["outcome"].startswith("failed: weights did not reach the actors: actor-0"), out
+    assert summary["weight_updates_applied"] == {"actor-0": 0}
+    assert summary["weight_problems"] and "run failed: weights did not reach" in out
+    assert run_leftovers(run_dir) == []
