@@ -94,6 +94,7 @@ def check_account(result: dict, run_dir) -> dict:
         "stream)"
     ]
     assert passed(result) and not passed(result | bad)
+    assert result["broken_record_check"]["named"], result["broken_record_check"]
     return terms
 
 

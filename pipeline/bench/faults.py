@@ -28,8 +28,9 @@ the launcher from Redis) are then checked against each other
 again (trained or dropped in the trainer's records, dropped by a preprocessor,
 dead-lettered, or in a stream); the run passes when nothing is lost, duplicated,
 phantom or conflicting (each would be named by id in ``problems``), the drain
-left only the trainer's unfinished step, and every fault took effect and was
-recovered from.
+left only the trainer's unfinished step, every fault took effect and was
+recovered from, and the check can fail: on the same records with one trained id
+dropped from the trainer's record it names that id as lost (``broken_record_check``).
 ``--set trainer.backend=deepspeed --set trainer.world_size=2`` (any Hydra
 override, repeatable) runs the same schedule on another configuration.
 """
@@ -295,6 +296,7 @@ def account_run(run_dir: str, records: list[dict] | None = None) -> dict:
         in_flight_after_drain=left_in_flight(records, flight, int(cfg.trainer.samples_per_step)),
         in_flight_rollouts_groups=len(flight["rollouts_groups"]),
         in_flight_batches_samples=len(flight["batches_samples"]),
+        in_flight_batches_ids=flight["batches_samples"],
         trainer_steps=summary["trainer_steps"],
         outcome=summary["outcome"],
         restarts=summary.get("restarts", {}),
@@ -305,6 +307,27 @@ def account_run(run_dir: str, records: list[dict] | None = None) -> dict:
     return terms
 
 
+def drop_one_trained_id(run_dir: str, result: dict) -> dict:
+    """The check must be able to fail: the same account on the run's records with one
+    trained id (of the last surviving step, not in a stream) dropped from the trainer's
+    record; ``named`` says whether the problems name exactly that id as lost."""
+    records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    flight = set(result.get("in_flight_batches_ids", []))
+    steps = surviving_steps(records)  # the same dicts as in ``records``
+    if not steps:
+        return {"dropped": None, "problems": [], "named": False}
+    dropped = next((sid for sid in steps[-1]["sample_ids"] if sid not in flight), None)
+    if dropped is None:
+        return {"dropped": None, "problems": [], "named": False}
+    steps[-1]["sample_ids"].remove(dropped)
+    said = account_run(run_dir, records)["problems"]
+    return {"dropped": dropped, "problems": said, "named": said == [lost_line(dropped)]}
+
+
+def lost_line(sample_id: str) -> str:
+    return next(p for p in problems({"lost_ids": [sample_id]}))
+
+
 def passed(result: dict) -> bool:
     return (
         not result["problems"]
@@ -312,6 +335,7 @@ def passed(result: dict) -> bool:
         and result["groups_trained"] > 0
         and result["drain"]["drained"]
         and result["in_flight_after_drain"]["ok"]
+        and result["broken_record_check"]["named"]
         and result["all_effective"]
         and result["all_recovered"]
         and result["outcome"] == "interrupted"
@@ -417,6 +441,7 @@ def main(argv: list[str]) -> int:
         all_recovered=all(r is not None for r in recovery),
         max_recovery_s=max((r for r in recovery if r is not None), default=None),
     )
+    result["broken_record_check"] = drop_one_trained_id(run_dir, result)
     result["passed"] = passed(result)
     result["samples_left_after_drain"] = result["in_flight_after_drain"]["samples"]
     print_table([{k: result[k] for k in COLUMNS}], COLUMNS)
