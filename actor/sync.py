@@ -29,7 +29,8 @@ actor cannot claim, and no counter moved.
 Draining, in either mode: while the run's marker hash (``<run>:run``) has a ``drain``
 field, no actor starts a new group (the streaming loop's Room holds too); the
 preprocessors and the trainer go on until the streams are empty. The faults bench
-drains before it stops a run, so nothing is left in flight by the stop itself.
+drains before it stops a run, so nothing is left in flight by the stop itself; the
+launcher removes the field when it starts, so a drained run launched again produces.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ import hydra
 import redis
 from omegaconf import OmegaConf
 
+from actor.sync import DRAIN_FIELD
 from pipeline.config import register, shard_urls, validate
 from pipeline.evaluator import wait_for_final_eval
 from pipeline.progress import Progress
@@ -171,6 +172,8 @@ def run(cfg) -> int:
         check_no_eviction(shard)
         mark_run(shard, names, run_dir=run_dir)
     client.delete(names.rendezvous)  # a previous trainer's address is stale now
+    if client.hget(names.run_marker, DRAIN_FIELD) is not None:  # drained (actor/sync.py)
+        client.hdel(names.run_marker, DRAIN_FIELD)  # and launched again: it produces again
     cmds = pool_commands(cfg, config_path)
     sup = Supervisor(cfg, run_dir, env, cmds, server, groups={"trainer": trainer_names(cfg)})
     sup.shard_servers = shard_servers  # restarted like the primary when they die
