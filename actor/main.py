@@ -30,16 +30,14 @@ import numpy as np
 from actor.engines import Completion, Engine, make_engine
 from actor.sync import Turns
 from actor.task import DEFAULT_SYSTEM_PROMPT, RewardErrors, build_prompt_ids, make_task, score
-from pipeline import lora
-from pipeline.config import pool_dtype, run_secret
+from pipeline.config import run_secret
 from pipeline.messages import (
     SCHEMA_VERSION,
     RolloutGroup,
     encode,
     pack_i32,
 )
-from pipeline.models import load_model
-from pipeline.runtime import Pool, model_path, start_pool, trainer_version
+from pipeline.runtime import EXIT_MISMATCH, Pool, model_path, start_pool, trainer_version
 from pipeline.streams import count_produced, publish
 from pipeline.telemetry import Window
 from pipeline.weight_receiver import WeightReceiver
@@ -186,30 +184,11 @@ def resume_counters(pool: Pool, receiver: WeightReceiver) -> None:
 
 
 def build_engine(pool: Pool) -> tuple[Engine, object]:
-    """``actor.engine``: hf loads the model here; vllm loads it in its engine process."""
+    """``actor.engine`` (actor.engines.make_engine), sampling with this pool's seed."""
     cfg = pool.cfg
     seed = cfg.run.seed + zlib.crc32(pool.name.encode()) % 10_000
-    if cfg.actor.engine == "vllm":
-        from transformers import AutoTokenizer
-
-        from actor.engines.vllm.client import from_config
-
-        tokenizer = AutoTokenizer.from_pretrained(model_path(cfg))
-        return from_config(cfg, model_path(cfg), tokenizer, seed), tokenizer
-    model, tokenizer = load_model(model_path(cfg), pool_dtype(cfg, "actor"), cfg.actor.device)
-    if lora.settings(cfg.model.lora):  # the trainer's initial adapter (same seed), then its
-        model = lora.apply_lora(model, cfg.model.lora, cfg.run.seed).eval()  # published ones
-    engine = make_engine(
-        cfg.actor.engine,
-        model,
-        tokenizer,
-        temperature=cfg.engine.temperature,
-        top_p=cfg.engine.top_p,
-        top_k=cfg.engine.top_k,
-        seed=seed,
-        keep_sampling_mask=cfg.engine.keep_sampling_mask,
-    )
-    return engine, tokenizer
+    engine = make_engine(cfg, model_path(cfg), seed)
+    return engine, engine.tokenizer
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -231,6 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         run_secret(),
         staged=cfg.engine.weight_staging,
         on_error=lambda msg: pool.status.set(last_error=msg),
+        on_fatal=lambda msg: pool.stop.set(),  # weights this actor can never take: stop
         transport=cfg.weights.transport,
         nccl_backend=cfg.weights.nccl_backend,
         # vllm: the channel opens in the engine's own process (the worker extension)
@@ -279,3 +259,6 @@ def main(argv: list[str] | None = None) -> None:
         )
         log.info("stopped: %d groups, %d weight updates applied", produced, receiver.applied)
         engine.close()
+    if receiver.fatal is not None:  # one line, and an exit the supervisor does not restart
+        log.error("cannot take the trainer's weights: %s", receiver.fatal)
+        raise SystemExit(EXIT_MISMATCH)

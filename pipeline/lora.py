@@ -36,6 +36,32 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 KIND_FULL, KIND_LORA = "full", "lora"
 
 
+class KindMismatch(ValueError):
+    """A published version of the other kind (full weights vs a LoRA adapter): this
+    actor can never take it, so retrying is useless (the weight receiver stops the actor)."""
+
+
+def check_kind(published: str, version: int, takes: str, engine: str) -> None:
+    """Refuse version ``version`` of kind ``published`` in an engine that takes ``takes``
+    (every engine's one kind check: the hf engine, the vllm client and its worker)."""
+    if published == takes:
+        return
+    if published == KIND_LORA:
+        why = (
+            f"is a LoRA adapter (kind='lora') but {engine} was started without model.lora "
+            f"and takes {takes!r} weights"
+        )
+    else:
+        why = (
+            f"holds {published!r} weights but {engine} was started with model.lora and "
+            f"takes {takes!r} adapters only"
+        )
+    raise KindMismatch(
+        f"version {version} {why}; give every pool the same model.lora settings as the "
+        "trainer's (rank 0 or null for full fine-tuning)"
+    )
+
+
 # ---------------------------------------------------------------- config
 
 

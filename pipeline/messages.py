@@ -105,6 +105,9 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defa
     # (top-k/top-p support), concatenated int32, and how many belong to each token
     mask_ids: bytes = b""
     mask_counts: bytes = b""
+    # False: ``versions`` are lower bounds (the engine could not record each token's
+    # version; staleness overstated, never understated), not exact per-token versions
+    versions_exact: bool = True
 
     def tokens(self) -> np.ndarray:
         return unpack_i32(self.completion_ids)

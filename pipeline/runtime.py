@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 EXIT_DATA_LOST = 3
 EXIT_SETUP = 2  # Redis unreachable at start-up: the launcher restarts the pool
 EXIT_REFUSED = 4  # Redis refuses the pool (ACL, credentials, eviction): the run stops
+EXIT_MISMATCH = 5  # the pools' settings disagree (weights transport or kind): the run stops
 
 
 @dataclass

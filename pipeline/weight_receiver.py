@@ -159,7 +159,7 @@ class WeightReceiver:
                         ann = decode(fields[b"data"], WeightAnnouncement)
                         if self.actor in ann.targets:
                             self._receive_counted(ann)
-            except () as e:  # BROKEN  # retrying cannot help: the actor stops (EXIT_MISMATCH)
+            except PERMANENT as e:  # retrying cannot help: the actor stops (EXIT_MISMATCH)
                 self.failed += 1
                 self.fatal = one_line(e)
                 log.error("weights refused, the actor stops: %s", self.fatal)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from actor.engines.vllm.client import VLLMEngine, load_vllm
+from actor.engines.vllm.client import VLLMEngine, load_vllm, token_versions
 from pipeline.config import VLLM_MISSING
 from pipeline.transfer import TensorSource
 from tests import vllm_fake
@@ -32,6 +32,7 @@ def settings(**kw):
         max_model_len=512,
         lock_timeout_s=2.0,
         rpc_timeout_s=20.0,
+        allow_untested_version=False,
     )
     return SimpleNamespace(**{**base, **kw})
 
@@ -175,4 +176,45 @@ def test_missing_vllm_gives_the_clear_error(monkeypatch, tmp_path):
     with pytest.raises(ValueError) as e:
         load_vllm()
     assert str(e.value) == VLLM_MISSING
-    assert "needs vLLM 0.24.0: pip install -e '.[vllm]' on a CUDA host" in VLLM_MISSING
+    assert "make setup-vllm" in VLLM_MISSING and "pip install -e '.[vllm]'" in VLLM_MISSING
+
+
+def test_token_versions_are_exact_or_lower_bounds_and_say_which():
+    runs = [[3, 1], [4, 2]]  # the worker's record: version 3 for one step, then 4 for two
+    assert token_versions(runs, 3) == ([3, 4, 4], True)
+    # fewer steps than tokens: the missing earliest get the oldest version possible
+    assert token_versions(runs, 4) == ([3, 3, 4, 4], False)
+    assert token_versions(runs, 4, floor=2) == ([2, 3, 4, 4], False)
+    # more steps than tokens (a step after the last token): the first ones, never newer
+    assert token_versions(runs, 2) == ([3, 4], False)
+    # no record at all: the version live when the request was submitted, else 0
+    assert token_versions([], 3, floor=5) == ([5, 5, 5], False)
+    assert token_versions([], 2) == ([0, 0], False)
+    assert token_versions([], 0) == ([], True)
+
+
+def test_the_engine_asks_vllm_for_no_async_scheduling(make):
+    engine, fake = make()
+    assert fake.args.async_scheduling is False
+    fake.vllm_config.scheduler_config.async_scheduling = True  # as if vLLM ignored it
+    with pytest.raises(ValueError, match="async scheduling"):
+        VLLMEngine(
+            "unused-folder",
+            None,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            settings=settings(),
+            api=_always_async(),
+        )
+
+
+def _always_async():
+    """vllm_fake's API whose AsyncLLM resolves async scheduling on whatever is asked."""
+
+    class AsyncLLM(vllm_fake.AsyncLLM):
+        def __init__(self, args):
+            super().__init__(args)
+            self.vllm_config.scheduler_config.async_scheduling = True
+
+    return SimpleNamespace(**{**vars(vllm_fake.API), "AsyncLLM": AsyncLLM})

@@ -277,7 +277,7 @@ def test_an_announcement_of_the_other_kind_is_refused(make, base_dir):
 
 
 def test_from_config_seeds_the_adapter_with_the_run_seed(monkeypatch, base_dir):
-    monkeypatch.setattr(vllm_engine, "load_vllm", lambda: vllm_fake.API)
+    monkeypatch.setattr(vllm_engine, "load_vllm", lambda allow_untested=False: vllm_fake.API)
     vllm_fake.AsyncLLM.model_tensors = vllm_layout(hf_state(hf_model(0)))
     cfg = OmegaConf.create(
         {

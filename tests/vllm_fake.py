@@ -448,6 +448,7 @@ class AsyncLLM:
         self.worker = worker_cls(FakeModel(self.model_tensors), args.enable_lora)
         self.worker.adapters_seen = []  # per step (LoRA): (live version, the slot's sum)
         self.args = args
+        self.errored = False  # AsyncLLM.errored: the engine core died
         self.vllm_config = SimpleNamespace(  # AsyncLLM.vllm_config: what the engine resolved
             scheduler_config=SimpleNamespace(async_scheduling=bool(args.async_scheduling))
         )
@@ -548,6 +549,7 @@ class AsyncLLM:
 
 
 API = SimpleNamespace(
+    version="0.32.0",
     AsyncLLM=AsyncLLM,
     AsyncEngineArgs=AsyncEngineArgs,
     SamplingParams=SamplingParams,

@@ -11,7 +11,8 @@ receive. Either way every pause of generation is recorded in ``stats`` as a
 swap with its lock-hold time.
 
 Implementations: ``hf`` (actor/engines/hf.py, CPU and GPU; one batch at a time) and
-``vllm`` (actor/engines/vllm/client.py: vLLM 0.24's AsyncLLM; its worker extension,
+``vllm`` (actor/engines/vllm/client.py: vLLM's AsyncLLM, tested versions in its
+TESTED_VLLM; its worker extension,
 actor/engines/vllm/worker/extension.py, stages in the engine-core process and swaps under a lock
 around each forward pass). An engine with ``streaming = True`` also takes units of
 prompts one at a time (``submit`` / ``take`` / ``open_units`` / ``empty_s`` /
@@ -39,6 +40,9 @@ class Completion:
     versions: list[int]
     finished: bool
     kept: list = field(default_factory=list)  # keep_sampling_mask: kept vocab ids per token
+    # False: ``versions`` are lower bounds, not each token's own version (the engine
+    # could not tell; staleness overstated), carried as Sample.versions_exact
+    versions_exact: bool = True
 
     def to_sample(self, index: int, reward: float) -> Sample:
         """The wire form: packed arrays, run-length versions, the mask if recorded."""
@@ -52,6 +56,7 @@ class Completion:
             finished=self.finished,
             mask_ids=mask_ids,
             mask_counts=mask_counts,
+            versions_exact=self.versions_exact,
         )
 
 
@@ -72,6 +77,7 @@ class EngineStats:
     recent_swaps: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     forward_passes: int = 0
     tokens: int = 0
+    inexact_stamps: int = 0  # completions whose versions are lower bounds (versions_exact)
     # (start, end) perf_counter times of recent forward passes, and the times new
     # versions took effect: an update's stall is the gap between the passes around it
     timeline: deque = field(default_factory=lambda: deque(maxlen=4096))

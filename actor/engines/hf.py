@@ -88,11 +88,7 @@ class HFEngine(Engine):
         return [torch.empty(b.numel, dtype=dtype, device=self.device) for b in layout]
 
     def _check_kind(self, ann: WeightAnnouncement) -> None:
-        if ann.kind != self.kind:
-            raise ValueError(
-                f"the trainer publishes {ann.kind!r} weights but this actor's model takes "
-                f"{self.kind!r} ones; give every pool the same model.lora settings"
-            )
+        lora.check_kind(ann.kind, ann.version, self.kind, "this actor's hf engine")
 
     def stage(self, ann: WeightAnnouncement, source: BucketSource, deadline: float) -> None:
         self._check_kind(ann)

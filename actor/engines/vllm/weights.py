@@ -112,13 +112,7 @@ class VLLMWeights:
         """The worker receives into its staging copy while generation goes on: over its
         own channel when ``source`` reads from :meth:`remote_receiver`'s handle, else
         the buckets are read here and sent along (tests, benchmarks, small models)."""
-        if ann.kind != self.kind:
-            lora = "with" if self.kind == lora_lib.KIND_LORA else "without"
-            raise ValueError(
-                f"the trainer publishes {ann.kind!r} weights but this vLLM engine was started "
-                f"{lora} model.lora and takes {self.kind!r} ones; give every pool the same "
-                "model.lora settings"
-            )
+        lora_lib.check_kind(ann.kind, ann.version, self.kind, "this vLLM engine")
         if isinstance(source, ReceiverSource) and isinstance(source.receiver, EngineChannel):
             spec = None
         else:

@@ -165,21 +165,3 @@ def _check_rows(vname, vshape, rows, pieces, hf_shapes) -> None:
             f"vLLM parameter {vname} has {vshape[0]} rows, its parts {rows}: "
             "grouped-query heads replicated across TP ranks are not mapped"
         )
-
-
-def token_versions(step_versions: list[list[int]], n_tokens: int) -> tuple[list[int], bool]:
-    """Per-token versions from a request's run-length ``[[version, steps], ...]`` of
-    the engine steps that sampled a token for it (recorded by the worker extension).
-
-    Returns (versions, exact). Normally there is one sampling step per token; when
-    the counts differ (the client saw fewer tokens than steps, e.g. a stop string
-    cut the text), the last ``n_tokens`` steps are used; when there are fewer
-    steps than tokens, the missing earliest tokens get the oldest recorded version
-    (staleness over-, never under-stated) and ``exact`` is False.
-    """
-    flat = [v for v, n in step_versions for _ in range(n)]
-    exact = len(flat) == n_tokens
-    if len(flat) < n_tokens:
-        first = flat[0] if flat else 0
-        flat = [first] * (n_tokens - len(flat)) + flat
-    return flat[len(flat) - n_tokens :], exact

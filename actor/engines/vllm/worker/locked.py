@@ -25,7 +25,7 @@ from actor.engines.vllm.worker.layout import Plan, build_plan
 from actor.engines.vllm.worker.lora import AdapterLost
 from actor.engines.vllm.worker.packed import CpuLayout, Prepared
 from actor.engines.vllm.worker.steps import StepVersions
-from pipeline.lora import KIND_FULL, KIND_LORA
+from pipeline.lora import KIND_FULL, KIND_LORA, check_kind
 from pipeline.messages import WeightAnnouncement
 from pipeline.transfer.base import BucketSource
 from pipeline.weights import checksum
@@ -148,18 +148,7 @@ class LockedWeights:
     # -- receive and swap ---------------------------------------------------------
     def check_kind(self, ann: WeightAnnouncement) -> None:
         """Refuse an announcement of the other kind (full weights vs a LoRA adapter)."""
-        if ann.kind == self.kind:
-            return
-        if ann.kind == KIND_LORA:
-            raise ValueError(
-                f"version {ann.version} is a LoRA adapter (kind='lora') but this vLLM engine "
-                "was started without model.lora; give the actors the trainer's model.lora"
-            )
-        raise ValueError(
-            f"version {ann.version} holds {ann.kind!r} weights but this vLLM engine was "
-            "started with model.lora (it takes adapters only); give the actors the "
-            "trainer's model.lora (rank 0 or null for full fine-tuning)"
-        )
+        check_kind(ann.kind, ann.version, self.kind, "this vLLM engine")
 
     def stage(self, ann: WeightAnnouncement, source: BucketSource, deadline: float) -> None:
         """Receive every bucket of ``ann`` into staging; raise on any failure."""
