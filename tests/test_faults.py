@@ -85,9 +85,15 @@ def check_account(result: dict, run_dir) -> dict:
     # the trainer's record loses one trained id: the check names it as lost
     flight = set(json.loads((run_dir / "summary.json").read_text())["in_flight"]["batches_samples"])
     broken = copy.deepcopy(records)
-    last = surviving_steps(broken)[-1]  # the same dicts as in ``broken``
-    dropped = next(sid for sid in last["sample_ids"] if sid not in flight)
-    last["sample_ids"].remove(dropped)
+    # the latest step with a sample no longer in a stream (a step after the last
+    # checkpoint has its batches still in the stream); the same dicts as in ``broken``
+    step, dropped = next(
+        (st, sid)
+        for st in reversed(surviving_steps(broken))
+        for sid in st["sample_ids"]
+        if sid not in flight
+    )
+    step["sample_ids"].remove(dropped)
     bad = account_run(str(run_dir), broken)
     assert bad["problems"] == [
         f"lost: {dropped} (published by an actor; not trained, dropped, dead-lettered or in a "

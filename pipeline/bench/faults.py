@@ -309,17 +309,20 @@ def account_run(run_dir: str, records: list[dict] | None = None) -> dict:
 
 def drop_one_trained_id(run_dir: str, result: dict) -> dict:
     """The check must be able to fail: the same account on the run's records with one
-    trained id (of the last surviving step, not in a stream) dropped from the trainer's
-    record; ``named`` says whether the problems name exactly that id as lost."""
+    trained id dropped from the trainer's record (from the latest surviving step with a
+    sample not in a stream: a step after the last checkpoint has its batches still in
+    the stream, for a resume); ``named`` says whether the problems name exactly that id
+    as lost."""
     records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     flight = set(result.get("in_flight_batches_ids", []))
-    steps = surviving_steps(records)  # the same dicts as in ``records``
-    if not steps:
-        return {"dropped": None, "problems": [], "named": False}
-    dropped = next((sid for sid in steps[-1]["sample_ids"] if sid not in flight), None)
+    # the same dicts as in ``records``: a change to one is a change to the records
+    candidates = (
+        (st, sid) for st in reversed(surviving_steps(records)) for sid in st["sample_ids"]
+    )
+    step, dropped = next(((st, sid) for st, sid in candidates if sid not in flight), (None, None))
     if dropped is None:
         return {"dropped": None, "problems": [], "named": False}
-    steps[-1]["sample_ids"].remove(dropped)
+    step["sample_ids"].remove(dropped)
     said = account_run(run_dir, records)["problems"]
     return {"dropped": dropped, "problems": said, "named": said == [lost_line(dropped)]}
 
