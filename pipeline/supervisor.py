@@ -221,7 +221,11 @@ class Supervisor:
                 _signal_group(p, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
                 os.kill(p.pid, signal.SIGTERM)  # the pool: it stops its own children in order
         deadline = time.monotonic() + self.cfg.launch.stop_timeout_s
-        while time.monotonic() < deadline and not all(_exited(p) for p in self.procs.values()):
+        # the pools, and what they started (a resource tracker unlinking shared memory
+        # after its pool exits), get the grace period to end on their own
+        while time.monotonic() < deadline and any(
+            not _exited(p) or _group_alive(p.pid) for p in self.procs.values()
+        ):
             time.sleep(0.05)
         for n, p in self.procs.items():
             if not _exited(p):
@@ -229,6 +233,8 @@ class Supervisor:
                     f"{n} did not stop in {self.cfg.launch.stop_timeout_s}s; "
                     "killing its process group"
                 )
+            elif p.returncode is None and _group_alive(p.pid):
+                print(f"{n} exited but left processes running; killing its process group")
             kill_process_group(p)
 
 
@@ -241,6 +247,21 @@ def _exited(proc: subprocess.Popen) -> bool:
         return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     except ChildProcessError:  # reaped by someone else
         return True
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (zombies do not count): Linux /proc."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if fields[0] != b"Z" and int(fields[2]) == pgid:  # state, ppid, pgrp
+            return True
+    return False
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

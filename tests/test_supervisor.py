@@ -11,6 +11,7 @@ import uuid
 from omegaconf import OmegaConf
 
 from pipeline.config import Config
+from pipeline.runtime import EXIT_MISMATCH
 from pipeline.supervisor import Supervisor
 from tests.launching import marked_processes, wait_until
 
@@ -64,7 +65,9 @@ def test_stop_kills_what_a_pool_left_behind(tmp_path, capsys):
         sup.stop()
         assert sup.procs["actor-0"].returncode == 0  # it stopped on SIGTERM, in time
         wait_until(lambda: not marked_processes("NONSTOP_RUN_DIR", marker), 5)
-        assert "did not stop" not in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert "did not stop" not in out
+        assert "actor-0 exited but left processes running; killing its process group" in out
     finally:
         cleanup(sup, marker)
 
@@ -117,3 +120,24 @@ def test_the_watchdog_kills_the_whole_group(tmp_path):
         wait_until(lambda: not marked_processes("NONSTOP_RUN_DIR", marker), 5)
     finally:
         cleanup(sup, marker)
+
+
+def test_a_pool_whose_settings_disagree_is_not_restarted(tmp_path, capsys):
+    """EXIT_MISMATCH (weights transport or kind differ between pools): the run stops."""
+    cfg = OmegaConf.structured(Config)
+    cfg.launch.restart_policy, cfg.launch.max_restarts, cfg.launch.watchdog_s = "on-failure", 3, 0
+    script = f"print('the transports differ'); raise SystemExit({EXIT_MISMATCH})"
+    cmds = {"actor-0": [sys.executable, "-c", script]}
+    sup = Supervisor(cfg, str(tmp_path), dict(os.environ), cmds)
+    sup.spawn_all()
+    try:
+        outcome = None
+        deadline = time.monotonic() + 60
+        while outcome is None and time.monotonic() < deadline:
+            outcome = sup.check({})
+            time.sleep(0.05)
+        assert outcome == (f"failed: actor-0 exited with {EXIT_MISMATCH}", 1)
+        assert sup.restarts["actor-0"] == 0
+        assert "the transports differ" in capsys.readouterr().out
+    finally:
+        sup.stop()
