@@ -6,8 +6,10 @@ started with LoRA on and every request carries the run's LoRARequest, whose fold
 the trainer's version-0 adapter; a published adapter is staged outside the lock and
 written into the slot in place only under the per-forward lock, between two steps
 (lock and pause modes); per-token versions match the adapter each step used; a lock
-timeout keeps the old adapter; an announcement of the other kind is refused. The same
-on real vLLM is the gpu-marked test at the end (written, not run)."""
+timeout keeps the old adapter; an announcement of the other kind is refused; vLLM's
+merge of the packed modules happens at staging, outside the lock. On real vLLM: the
+CPU build in tests/test_vllm_lora_real.py, and the gpu-marked test at the end (written,
+not run)."""
 
 from __future__ import annotations
 
@@ -151,6 +153,10 @@ def test_an_adapter_swap_lands_between_steps_under_the_lock(make, base_dir, mode
     writes = fake.worker.model_runner.lora_manager._adapter_manager.writes
     swapper = "nonstop-receiver" if mode == "lock" else "fake-engine-core"
     assert writes == [(tag(v0), "fake-engine-core", True, True), (tag(v1), swapper, True, False)]
+    # vLLM's merge of the packed modules: version 0 by vLLM's own step (it loads the
+    # requests' folder), version 1 when it was staged: receiver thread, lock not held
+    merges = fake.worker.model_runner.lora_manager._adapter_manager.merges
+    assert merges == [(tag(v0), "fake-engine-core", True), (tag(v1), "nonstop-receiver", False)]
     # every step used one whole adapter, the one of the version it was stamped with
     seen = fake.worker.adapters_seen
     assert set(seen) == {(0, tag(v0)), (1, tag(v1))}, set(seen)

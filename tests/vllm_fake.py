@@ -301,6 +301,7 @@ class FakeLoRAModelManager:
         self.active: int | None = None
         self.slot: dict[str, torch.Tensor] = {}  # allocated at the first activation
         self.writes: list[tuple] = []
+        self.merges: list[tuple] = []
 
     def list_adapters(self) -> set[int]:
         return set(self.registered)
@@ -314,8 +315,20 @@ class FakeLoRAModelManager:
         return self.registered.pop(adapter_id, None) is not None
 
     def add_adapter(self, model) -> bool:
+        self._create_merged_loras_inplace(model)  # as LoRAModelManager._add_adapter
         self.registered[model.id] = model
         return True
+
+    def _create_merged_loras_inplace(self, model) -> None:
+        """vLLM merges q/k/v into packed modules here (again: a no-op once merged);
+        ``merges`` records where the work was done: (tag, thread, forward lock held)."""
+        if getattr(model, "merged", False):
+            return
+        lock = getattr(getattr(self.worker, "_nonstop", None), "lock", None)
+        self.merges.append(
+            (model.tag, threading.current_thread().name, lock is not None and lock.locked())
+        )
+        model.merged = True
 
     def activate_adapter(self, adapter_id: int) -> bool:
         if self.active == adapter_id:

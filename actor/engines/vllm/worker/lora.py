@@ -54,7 +54,8 @@ class AdapterSwap:
         self._live: Any = None  # the LoRAModel we put in the slot last
 
     def stage(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Build the vLLM LoRAModel of ``tensors`` (CPU, vLLM's own loader and checks)."""
+        """Build the vLLM LoRAModel of ``tensors`` (CPU, vLLM's own loader and checks)
+        and merge its packed modules, all outside the lock."""
         from safetensors.torch import save_file
 
         self._staged = None
@@ -67,6 +68,10 @@ class AdapterSwap:
                 json.dump(self.adapter_config, f)
             request = self.request_cls(ADAPTER_NAME, ADAPTER_ID, tmp)
             model = self.manager._load_adapter(request)
+        # vLLM's add_adapter merges q/k/v (gate/up) into its packed modules and pins the
+        # tensors (on CUDA); done here, outside the lock, that work leaves add_adapter
+        # under the lock nothing to merge (a merged model is merged again as is)
+        self.manager._adapter_manager._create_merged_loras_inplace(model)
         self._staged = (version, model)
 
     def swap(self, version: int) -> None:
