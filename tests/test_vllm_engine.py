@@ -1,8 +1,9 @@
 """actor/engines/vllm/client.py against a fake AsyncLLM (tests/vllm_fake.py, written from
-vLLM 0.24.0's source) whose engine-core thread drives the real worker extension:
+vLLM 0.24.0's and 0.32.0's source) whose engine-core thread drives the real worker extension:
 requests held in flight, per-token versions across a swap, lock vs pause call
 sequences, a lock timeout, prefix-cache salting, and the clear error without vLLM.
-What is not run here: vLLM itself on a GPU (tests/test_vllm_gpu.py)."""
+On real vLLM (the CPU build): tests/test_vllm_client_real.py and the other *_real.py;
+on a GPU: tests/test_vllm_gpu.py."""
 
 from __future__ import annotations
 

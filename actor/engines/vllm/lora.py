@@ -3,7 +3,7 @@
 The vLLM engine (actor/engines/vllm/client.py) calls, when ``model.lora`` is set:
 
 - :func:`engine_kwargs` for ``vllm.LLM(..., **engine_kwargs(lora))``: LoRA on, one
-  adapter slot, ``max_lora_rank`` the smallest rank vLLM 0.24 allows that holds ours;
+  adapter slot, ``max_lora_rank`` the smallest rank vLLM allows that holds ours;
 - :func:`initial_adapter` once at start: writes the version-0 adapter (the same seeded
   init as the trainer's, pipeline/lora.py) as a peft folder and returns the
   ``LoRARequest`` every generate call carries (one name, one int id, for the run);
@@ -33,9 +33,10 @@ is scheduled, which the per-forward lock does not order.
 
 Wiring: the engine passes ``{"dir", "request"}`` to the worker's ``nonstop_install``,
 which builds the AdapterSwap; ``kind="lora"`` versions are received and checked like full
-ones, then staged and swapped in worker/lora.py (worker/extension.py). On the CPU everything runs
-against fakes of vLLM's LoRA managers and LoRARequest (tests/test_vllm_lora.py); against
-real vLLM 0.24 only the ``gpu``-marked tests, written and not yet run.
+ones, then staged and swapped in worker/lora.py (worker/extension.py). Tested against
+fakes of vLLM's LoRA managers and LoRARequest (tests/test_vllm_lora.py), on real vLLM
+0.32's CPU build (tests/test_vllm_lora_real.py), and on vLLM 0.24 on a GPU by the
+``gpu``-marked tests (written and not yet run).
 """
 
 from __future__ import annotations
@@ -47,11 +48,11 @@ import torch
 from actor.engines.vllm.worker.lora import ADAPTER_ID, ADAPTER_NAME
 from pipeline import lora as lora_lib
 
-VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks (0.24, 0.32)
 
 
 def max_lora_rank(rank: int) -> int:
-    """The smallest ``max_lora_rank`` vLLM 0.24 accepts that holds ``rank``."""
+    """The smallest ``max_lora_rank`` vLLM accepts that holds ``rank``."""
     for allowed in VLLM_RANKS:
         if rank <= allowed:
             return allowed
