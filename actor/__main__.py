@@ -1,5 +1,9 @@
 """``python -m actor``: the actor pool (actor/main.py).
 
+The processes vLLM starts under it (engine core, workers) end when it does, even when
+it is SIGKILLed: ``NONSTOP_DIE_WITH_PARENT=1`` in the environment they inherit
+(pipeline/orphans.py; ``NONSTOP_DIE_WITH_PARENT=0`` turns it off).
+
 It leaves through :func:`exit_now`: once the pool has cleaned up (its ``finally``
 closed the engine, which shuts vLLM's engine-core and worker processes down, and
 wrote the final status) and the atexit handlers ran, the process ends without the
@@ -15,9 +19,11 @@ import os
 import sys
 import traceback
 
+from pipeline.orphans import ENV as DIE_WITH_PARENT
 from pipeline.torch_logs import quiet_cpp_logs
 
 quiet_cpp_logs()  # before torch loads: no C++ backtraces on stderr
+os.environ.setdefault(DIE_WITH_PARENT, "1")  # before vLLM starts its processes
 
 from actor.main import main  # noqa: E402
 from pipeline.runtime import run_main  # noqa: E402

