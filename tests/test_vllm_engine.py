@@ -86,11 +86,13 @@ def test_in_flight_count_is_held_at_the_configured_number(make):
 
 def test_versions_are_stamped_per_token_across_a_swap(make):
     engine, fake = make(in_flight=16, step_s=0.01)
+    ann, flat = announcement(1, hf_state(hf_model(1)))
+    engine.stage(ann, TensorSource(flat), time.monotonic() + 60)  # staging takes its time
     result = {}
     t = threading.Thread(target=lambda: result.setdefault("outs", engine.generate(prompts(16), 40)))
     t.start()
     time.sleep(0.15)
-    new_version(engine, 1, seed=1)
+    engine.swap(1)  # mid-generation: 40 steps of 10 ms
     t.join()
     outs = result["outs"]
     assert engine.version == 1 and engine.stats.swaps == 1
