@@ -36,7 +36,7 @@ from pipeline.evaluator import wait_for_final_eval
 from pipeline.progress import Progress
 from pipeline.redis_server import EmbeddedRedis, check_no_eviction
 from pipeline.streams import Names, RedisUnavailable, connect, mark_run
-from pipeline.summary import newest_published, write_summary
+from pipeline.summary import newest_published, status_version, write_summary
 from pipeline.supervisor import Supervisor
 from pipeline.telemetry import read_statuses
 
@@ -71,7 +71,7 @@ def wait_for_final_sync(client, names: Names, cfg, target: int) -> None:
     deadline = time.monotonic() + cfg.launch.final_sync_timeout_s
     while time.monotonic() < deadline:
         actors = {k: v for k, v in read_statuses(client, names).items() if v["role"] == "actor"}
-        if actors and all(int(v.get("version", 0)) >= target for v in actors.values()):
+        if actors and all((status_version(v) or 0) >= target for v in actors.values()):
             return
         time.sleep(0.2)
 

@@ -11,7 +11,7 @@ import sys
 import time
 from collections import deque
 
-from pipeline.summary import weight_problems
+from pipeline.summary import status_version, weight_problems
 
 RATE_MIN_S = 30.0  # a rate is shown only once measured over at least this long
 RATE_WINDOW_S = 120.0  # ... and over at most about this long (recent, not whole-run)
@@ -66,8 +66,9 @@ class Progress:
         done = int(width * step / max(total, 1))
         actors = {k: v for k, v in statuses.items() if v.get("role") == "actor"}
         versions = ",".join(v.get("version", "0") for _, v in sorted(actors.items())) or "-"
-        trainer_v = int(trainer.get("version", 0))
-        lag = max((trainer_v - int(v.get("version", 0)) for v in actors.values()), default=0)
+        trainer_v = status_version(trainer) or 0
+        held = [status_version(v) for v in actors.values()]  # None: partial weights
+        lag = max((trainer_v - v for v in held if v is not None), default=0)
         groups = sum(int(v.get("groups_produced", 0)) for v in actors.values())
         reward = trainer.get("reward_mean")
         reward_s = f"{float(reward):.3f}" if reward else "-"

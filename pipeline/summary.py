@@ -223,7 +223,7 @@ def weight_problems(
     """One line per actor whose weights are not arriving (the rules in this module's
     docstring); ``at_end=False`` (the live progress line) checks only the failed-versions
     rule, since during a run the first version may simply not have arrived yet."""
-    trainer_v = int(statuses.get("trainer", {}).get("version", 0))
+    trainer_v = status_version(statuses.get("trainer", {})) or 0
     problems = []
     for name, st in sorted(statuses.items()):
         if st.get("role") != "actor":
@@ -231,18 +231,26 @@ def weight_problems(
         applied = int(st.get("weight_updates_applied", 0))
         failed = int(st.get("weight_versions_failed", 0))
         offered = int(st.get("weight_versions_offered", 0))
-        version = int(st.get("version", 0) or 0)
+        version = status_version(st)  # None: partial weights (an in-place update failed)
         why = st.get("last_error", "")
         if failed > applied:
             line = f"{name} applied {applied} weight versions; {failed} of {offered} sent failed"
         elif at_end and applied == 0 and trainer_v > 0:
             line = f"{name} applied no weight version (trainer at v{trainer_v})"
-        elif at_end and newest_published is not None and version < newest_published:
-            line = f"{name} ended on v{version}; the newest published is v{newest_published}"
+        elif at_end and newest_published is not None and (version or 0) < newest_published:
+            held = "partial weights" if version is None else f"v{version}"
+            line = f"{name} ended on {held}; the newest published is v{newest_published}"
         else:
             continue
         problems.append(line + (f" (last error: {why[:200]})" if why and failed else ""))
     return problems
+
+
+def status_version(st: dict[str, str]) -> int | None:
+    """A status hash's ``version``: 0 when not written yet, None when it says ``None``
+    (an engine holding partial weights after a failed in-place update)."""
+    value = st.get("version", "0")
+    return int(value) if value.lstrip("-").isdigit() else None
 
 
 def newest_published(client: redis.Redis, names: Names) -> int | None:

@@ -54,6 +54,15 @@ def test_an_actor_left_on_an_older_version_than_the_newest_published():
     assert weight_problems(st, 2) == []  # v6 never reached any actor: nothing to hold
 
 
+def test_an_actor_holding_partial_weights():
+    """An in-place update that failed leaves version "None" in the status hash."""
+    st = statuses(4, actor_0=dict(version="None", weight_updates_applied=3))
+    assert weight_problems(st, 4) == [
+        "actor-0 ended on partial weights; the newest published is v4"
+    ]
+    assert "lag 0" in Progress.line(st, 10, 1.0)  # no whole version: no lag to show
+
+
 def test_the_progress_line_shows_the_published_version_and_starved_actors():
     st = statuses(
         2,
