@@ -3,7 +3,8 @@
 builds it: ``actor.engines.make_engine`` from a composed config.
 
 - the tested-versions check (the real ``vllm`` module, its version string changed);
-- async scheduling off in what the engine asks and in what vLLM resolved;
+- async scheduling off in what the engine asks and in what vLLM resolved, and exact
+  stamps (one recorded step per token) for requests that end on a stop token;
 - a submit followed at once by ``abort_open``, with vLLM's ``add_request`` slow to
   return (the window where ``AsyncLLM.generate`` has no output queue yet and so does
   not abort): nothing of ours stays in the output processor nor steps in the engine;
@@ -111,6 +112,19 @@ def test_async_scheduling_is_off_in_the_engine(engine):
     outs = engine.generate(prompts(6), 12)
     assert all(len(o.tokens) == 12 and o.versions == [0] * 12 for o in outs)
     assert all(o.versions_exact for o in outs)
+
+
+def test_requests_ending_on_a_stop_token_have_one_step_per_token(engine, monkeypatch):
+    """With async scheduling on, a request that samples its stop token would be scheduled
+    once more and the worker would record a step more than it has tokens; off, the
+    stamps are exact for requests of every length."""
+    monkeypatch.setattr(engine, "stop_ids", list(range(0, 512, 6)))  # ~1 in 6 tokens stops
+    outs = engine.generate(prompts(24), 40)
+    stopped = [o for o in outs if o.finished]
+    assert len(stopped) >= 12 and len({len(o.tokens) for o in stopped}) > 3
+    for o in outs:
+        assert o.versions_exact and len(o.versions) == len(o.tokens) == len(o.logprobs)
+        assert o.finished == (o.tokens[-1] in engine.stop_ids)
 
 
 # -------------------------------------------------------- abort while adding (item 3)
