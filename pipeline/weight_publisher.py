@@ -24,7 +24,9 @@ versions submitted, except the newest one while it is still undecided. Failures
 text is kept. With ``status`` (a PoolStatus), these live in the trainer's status
 hash as ``weight_updates_published``, ``weight_versions_unreceived``,
 ``weight_publish_failures``, ``actors_dropped`` (HINCRBY: they survive a
-trainer restart) and ``last_publish_error``.
+trainer restart) and ``last_publish_error``. A join without the run's secret is
+refused: logged, counted (``joins_refused``; ``weight_joins_refused`` in the status
+hash) and its actor name kept in ``refused``.
 """
 
 from __future__ import annotations
@@ -85,7 +87,9 @@ class WeightPublisher:
         self.unreceived = 0  # versions no actor received
         self.failures = 0
         self.actors_dropped = 0
+        self.joins_refused = 0  # joins read and refused: bad or missing run secret
         self.last_error = ""
+        self.refused: deque[str] = deque(maxlen=HISTORY)  # the actors those joins named
         self.dropped: deque[str] = deque(maxlen=HISTORY)  # recent dropped actors
         self.transfer_ms: deque[float] = deque(maxlen=HISTORY)  # recent per-actor transfers
         self._latest: Snapshot | None = None
@@ -181,6 +185,8 @@ class WeightPublisher:
                     continue  # addressed to an earlier trainer
                 if not hmac.compare_digest(f.get("mac", ""), join_mac(self.secret, f)):
                     log.error("rejected a join as %r: bad or missing run secret", actor)
+                    self.refused.append(actor)
+                    self._count("joins_refused", "weight_joins_refused")
                     continue
                 try:
                     self.sender.accept(actor, nonce, time.monotonic() + self.timeout_s)

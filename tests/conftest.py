@@ -11,6 +11,11 @@ from pipeline.redis_server import EmbeddedRedis
 from pipeline.streams import connect
 from tests.vllm_real import vllm_available, vllm_engine  # noqa: F401 (the fixture)
 
+# pytest-timeout for tests marked slow or vllm: the faults schedule alone may take 900 s
+# (tests/test_faults.py); a real-vLLM module starts its engine (~70 s idle, minutes under
+# load) in a module fixture, whose set-up counts against the module's first test
+LONG_TIMEOUT_S = 1800
+
 
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory):
@@ -37,7 +42,13 @@ def rclient(redis_server):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip the ``vllm`` tests, saying why, when ``import vllm`` fails (``make setup-vllm``)."""
+    """Skip the ``vllm`` tests, saying why, when ``import vllm`` fails (``make setup-vllm``).
+    Tests marked slow or vllm get LONG_TIMEOUT_S (pytest-timeout) unless they set their own
+    @pytest.mark.timeout: the default in pyproject.toml is for ordinary tests."""
+    for item in items:
+        long = item.get_closest_marker("slow") or item.get_closest_marker("vllm")
+        if long is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(LONG_TIMEOUT_S))
     marked = [item for item in items if item.get_closest_marker("vllm") is not None]
     if not marked:
         return

@@ -1,9 +1,11 @@
 """Weight transfer over a real redis-server and a gloo pair group."""
 
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -17,7 +19,7 @@ from pipeline.telemetry import PoolStatus
 from pipeline.weight_publisher import WeightPublisher
 from pipeline.weight_receiver import WeightReceiver
 from pipeline.weights import bucket_layout, checksum, flatten
-from tests.weight_peers import BUCKET_MB, NAMES, SECRET, TIMEOUT_S
+from tests.weight_peers import BUCKET_MB, NAMES, SECRET, TIMEOUT_S, params_digest
 
 
 def _models(tmp_path):
@@ -37,6 +39,32 @@ def test_layout_and_checksum_cover_every_parameter(tmp_path):
     sums = checksum(flat)
     flat[0][0] += 1.0
     assert checksum(flat)[0] != sums[0] and checksum(flat)[1:] == sums[1:]
+
+
+def test_whole_model_digest_sees_swapped_and_permuted_tensors(tmp_path):
+    """params_digest (tests/weight_peers.py) is what the multi-process tests compare; a
+    sum of bit patterns (``checksum``, the transfer's per-bucket check) cannot see two
+    equal-shape tensors trade places or a tensor's elements permuted: the digest must."""
+    model, _, _ = _models(tmp_path)
+    before, sum_before = params_digest(model), sum(checksum(list(model.parameters())))
+    by_shape: dict[tuple, list[torch.nn.Parameter]] = {}
+    for p in model.parameters():
+        by_shape.setdefault(tuple(p.shape), []).append(p)
+    a, b = next(ps for ps in by_shape.values() if len(ps) >= 2 and not torch.equal(*ps[:2]))[:2]
+    with torch.no_grad():
+        saved = a.clone()
+        a.copy_(b)
+        b.copy_(saved)  # two equal-shape tensors swapped
+    assert sum(checksum(list(model.parameters()))) == sum_before  # blind to it
+    assert params_digest(model) != before
+    with torch.no_grad():
+        b.copy_(a)
+        a.copy_(saved)  # back as they were
+    assert params_digest(model) == before
+    with torch.no_grad():
+        a.copy_(a.reshape(-1).flip(0).reshape(a.shape))  # a permutation within one tensor
+    assert sum(checksum(list(model.parameters()))) == sum_before
+    assert params_digest(model) != before
 
 
 @pytest.mark.parametrize("staged", [True, False], ids=["staged", "in-place"])
@@ -109,33 +137,79 @@ def test_submit_rejects_what_is_not_a_parameter_set(tmp_path, rclient):
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the default wait for a peer's line: a fresh peer imports torch and loads a model before
+# its first line, which took over 30 s on 2 cores shared at load 18
+PEER_LINE_S = 120.0
+
+
+class Lines:
+    """A child's stdout, line by line, each line waited for with a deadline: a peer that
+    hangs without a word fails the test at the deadline instead of blocking readline()
+    for ever (a reader thread does the blocking reads)."""
+
+    def __init__(self, stream):
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+
+    def _pump(self, stream) -> None:
+        for line in stream:
+            self._queue.put(line)
+        self._queue.put(None)  # end of the stream: the child exited or closed it
+
+    def next(self, deadline: float) -> str | None:
+        """The next line (None once the stream ended); AssertionError at the deadline."""
+        try:
+            return self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError("the peer printed nothing before the deadline") from None
 
 
 class Peer:
-    """A weight-transfer peer in its own process (tests/weight_peers.py)."""
+    """A weight-transfer peer in its own process (tests/weight_peers.py); ``transport``:
+    gloo (default) or nccl; ``env``: extra environment (e.g. CUDA_VISIBLE_DEVICES)."""
 
-    def __init__(self, role: str, url: str, model_dir: str, name: str):
+    def __init__(
+        self, role: str, url: str, model_dir: str, name: str, transport: str = "gloo", env=None
+    ):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.weight_peers", role, url, model_dir, name],
+            [sys.executable, "-m", "tests.weight_peers", role, url, model_dir, name, transport],
             cwd=ROOT,
+            env=None if env is None else {**os.environ, **env},
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
         )
+        self.lines = Lines(self.proc.stdout)
 
-    def expect(self, line: str, timeout_s: float = 30) -> None:
+    def line_starting(self, words: list[str], timeout_s: float = PEER_LINE_S) -> list[str] | None:
+        """The first line whose words start with ``words`` (None if the peer exited)."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            got = self.proc.stdout.readline().strip()
-            if got == line:
-                return
-            if not got and self.proc.poll() is not None:
-                break
-        raise AssertionError(f"peer never said {line!r}")
+        while (got := self.lines.next(deadline)) is not None:
+            if got.split()[: len(words)] == words:
+                return got.split()
+        return None
+
+    def expect(self, line: str, timeout_s: float = PEER_LINE_S) -> None:
+        if self.line_starting(line.split(), timeout_s) is None:
+            raise AssertionError(f"peer exited without saying {line!r}")
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
+
+
+def test_a_silent_peer_fails_the_wait_at_its_deadline(tmp_path, redis_server):
+    """No trainer ever publishes: the actor peer lives on and prints nothing. Waiting for
+    its line fails at the deadline (a bare readline() would block for ever)."""
+    path = materialize_model("tiny", cache_dir=str(tmp_path))
+    peer = Peer("real_actor", redis_server.url, path, "actor-silent")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(AssertionError, match="printed nothing before the deadline"):
+            peer.expect("applied 1", timeout_s=2)
+        assert time.monotonic() - t0 < 5 and peer.proc.poll() is None
+    finally:
+        peer.kill()
 
 
 def _generate_in_background(engine, tok):
@@ -146,8 +220,6 @@ def _generate_in_background(engine, tok):
         while not stop["flag"]:
             engine.generate([tok("1 + 1 =")["input_ids"]] * 2, max_new_tokens=8)
             done["n"] += 1
-
-    import threading
 
     t = threading.Thread(target=loop, daemon=True)
     t.start()
@@ -305,12 +377,17 @@ def test_join_without_the_run_secret_is_refused(tmp_path, rclient):
     trainer_model, actor_model, tok = _models(tmp_path)
     names = Names("test", "secret")
     engine = HFEngine(actor_model, tok, temperature=1.0, top_p=1.0, top_k=0)
-    publisher = WeightPublisher(rclient, names, "127.0.0.1", 1, timeout_s=3, secret=SECRET)
+    status = PoolStatus(rclient, names, "trainer", "trainer")
+    publisher = WeightPublisher(
+        rclient, names, "127.0.0.1", 1, timeout_s=3, secret=SECRET, status=status
+    )
     intruder = WeightReceiver(rclient, names, "actor-x", engine, timeout_s=3, secret="guess")
     intruder.start()
     try:
-        assert wait_until(lambda: rclient.xlen(names.joins) >= 1, 10)
-        time.sleep(1.5)  # the publisher has read the join by now
+        # the publisher read the join and refused it (not merely: has not read it yet)
+        assert wait_until(lambda: publisher.joins_refused >= 1, 10), "the join was not refused"
+        assert set(publisher.refused) == {"actor-x"}
+        assert int(rclient.hget(names.status("trainer"), "weight_joins_refused")) >= 1
         publisher.submit(1, trainer_model)
         assert wait_until(publisher.idle, 10)
         assert publisher.members() == [] and engine.version == 0

@@ -2,12 +2,14 @@
 trainer or actor that dies halfway through a transfer.
 
 ``python -m tests.weight_peers ROLE REDIS_URL MODEL_DIR NAME [TRANSPORT]`` prints
-one line per event (``joined``, ``applied <v>`` then ``sum <v> <sum>``, ``half``)
+one line per event (``joined``, ``applied <v>`` then ``digest <v> <digest>``, ``half``)
 and runs until killed. TRANSPORT is gloo (default) or nccl (with the gloo backend: the nccl
-transport's code on the CPU). ``<sum>``: exact checksum of every parameter, for bit-exact
-comparisons with the trainer's. ``ipc_actor`` (GPU): see tests/test_transfer_cuda_ipc.py.
+transport's code on the CPU). ``<digest>``: :func:`params_digest` of the actor's model, for
+bit-exact comparisons with the trainer's. ``ipc_actor`` (GPU): see
+tests/test_transfer_cuda_ipc.py.
 """
 
+import hashlib
 import sys
 import threading
 import time
@@ -32,9 +34,20 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def params_sum(model) -> int:
-    """Exact checksum of every parameter, in order (tests compare it with the trainer's)."""
-    return sum(checksum([p.detach().reshape(-1) for _, p in model.named_parameters()]))
+def name_digests(model) -> dict[str, str]:
+    """Every parameter's sha256 (of its dtype, shape and bytes) under its name."""
+    return {
+        n: digest(p, f"{p.dtype}{tuple(p.shape)}".encode()) for n, p in model.named_parameters()
+    }
+
+
+def params_digest(model) -> str:
+    """One sha256 over the names and :func:`name_digests` of every parameter: bit-exact
+    whole-model comparisons across processes. Unlike a sum of bit patterns (the
+    per-bucket ``checksum``), it changes when two equal-shape tensors trade places or a
+    tensor's elements are permuted."""
+    lines = sorted(f"{n} {d}" for n, d in name_digests(model).items())
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
 def real_actor(client, model_dir: str, name: str, transport: str = "gloo") -> None:
@@ -49,7 +62,7 @@ def real_actor(client, model_dir: str, name: str, transport: str = "gloo") -> No
         if receiver.applied > seen:
             seen = receiver.applied
             say(f"applied {engine.version}")
-            say(f"sum {engine.version} {params_sum(model)}")
+            say(f"digest {engine.version} {params_digest(model)}")
         time.sleep(0.05)
 
 
@@ -65,10 +78,32 @@ def half_actor(client, model_dir: str, name: str, transport: str = "gloo") -> No
             ann = decode(entries[0][1][b"data"], WeightAnnouncement)
             import torch
 
-            first = torch.empty(ann.buckets[0].numel, dtype=getattr(torch, ann.dtype))
+            dtype, device = getattr(torch, ann.dtype), receiver.transport.device  # nccl: cuda
+            first = torch.empty(ann.buckets[0].numel, dtype=dtype, device=device)
             receiver.transport.begin(ann.version, len(ann.buckets), time.monotonic() + 30)
             receiver.transport.receive([first], time.monotonic() + 30)
             say("half")
+            threading.Event().wait()
+
+
+def arrive_only_actor(client, model_dir: str, name: str, transport: str = "nccl") -> None:
+    """Joins, takes its place in the first group the trainer plans (says it arrived at
+    the store barrier), then never creates its communicator: under NCCL the trainer's
+    non-blocking communicator set-up must still give up at its deadline (GPU test)."""
+    from pipeline.transfer.channel import wait_get
+
+    receiver = WeightReceiver(
+        client, NAMES, name, None, timeout_s=TIMEOUT_S, secret=SECRET, transport=transport
+    )
+    after, t = receiver._join(), receiver.transport
+    say("joined")
+    while True:
+        for _s, entries in client.xread({NAMES.weights: after}, block=1000) or []:
+            ann = decode(entries[0][1][b"data"], WeightAnnouncement)
+            plan = wait_get(t.store, f"plan/{t.nonce}/{ann.version}", time.monotonic() + 30)
+            group, rank, _world = plan.split()
+            t.store.set(f"{group}/arrived/{rank}", "1")
+            say("arrived")
             threading.Event().wait()
 
 
@@ -105,13 +140,12 @@ def half_trainer(client, model_dir: str, name: str, transport: str = "gloo") -> 
     threading.Event().wait()
 
 
-def digest(t) -> str:
-    """sha256 of a tensor's bytes (bit-exact comparisons across processes)."""
-    import hashlib
-
+def digest(t, prefix: bytes = b"") -> str:
+    """sha256 of ``prefix`` and a tensor's bytes (bit-exact comparisons across processes)."""
     import torch
 
-    return hashlib.sha256(t.detach().cpu().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(prefix + data.tobytes()).hexdigest()
 
 
 def ipc_actor(rendezvous_json: str, nonce: str, count: str) -> None:
@@ -142,5 +176,10 @@ if __name__ == "__main__":
         ipc_actor(*sys.argv[2:5])
         sys.exit(0)
     role, url, model_dir, name = sys.argv[1:5]
-    roles = {"real_actor": real_actor, "half_actor": half_actor, "half_trainer": half_trainer}
+    roles = {
+        "real_actor": real_actor,
+        "half_actor": half_actor,
+        "half_trainer": half_trainer,
+        "arrive_only_actor": arrive_only_actor,
+    }
     roles[role](connect(url), model_dir, name, *sys.argv[5:6])
