@@ -51,6 +51,10 @@ TINY = dict(  # a Llama vLLM's CPU backend runs: head size 32 (hidden / heads)
     num_key_value_heads=2,
     max_position_embeddings=1024,
     tie_word_embeddings=False,
+    initializer_range=0.1,  # peaked distributions: versions A and B tell apart per token
+    bos_token_id=None,  # no EOS: every request runs to its max_tokens
+    eos_token_id=None,
+    pad_token_id=None,
 )
 
 
@@ -170,6 +174,40 @@ def start_engine(
         update_mode=update_mode,
         transfer_timeout_s=60.0,
     )
+
+
+def start_probe(engine, prompt: list[int], max_new_tokens: int) -> str:
+    """Submit a probe request (unit key ``"probe"``) to watch the engine's progress with
+    :func:`tokens_so_far`; its own stamps are lost (polling a running request hands its
+    step records over), so collect it and ignore it."""
+    engine.submit("probe", [prompt], max_new_tokens)
+    return engine._open["probe"].ids[0]
+
+
+def tokens_so_far(engine, request_id: str) -> int:
+    """Tokens the engine's steps have sampled for a running request (0 before it starts)."""
+    runs = engine.rpc("nonstop_poll", [request_id], False)["versions"].get(request_id, [])
+    return sum(n for _, n in runs)
+
+
+def wait_tokens(engine, request_id: str, n: int, timeout_s: float = 120.0) -> int:
+    """Wait until the probe has ``n`` tokens; returns how many it has."""
+    deadline = time.monotonic() + timeout_s
+    while (done := tokens_so_far(engine, request_id)) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"probe at {done} tokens, not {n}, after {timeout_s} s")
+        time.sleep(0.005)
+    return done
+
+
+def take_unit(engine, key, timeout_s: float = 120.0) -> list:
+    """The completions of the streamed unit ``key`` (others taken meanwhile dropped)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for k, completions in engine.take(1.0):
+            if k == key:
+                return completions
+    raise TimeoutError(f"unit {key!r} not finished in {timeout_s} s")
 
 
 @dataclass
