@@ -24,7 +24,10 @@ leads a process group that holds whatever it starts (the vllm engine's
 ``VLLM::EngineCore`` process and its workers, spawned by vLLM with no watch on
 their parent). Whenever a pool exits or is killed (a crash, the watchdog, a
 group restart), the supervisor SIGKILLs what is left of its process group
-before it restarts it, so a SIGKILLed actor's engine core never outlives it.
+before it restarts it or stops the run, so a SIGKILLed actor's engine core never
+outlives it; a pool's normal end (the trainer's ranks exiting 0) is left to
+:meth:`Supervisor.stop`. A pool is reaped only after its group was signalled:
+until then its pid, and so its group id, cannot be given to another process.
 :meth:`Supervisor.stop` sends SIGTERM to each pool (it shuts down its own
 children in order: the vllm engine ends its engine core), waits up to
 ``launch.stop_timeout_s`` and then SIGKILLs each pool's whole process group,
@@ -123,19 +126,17 @@ class Supervisor:
     def check(self, statuses: dict[str, dict[str, str]]) -> tuple[str, int] | None:
         """One supervision round; returns (outcome, exit code) when the run is over."""
         self.check_redis()
-        for proc in self.procs.values():  # an exited pool's children die with it, at once
-            if proc.returncode is None and _exited(proc):
-                kill_process_group(proc)
         self._watchdog(statuses)
         for name, proc in list(self.procs.items()):
-            code = proc.returncode
+            code = _exit_status(proc)  # not reaped yet: its process group id stays ours
             if code is None or self.procs[name] is not proc:  # running, or its group restarted
                 continue
             if name == "trainer" and code == 0:
-                return "finished", 0
+                return "finished", 0  # stop() gives its group the grace period
             group = self.group_of.get(name)
             if code == 0 and group is not None and name != self.groups[group][0]:
                 continue  # a rank > 0 done at the end; rank 0 decides
+            kill_process_group(proc)  # what it started dies with it (vLLM's engine core)
             if code == EXIT_DATA_LOST:
                 return self._fatal(name, code, "redis lost the run's data")
             if code == EXIT_REFUSED:
@@ -182,7 +183,7 @@ class Supervisor:
             return
         now = time.time()
         for name, proc in self.procs.items():
-            if proc.returncode is not None:
+            if _exited(proc):
                 continue
             st = statuses.get(name, {})
             beat = float(st.get("heartbeat", 0)) if st.get("pid") == str(proc.pid) else 0.0
@@ -247,6 +248,20 @@ def _exited(proc: subprocess.Popen) -> bool:
         return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     except ChildProcessError:  # reaped by someone else
         return True
+
+
+def _exit_status(proc: subprocess.Popen) -> int | None:
+    """``proc``'s exit code as Popen.returncode gives it (-N: killed by signal N), or None
+    while it runs, without reaping it (see :func:`_exited`)."""
+    if proc.returncode is not None:
+        return proc.returncode
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped by someone else
+        return proc.poll()
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
 def _group_alive(pgid: int) -> bool:

@@ -141,3 +141,28 @@ def test_a_pool_whose_settings_disagree_is_not_restarted(tmp_path, capsys):
         assert "the transports differ" in capsys.readouterr().out
     finally:
         sup.stop()
+
+
+def test_a_finished_trainers_children_get_the_grace_period(tmp_path):
+    """The trainer's normal end (exit 0): what it left (a resource tracker unlinking shared
+    memory) may finish within launch.stop_timeout_s before its group is killed."""
+    done = tmp_path / "done"
+    child = f"import time; time.sleep(1); open({str(done)!r}, 'w').close()"
+    script = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {child!r}])"
+    cfg = OmegaConf.structured(Config)
+    cfg.launch.watchdog_s, cfg.launch.stop_timeout_s = 0, 20
+    sup = Supervisor(
+        cfg, str(tmp_path), dict(os.environ), {"trainer": [sys.executable, "-c", script]}
+    )
+    sup.spawn_all()
+    try:
+        outcome = None
+        deadline = time.monotonic() + 60
+        while outcome is None and time.monotonic() < deadline:
+            outcome = sup.check({})
+            time.sleep(0.05)
+        assert outcome == ("finished", 0)
+        sup.stop()
+        assert done.exists(), "the trainer's child was killed before it could finish"
+    finally:
+        sup.stop()
