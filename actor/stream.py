@@ -151,8 +151,9 @@ def stream_groups(
     log.info("streaming: %d groups of %d kept open (actor.vllm.in_flight)", target, g)
     try:
         while not pool.stop.is_set():
-            # len(open_groups) - open_now: finished in the engine, not published yet
-            while (open_now := engine.open_units) < target and room(len(open_groups) - open_now):
+            # held - open: finished in the engine, not taken and published yet (what take()
+            # hands back is published before the next submit; a failed unit is not held)
+            while (open_now := engine.open_units) < target and room(engine.held_units - open_now):
                 problem = task.sample()
                 prompt = build_prompt_ids(tokenizer, problem.question, system)
                 key = next(keys)

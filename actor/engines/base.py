@@ -15,8 +15,8 @@ Implementations: ``hf`` (actor/engines/hf.py, CPU and GPU; one batch at a time) 
 TESTED_VLLM; its worker extension,
 actor/engines/vllm/worker/extension.py, stages in the engine-core process and swaps under a lock
 around each forward pass). An engine with ``streaming = True`` also takes units of
-prompts one at a time (``submit`` / ``take`` / ``open_units`` / ``empty_s`` /
-``abort_open``), and in ``pipeline.mode=async`` the actor keeps it fed without
+prompts one at a time (``submit`` / ``take`` / ``open_units`` / ``held_units`` /
+``empty_s`` / ``abort_open``), and in ``pipeline.mode=async`` the actor keeps it fed without
 batch boundaries (actor/stream.py).
 """
 

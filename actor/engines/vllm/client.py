@@ -393,6 +393,12 @@ class VLLMEngine(VLLMWeights, Engine):
         """Units submitted and not finished (running, or waiting for slots)."""
         return sum(not u.done.is_set() for u in list(self._open.values()))
 
+    @property
+    def held_units(self) -> int:
+        """Units submitted and not taken yet: open, or finished and waiting for take()
+        (a unit take() drops as failed is no longer held)."""
+        return len(self._open)
+
     def empty_s(self) -> float:
         """Seconds, since the engine started, with no request of this actor in it."""
         now = time.monotonic()
