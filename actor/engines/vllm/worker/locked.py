@@ -7,7 +7,14 @@ The lock is taken on entry of ``execute_model`` and released on exit of the matc
 into the vLLM layout for this TP rank); ``swap`` enqueues staging -> parameters on the
 engine's stream under the lock and releases it at once; with tensor parallelism
 ``swap_between_steps`` does it on the engine thread in the broadcast queue's order
-(actor/engines/vllm/worker/tp.py). Plain torch: tested on the CPU with fake workers.
+(actor/engines/vllm/worker/tp.py).
+
+Two layouts, two swaps: on CUDA the parameters are written in place (CUDA graphs keep
+their pointers). On the CPU vLLM computes each linear layer with a packed copy of its
+weight (``layer.cpu_linear``; ``layer.weight`` is emptied), so ``stage`` also builds the
+next version's tensors and packed layers from staging, outside the lock, and the swap
+only exchanges pointers under it (packed.py). Tested on real vLLM's CPU build
+(tests/test_vllm_real.py) and, for the lock and staging logic, with fake workers.
 """
 
 from __future__ import annotations
@@ -266,6 +273,7 @@ class LockedWeights:
     def _apply(self, version: int, t0: float) -> dict:
         """The caller holds the lock: enqueue the copy on the engine's stream."""
         t1 = time.perf_counter()
+        prep: Prepared | None = None
         end = torch.cuda.Event() if self.cuda else None
         with torch.cuda.stream(self.compute) if self.cuda else nullcontext(), torch.no_grad():
             if self.adapter is not None:
@@ -278,7 +286,7 @@ class LockedWeights:
                 if self._prepared is None or self._prepared.version != version:
                     raise RuntimeError(f"version {version} is staged but not prepared")
                 self._retired = self.cpu.exchange(self._prepared)
-                self._prepared = None
+                prep, self._prepared = self._prepared, None
             else:  # CUDA: in place (CUDA graphs keep their pointers), on the engine stream
                 torch._foreach_copy_(self.params, self.views)
             if end is not None:
@@ -292,5 +300,7 @@ class LockedWeights:
             "hold_ms": 1e3 * (t2 - t1),
             "done_ms": 1e3 * (t2 - t1),  # the copy enqueued (CPU); swap() adds the GPU's
         }
+        if prep is not None:  # CPU: the packing done outside the lock, and its memory
+            rec["prepare_ms"], rec["prepared_mb"] = prep.prepare_ms, prep.rss_mb
         self.swaps.append(rec)
         return rec

@@ -30,6 +30,8 @@ traces the model once (``CompilationMode.DYNAMO_TRACE_ONCE``); the tests run eag
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +45,16 @@ class Prepared:
     version: int
     tensors: list[tuple[torch.nn.Parameter, torch.Tensor]]  # (live parameter, new data)
     closures: list[tuple[torch.nn.Module, Any]]  # (packed layer, new cpu_linear)
+    prepare_ms: float = 0.0  # building it (outside the lock)
+    rss_mb: float = 0.0  # the process's resident memory it added (the packed copies)
+
+
+def _rss_mb() -> float:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError):
+        return 0.0
 
 
 class CpuLayout:
@@ -89,6 +101,7 @@ class CpuLayout:
         """Outside the lock: new tensors (copies of staging) and packed closures."""
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
+        t0, rss0 = time.perf_counter(), _rss_mb()
         with torch.no_grad():
             tensors = [
                 (p, v.clone()) for p, v in zip(self.params, views, strict=True) if p.numel() > 0
@@ -99,7 +112,8 @@ class CpuLayout:
                 holder.weight = torch.nn.Parameter(views[i].clone(), requires_grad=False)
                 dispatch_cpu_unquantized_gemm(holder, remove_weight=True)
                 closures.append((m, holder.cpu_linear))
-        return Prepared(version, tensors, closures)
+        ms = 1e3 * (time.perf_counter() - t0)
+        return Prepared(version, tensors, closures, ms, _rss_mb() - rss0)
 
     @staticmethod
     def exchange(prep: Prepared) -> list[Any]:
