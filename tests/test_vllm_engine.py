@@ -106,6 +106,22 @@ def test_versions_are_stamped_per_token_across_a_swap(make):
     assert all(o.versions == [1] * 5 for o in after)
 
 
+def test_a_request_cancelled_while_being_added_is_aborted(make):
+    """vLLM's generate aborts a cancelled request only once add_request has returned; one
+    cancelled while being added (already sent to the core) is aborted by the engine
+    itself (client._abort_request), so nothing runs on past abort_open. On real vLLM:
+    tests/test_vllm_client_real.py."""
+    engine, fake = make(in_flight=8, step_s=0.01)
+    for round_ in range(5):
+        for k in range(3):
+            engine.submit((round_, k), prompts(4), 200)  # 2 s each if left running
+        time.sleep(0.001 * round_)
+        assert engine.abort_open() == 3
+        # served on the core thread after every add and abort sent before it
+        left = fake.core.utility(lambda: [r.rid for r in fake.core.waiting + fake.core.running])
+        assert left.result(timeout=5) == [], round_
+
+
 def test_lock_and_pause_modes_call_vllm_differently(make):
     for mode in ("lock", "pause"):
         engine, fake = make(update_mode=mode)

@@ -507,14 +507,17 @@ class AsyncLLM:
             asyncio.get_running_loop(),
             lora_request,
         )
-        try:  # as AsyncLLM.generate: a cancel, even while adding, aborts the request
+        added = False  # AsyncLLM.generate's ``q``: set once add_request has returned
+        try:  # the add is sent at once (it happens even if this task is cancelled now)
             await asyncio.wrap_future(self.core.utility(lambda: self.core.waiting.append(req)))
+            added = True
             out = await out_q.get()
             if isinstance(out, Exception):
                 raise RuntimeError(f"fake engine core step failed: {out!r}") from out
             yield out
         except (asyncio.CancelledError, GeneratorExit):
-            self.core.utility(lambda: self._drop(rid))
+            if added:  # as vLLM 0.32: a cancel that lands while adding aborts nothing
+                self.core.utility(lambda: self._drop(rid))
             raise
 
     def _drop(self, rid):
