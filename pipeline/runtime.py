@@ -18,6 +18,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,7 +92,9 @@ def heartbeat(pool: Pool, every_s: float = 1.0) -> None:
         time.sleep(every_s)
 
 
-def start_pool(role: str, argv: list[str] | None = None) -> Pool:
+def start_pool(
+    role: str, argv: list[str] | None = None, describe: Callable[[Any], str] | None = None
+) -> Pool:
     parser = argparse.ArgumentParser(prog=f"python -m {role}")
     parser.add_argument("--config", required=True, help="the run's config.yaml")
     parser.add_argument("--name", default=role, help="this process's name (stream consumer)")
@@ -135,7 +138,9 @@ def start_pool(role: str, argv: list[str] | None = None) -> Pool:
         shards=Shards.for_producer([client, *extra], args.name),
     )
     threading.Thread(target=heartbeat, args=(pool,), name="heartbeat", daemon=True).start()
-    logging.getLogger(role).info("%s started (pid %d)", args.name, os.getpid())
+    # ``describe(cfg)``: what this pool runs, on its first line (the trainer: its backend)
+    detail = f": {describe(cfg)}" if describe is not None else ""
+    logging.getLogger(role).info("%s started (pid %d)%s", args.name, os.getpid(), detail)
     return pool
 
 

@@ -79,11 +79,14 @@ class Summary:
     weight_versions_failed: dict[str, int] = field(default_factory=dict)
     newest_published_version: int | None = None
     weight_problems: list[str] = field(default_factory=list)  # weight_problems(), at the end
+    # backend, zero_stage (deepspeed), world_size, dtype, device: trainer_setup()
+    trainer_setup: dict[str, str | int] = field(default_factory=dict)
 
     def render(self) -> str:
         rows = [
             ("outcome", self.outcome),
             ("mode", self.mode),
+            ("trainer", " ".join(f"{k}={v}" for k, v in self.trainer_setup.items()) or "-"),
             ("trainer steps", self.trainer_steps),
             ("samples trained", self.samples_trained),
             (
@@ -193,6 +196,13 @@ def _group_size(run_dir: str) -> int:
     return int(size)
 
 
+def trainer_setup(trainer: dict[str, str]) -> dict[str, str | int]:
+    """What the trainer ran, from its status hash (trainer.backends.describe writes it)."""
+    keys = ("backend", "zero_stage", "world_size", "dtype", "device")
+    ints = ("zero_stage", "world_size")
+    return {k: int(trainer[k]) if k in ints else trainer[k] for k in keys if k in trainer}
+
+
 def reward_errors(statuses: dict[str, dict[str, str]]) -> tuple[int, dict[str, int]]:
     """(total, per reason) of the actors' reward errors."""
     total, reasons = 0, Counter()
@@ -282,6 +292,7 @@ def build_summary(
         outcome = "failed: weights did not reach the actors: " + "; ".join(problems)
     return Summary(
         mode=_config_str(run_dir, "pipeline.mode", "async"),
+        trainer_setup=trainer_setup(trainer),
         last_eval=max(evals, key=lambda r: r["version"], default={}),
         outcome=outcome,
         weight_versions_offered={

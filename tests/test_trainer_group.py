@@ -109,6 +109,14 @@ def test_killed_rank_restarts_the_deepspeed_group_from_its_checkpoint(tmp_path):
     assert any(r.get("event") == "resume" for r in records)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["trainer_steps"] == 6
+    # a DeepSpeed run says it is one: the trainer's first log line and summary.json
+    setup = "backend=deepspeed zero_stage=2 world_size=2 dtype=float32 device=cpu"
+    logged = (run_dir / "logs" / "trainer.log").read_text().splitlines()
+    assert setup in next(line for line in logged if " INFO " in line), logged[:5]
+    assert summary["trainer_setup"] == {
+        "backend": "deepspeed", "zero_stage": 2, "world_size": 2, "dtype": "float32",
+        "device": "cpu",
+    }  # fmt: skip
     from pipeline.telemetry import surviving_steps
 
     trained = [sid for r in surviving_steps(records) for sid in r["sample_ids"]]

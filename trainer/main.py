@@ -36,7 +36,7 @@ from pipeline.shards import open_consumer
 from pipeline.streams import Lua, add_once
 from pipeline.weight_publisher import WeightPublisher
 from trainer import checkpoint
-from trainer.backends import make_backend
+from trainer.backends import describe, describe_line, make_backend
 from trainer.batches import StepData, collect, sample_ids
 from trainer.ranks import Plan, Ranks, close, init_ranks, my_share, share_plan
 from trainer.step import sample_metrics, train_step
@@ -123,6 +123,7 @@ class Trainer:
         self._undo_retired(self.state["samples_retired"])
         pool.client.set(pool.names.trainer_version, self.state["version"])
         self.checkpoint_id = self.state["entry_id"]
+        pool.status.set(**describe(cfg))  # backend, ZeRO stage, ranks, dtype: summary.json
         self.publisher = WeightPublisher(
             pool.client,
             pool.names,
@@ -311,7 +312,7 @@ def rank_argv(argv: list[str] | None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    pool = start_pool("trainer", rank_argv(argv))
+    pool = start_pool("trainer", rank_argv(argv), describe=describe_line)  # names the backend
     trainer = Trainer(pool)
     max_steps = pool.cfg.trainer.max_steps
     while trainer.state["version"] < max_steps:

@@ -3,6 +3,7 @@
 ``torch``: plain AdamW, gradients summed over ranks with an all-reduce.
 ``deepspeed``: a DeepSpeed engine, ZeRO stage ``trainer.zero_stage`` (0-3).
 Both train a LoRA adapter alone when ``model.lora`` asks for one (pipeline/lora.py).
+:func:`describe` names what runs (the trainer's first log line, summary.json).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from pipeline.config import pool_dtype
 from trainer.collate import MicroBatch
 from trainer.ranks import Ranks
 
@@ -57,6 +59,26 @@ class OptimizerLR:
     def set_lr(self, lr: float) -> None:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
+
+
+def describe(cfg) -> dict[str, str | int]:
+    """What the trainer runs, for its first log line and summary.json (through its status
+    hash): backend, ZeRO stage (deepspeed only), world size, dtype and device."""
+    t = cfg.trainer
+    setup: dict[str, str | int] = {"backend": str(t.backend)}
+    if t.backend == "deepspeed":
+        setup["zero_stage"] = int(t.zero_stage)
+    setup |= {
+        "world_size": int(t.world_size),
+        "dtype": str(pool_dtype(cfg, "trainer")),
+        "device": str(t.device),
+    }
+    return setup
+
+
+def describe_line(cfg) -> str:
+    """``backend=deepspeed zero_stage=3 world_size=2 dtype=bfloat16 device=cpu``"""
+    return " ".join(f"{k}={v}" for k, v in describe(cfg).items())
 
 
 def make_backend(cfg, ranks: Ranks, model_path: str, resume_from: str | None) -> Backend:
