@@ -28,7 +28,7 @@ from pipeline.transfer.cuda_ipc import (
 )
 from pipeline.weight_publisher import WeightPublisher
 from pipeline.weight_receiver import WeightReceiver
-from tests.test_weights import ROOT
+from tests.test_weights import ROOT, Lines
 from tests.weight_peers import SECRET, digest
 
 
@@ -236,13 +236,14 @@ def test_cuda_ipc_copy_between_two_processes_is_bit_exact():
     }
     cmd = [sys.executable, "-m", "tests.weight_peers", "ipc_actor", json.dumps(spec), "n1", "3"]
     actor = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    lines = Lines(actor.stdout)  # each line waited for with a deadline, never for ever
     try:
-        assert actor.stdout.readline().strip() == "joined"
+        assert (lines.next(time.monotonic() + 120) or "").strip() == "joined"
         sender.accept("a", "n1", time.monotonic() + 30)
         # the trainer may rewrite its buffers only after the ack: send() returns then
         results = sender.send(["a"], 1, buckets, time.monotonic() + 60)
         assert isinstance(results["a"], float), results
-        line = actor.stdout.readline().split()
+        line = (lines.next(time.monotonic() + 60) or "").split()
         assert line[0] == "digests" and line[1:] == [digest(b) for b in buckets]
     finally:
         actor.kill()
