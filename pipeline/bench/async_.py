@@ -428,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
                 row |= window | measure(run_dir, window, args.budget_s, args.warmup_steps)
                 rows.append(row)
                 print_table([row], RUN_COLS[:12])
+                write_json(args.out + ".partial", {"rows": rows})  # kept if stopped later
     summary = compare(rows)
     if not args.no_eval:  # after every run, so evaluation never competes with them
         ev = [f"eval.problems={args.eval_problems}", "eval.samples=1", "eval.batch_size=16"]
@@ -458,5 +459,6 @@ def main(argv: list[str] | None = None) -> int:
         "from /proc/stat less this bench's own processes)",
     }
     write_json(args.out, {"meta": meta, "rows": rows, "summary": summary})
+    os.remove(args.out + ".partial")
     render(args.out)
     return 0

@@ -121,6 +121,7 @@ def run_actor(argv: list[str]) -> None:
     groups = sample_pool(rng, 16, args.group_size, args.completion_tokens)
     prompt = pack_i32(rng.integers(0, VOCAB, args.prompt_tokens))
     tokens = args.group_size * args.completion_tokens  # about: the plain field only
+    open(args.out + ".ready", "w").close()  # connected and built: the controller waits for it
     levels = []
     for k, rate in enumerate(float(r) for r in args.rates.split(",")):
         start = args.start_at + k * args.level_s
@@ -344,6 +345,8 @@ class Setup:
         for s in self.servers:
             s.start()
             pin(s.proc.pid, self.redis_cpus)
+            for tid in os.listdir(f"/proc/{s.proc.pid}/task") if args.redis_nice else ():
+                os.setpriority(os.PRIO_PROCESS, int(tid), args.redis_nice)
         self.clients = [connect(s.url) for s in self.servers]
         cfg = OmegaConf.structured(Config)
         cfg.run_dir, cfg.run.name, cfg.model.path = self.dir, "scale", "unused-no-scorers"
@@ -420,6 +423,13 @@ class Setup:
         ]
         rows = []
         try:
+            while not all(os.path.exists(o + ".ready") for o in outs):
+                if time.time() > start_at:  # a level must not start with actors missing
+                    raise RuntimeError(
+                        f"the simulated actors were not ready {a.startup_s:g} s after their "
+                        f"start (logs in {self.dir}): raise --startup-s on a loaded machine"
+                    )
+                time.sleep(0.2)
             time.sleep(max(0.0, start_at - time.time()))
             before = self.snapshot()
             for k, rate in enumerate(rates):
@@ -596,7 +606,8 @@ def markdown(payload: dict) -> str:
         f"{a['prompt_tokens']} prompt tokens; {a['actors']} actor processes, "
         f"{a['preprocessors']} preprocessors (or relays) per shard, {a['level_s']} s per level; "
         f"redis-servers on cores {a['redis_cpus'] or 'any'}, everything else on "
-        f"{a['load_cpus'] or 'any'}; machine load: {payload['load']}",
+        f"{a['load_cpus'] or 'any'} (redis nice {a.get('redis_nice', 0)}); machine load: "
+        f"{payload['load']}",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),
@@ -662,7 +673,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--shards", default="1,2", help="shard counts, run side by side")
     p.add_argument("--rates", default="250,500,1000,2000,4000,8000", help="samples/s")
     p.add_argument("--level-s", type=float, default=12.0)
-    p.add_argument("--startup-s", type=float, default=8.0)
+    p.add_argument("--startup-s", type=float, default=20.0)
     p.add_argument("--actors", type=int, default=4)
     p.add_argument("--preprocessors", type=int, default=2, help="(relays per shard)")
     p.add_argument("--group-size", type=int, default=8)
@@ -672,6 +683,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--token-budget", type=int, default=8192)
     p.add_argument("--redis-cpus", default="", help="cores for the redis-servers, e.g. 0")
     p.add_argument("--load-cpus", default="", help="cores for everything else, e.g. 1")
+    p.add_argument(
+        "--redis-nice",
+        type=int,
+        default=0,
+        help="nice value of the redis-servers (e.g. -20, as root): on a machine other work "
+        "shares, the pinned core goes mostly to Redis while it has work",
+    )
     p.add_argument(
         "--appendfsync", default="everysec", help="redis appendfsync values, run side by side"
     )
