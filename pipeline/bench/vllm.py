@@ -677,7 +677,9 @@ def _row(mode: str, events: list[dict], key: str = "added_gap_ms") -> dict:
             "base_gap_ms_p50": med("base_gap_ms"),
             "stage_s_p50": med("stage_s"),
             "stage_gap_ms_p50": med("stage_gap_ms"),
-            "rpcs_in_swap_call_p50": statistics.median(sum(e["rpcs"].values()) for e in events)
+            "rpcs_in_swap_call_p50": statistics.median(
+                sum(e.get("rpcs", {}).values()) for e in events
+            )
             if events
             else None,
         }
