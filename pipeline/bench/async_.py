@@ -255,6 +255,7 @@ def plot(rows: list[dict], path: str) -> None:
             pts = [p for p in pts if p[1] is not None]
             if pts:
                 ax0.plot(*zip(*pts, strict=True), "o", color=color[mode], label=mode)
+        ax0.set_xticks(sorted({r["repeat"] for r in mine}))
         ax0.set(
             title=f"{setting}: samples/s between steps (after warm-up), per repeat",
             xlabel="repeat (sync then async, back to back)",
