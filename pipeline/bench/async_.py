@@ -1,25 +1,31 @@
-"""``python -m pipeline.bench async [--out FILE] [--budget-s S] ...``: the pipelined
-(async) loop against the synchronous one, side by side in one run, on the CPU.
+"""``python -m pipeline.bench async [--out FILE] [--budget-s S] [--repeats N] ...``: the
+pipelined (async) loop against the synchronous one on the CPU, each mode run
+``--repeats`` times, interleaved (sync, async, sync, async, ...), so drift in the
+machine's load hits both.
 
 ::
 
-    runs    per setting (normal; longtail: a few very long answers per group) and per
-            mode (sync, async): ``python -m pipeline.launch +exp=math`` with the same
-            model, task, seed and overrides, every pool pinned to the same CPUs in both
-            modes (pipeline.cpus), stopped with SIGINT after --budget-s seconds of
-            generation (from the actor's first batch)
-    reads   each run's metrics.jsonl (trainer ``step``, actor ``group`` and ``turn``)
-            and its checkpoints (greedy held-out accuracy, evaluated after all runs,
-            so evaluation never competes with the runs)
-    writes  --out JSON (rows with ``mode`` and ``async_vs_sync_samples_per_s``), a
-            Markdown table and a PNG beside it
+    runs    per setting (normal; longtail: a few very long answers per group), per
+            repeat and per mode (sync, async): ``python -m pipeline.launch +exp=math``
+            with the same model, task, seed and overrides, every pool pinned to the
+            same CPUs in both modes (pipeline.cpus), stopped with SIGINT after
+            --budget-s seconds of generation (from the actor's first batch)
+    reads   each run's metrics.jsonl (trainer ``step`` and ``checkpoint``, actor
+            ``group`` and ``turn``), /proc/stat and the load average (LoadProbe), and
+            the checkpoints of repeat 0 (greedy held-out accuracy, evaluated after all
+            runs, so evaluation never competes with them)
+    writes  --out JSON (``rows``: one per run; ``summary``: per setting the async/sync
+            ratio of each interleaved pair, its median, min and max), a Markdown table
+            and a PNG beside it (and FILE.partial after each run until the end)
 
-Measured inside the budget window: samples trained per second; the fraction of
-the window the trainer spends outside its steps (idle: waiting for data) and the
-actor outside generation (idle: waiting for room or for the next version); the
+The headline is the steady-state rate: samples trained per second from the
+``--warmup-steps``-th step record inside the window to the last one (start-up and the
+first steps left out), with, over the same span, the trainer's busy seconds per step
+(step + checkpoint) and the actor's generating seconds per sample, and their idle
+shares. Also per run: the whole window's rate (start-up included; not a result), the
 policy lag of every trained sample (trainer version at its step minus the oldest
-version of its tokens); reward per step and held-out greedy accuracy against wall
-time.
+version of its tokens), reward per step, held-out greedy accuracy against wall time,
+the 1/5/15-min load average before and after and the CPU the rest of the machine used.
 """
 
 from __future__ import annotations
