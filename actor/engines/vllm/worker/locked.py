@@ -109,7 +109,8 @@ class LockedWeights:
         ]
         with torch.no_grad():
             live = [(v, p) for v, p in zip(self.views, self.params, strict=True) if p.numel()]
-            torch._foreach_copy_(*map(list, zip(*live, strict=True)))  # padding rows kept
+            for view, p in live:
+                view.copy_(p)  # padding rows keep their values
         self.by_name = dict(zip(self.names, self.views, strict=True))
 
     # -- the per-forward-pass lock ------------------------------------------------
