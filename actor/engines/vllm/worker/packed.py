@@ -25,7 +25,12 @@ per-forward lock, while the engine generates::
 The old tensors and closures are dropped after the lock is released. Memory during a
 swap: the live version, the prepared one (packed: about the weights' size again) and the
 staging copy. With torch.compile (``actor.vllm.enforce_eager=false``) the CPU build
-traces the model once (``CompilationMode.DYNAMO_TRACE_ONCE``); the tests run eager.
+traces the model once (``CompilationMode.DYNAMO_TRACE_ONCE``, AOT-compiled); the
+compiled model reads the exchanged parameters and closures as well (tests/test_vllm_real.py
+checks both modes against transformers). Measured on SmolLM2-135M float32, 16 requests
+streaming, 2-core machine: the lock held 0.5-0.6 ms per swap, against 0.7-1.3 s of
+packing (``prepare_ms`` in the swap record) that would otherwise run under it; the
+prepared version added 324-868 MB of resident memory (``prepared_mb``; weights: 540 MB).
 """
 
 from __future__ import annotations
