@@ -9,11 +9,13 @@ CPU attention takes (head size 32) with the character tokenizer of ``+exp=tiny``
 - a SIGKILLed actor's engine core dies with it: the launcher stops the run
   (restart_policy=never) and nothing of the run is left.
 
-``+exp=math`` (SmolLM2-135M) with ``actor.engine=vllm`` runs too (3 steps: finished,
-3 of 3 versions applied), but took 332 s on 2 shared cores at load 17 (engine up after
-94 s, trainer steps ~52 s) and no sequence spanned versions (the default
-actor.vllm.in_flight=64 generates all 32 groups at v0 before the first step); this
-module's tiny runs take about 2 minutes each at that load, so CI uses them.
+``+exp=math`` (SmolLM2-135M) with ``actor.engine=vllm`` runs too: finished, every
+version applied, but slower and with no sequence spanning versions (its completions are
+short: max_new_tokens=32 and early EOS; with the default actor.vllm.in_flight=64 all 32
+groups are generated at v0 before the first step). Measured on 2 shared cores:
+3 steps 93 s at load 4-6 (engine up in 22 s, trainer steps ~15 s), 332 s at load 17;
+5 steps with in_flight=8: 269 s at load 3-15. This module's tiny run: 5 steps in 55 s
+at load 4-9 (114 s at load 19), so CI uses it.
 """
 
 import json
