@@ -36,8 +36,9 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 setup-vllm: setup
 	$(PY) deploy/vllm/install_cpu.py
 
-# the math experiment unless ARGS names another (+exp=tiny, +exp=distill)
-run: setup
+# the math experiment unless ARGS names another (+exp=tiny, +exp=distill); its actor
+# engine is actor.engine=auto: vllm where setup-vllm installed it, else hf
+run: setup-vllm
 	$(PY) -m pipeline.launch $(if $(findstring +exp=,$(ARGS)),,+exp=math) $(ARGS)
 
 test: setup-vllm

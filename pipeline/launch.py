@@ -31,7 +31,7 @@ import redis
 from omegaconf import OmegaConf
 
 from actor.sync import DRAIN_FIELD
-from pipeline.config import register, shard_urls, validate
+from pipeline.config import register, resolve_engine, shard_urls, validate
 from pipeline.evaluator import wait_for_final_eval
 from pipeline.progress import Progress
 from pipeline.redis_server import EmbeddedRedis, check_no_eviction
@@ -130,6 +130,9 @@ def _interrupt(signum, _frame) -> None:
 
 
 def run(cfg) -> int:
+    chosen = resolve_engine(cfg)
+    if chosen:
+        print(chosen)
     validate(cfg)
     # Ctrl-C and a service manager's SIGTERM both stop the run cleanly, even when
     # this process inherited an ignored SIGINT (started in the background)

