@@ -247,3 +247,24 @@ def test_weights_of_the_other_kind_stop_the_receiver_at_once(engine, rclient):
     finally:
         receiver.stop()
         publisher.close(timeout_s=5)
+
+
+# ------------------------------------------------------ staging from the actor's memory
+
+
+def test_buckets_in_the_actors_memory_stage_and_swap_on_real_vllm(engine):
+    """``stage`` with buckets read in the actor process (benchmarks, tests, small models):
+    vLLM 0.32 turns tensors inside ``collective_rpc`` arguments into lists, so they go
+    to the worker by file; the version then swaps in and stamps what is generated."""
+    from pipeline.transfer import TensorSource
+    from tests.vllm_real import announcement, new_weights
+
+    ann, flat = announcement(7, new_weights(7))
+    engine.stage(ann, TensorSource(flat), time.monotonic() + 120)
+    engine.swap(7)
+    assert engine.version == 7
+    after = engine.generate(prompts(2), 8)
+    assert all(o.versions == [7] * 8 for o in after)
+    ann0, flat0 = announcement(8, new_weights(0))  # seed 0: the engine's first weights
+    engine.stage(ann0, TensorSource(flat0), time.monotonic() + 120)
+    engine.swap(8)

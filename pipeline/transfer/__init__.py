@@ -14,6 +14,7 @@ from pipeline.transfer.base import (
     ReceiverSource,
     Sender,
     TensorSource,
+    file_source,
 )
 
 TRANSPORTS = ("gloo", "nccl", "cuda_ipc")
@@ -24,6 +25,7 @@ __all__ = [
     "ReceiverSource",
     "Sender",
     "TensorSource",
+    "file_source",
     "make_receiver",
     "make_sender",
 ]

@@ -140,3 +140,12 @@ class TensorSource:
 
     def fetch(self, index: int, out: torch.Tensor, deadline: float) -> None:
         out.copy_(self.buckets[index])
+
+
+def file_source(path: str) -> TensorSource:
+    """The buckets ``b0``, ``b1``, ... of a safetensors file (what the vllm engine's
+    ``stage`` writes for its worker when the buckets are already in the actor's memory)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(path)
+    return TensorSource([tensors[f"b{i}"] for i in range(len(tensors))])

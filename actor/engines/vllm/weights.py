@@ -19,6 +19,8 @@ buckets land in the engine-core process, never in the actor's.
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from typing import Any
 
@@ -114,14 +116,25 @@ class VLLMWeights:
         the buckets are read here and sent along (tests, benchmarks, small models)."""
         lora_lib.check_kind(ann.kind, ann.version, self.kind, "this vLLM engine")
         if isinstance(source, ReceiverSource) and isinstance(source.receiver, EngineChannel):
-            spec = None
-        else:
-            buckets = []
-            for i, b in enumerate(ann.buckets):
-                buf = torch.empty(b.numel, dtype=getattr(torch, ann.dtype))
-                source.fetch(i, buf, deadline)
-                buckets.append(buf)
-            spec = {"factory": "pipeline.transfer:TensorSource", "buckets": buckets}
+            self._stage_rpc(ann, None, deadline)
+            return
+        # read here and handed over by file: tensors inside collective_rpc arguments
+        # reach vLLM 0.32's workers as nested lists, and the engine core is on this host
+        from safetensors.torch import save_file
+
+        buckets = {}
+        for i, b in enumerate(ann.buckets):
+            buckets[f"b{i}"] = torch.empty(b.numel, dtype=getattr(torch, ann.dtype))
+            source.fetch(i, buckets[f"b{i}"], deadline)
+        with tempfile.TemporaryDirectory(prefix="nonstop-stage-") as tmp:
+            path = os.path.join(tmp, "buckets.safetensors")
+            save_file(buckets, path)
+            self._stage_rpc(
+                ann, {"factory": "pipeline.transfer:file_source", "path": path}, deadline
+            )
+
+    def _stage_rpc(self, ann: WeightAnnouncement, spec: dict | None, deadline: float) -> None:
+        """Ask the worker to stage ``ann`` from ``spec`` (None: its channel) and wait."""
         failed = self.rpc("nonstop_poll", [], False)["failed"]
         self.rpc("nonstop_update", encode(ann), spec, False)
         self._wait_worker(
