@@ -71,3 +71,22 @@ def test_scale_ceiling_only_from_a_saturated_level():
     assert out["saturated_redis_cpu"] == 0.75
     assert out["projection_full_core_samples_s"] == 4000
     assert out["first_unsustained_offered"] == 4000
+
+
+def test_redis_ceiling_comes_only_from_a_saturated_level():
+    """redis_ceiling's summary: the ceiling is the best saturated level's rate; with no
+    saturated level there is none, only the highest rate seen."""
+    from pipeline.bench.redis_ceiling import summarize as ceiling
+
+    def row(mix, entries, idle):
+        sat = idle < 0.05
+        return {"mix": mix, "entries_s": entries, "samples_s": 8 * entries,
+                "mb_in_s": entries * 0.035, "redis_run": 1 - idle, "saturated": sat}  # fmt: skip
+
+    rows = [row("write", 5000, 0.30), row("write", 9000, 0.02), row("write", 8500, 0.01)]
+    rows += [row("write+read", 4000, 0.40), row("write+read", 6000, 0.20)]
+    out = {s["mix"]: s for s in ceiling(rows)}
+    assert out["write"]["ceiling_entries_s"] == 9000 and out["write"]["ceiling_samples_s"] == 72000
+    assert out["write"]["highest_unsaturated_entries_s"] == 5000
+    assert out["write+read"]["ceiling_entries_s"] is None
+    assert out["write+read"]["highest_unsaturated_entries_s"] == 6000
