@@ -52,6 +52,7 @@ MODES = ("sync", "async")
 # actor alone on CPU 0; trainer and preprocessor (no scorers: packing only) on CPU 1
 CPUS = ["pipeline.cpus.actor=[0]", "pipeline.cpus.preprocessor=[1]", "pipeline.cpus.trainer=[1]"]
 COMMON = [
+    "actor.engine=hf",  # as measured in async-cpu-2026-11-24 (+exp=math now says auto)
     "trainer.samples_per_step=8",
     "task.group_size=4",
     "engine.prompts_per_batch=2",
