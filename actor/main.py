@@ -139,7 +139,8 @@ def publish_group(
     scores = score_group(pool, texts, problem.answer, errors)
     rewards.add(*scores)
     group = to_group(pool, problem, prompt, outs, scores)
-    versions = np.concatenate([s.token_versions() for s in group.samples])
+    per_sample = [s.token_versions() for s in group.samples]
+    versions = np.concatenate(per_sample)
     publish(
         pool.shards.next(),  # redis.shards: the next shard in turn (pipeline/shards.py)
         pool.names.rollouts,
@@ -160,6 +161,7 @@ def publish_group(
         samples=len(group.samples),
         reward=float(np.mean(scores)),
         versions=[int(versions.min()), int(versions.max())],
+        spanning=sum(int(v.min() != v.max()) for v in per_sample if v.size),
     )
     # samples_produced (back-pressure) and groups_produced, once even when re-sent
     count_produced(pool.client, pool.names, pool.name, group.group_id, len(group.samples))

@@ -14,9 +14,13 @@ status hash; versions are the trainer's optimizer steps)
   actor joined were never announced to it, and a (re)joining actor is sent the
   current version at once, so neither a late join nor the publisher's skipping
   makes an actor look starved;
-- ended on an older version than the newest one published
-  (``<run>:published_version``, the newest some actor received whole), after the
-  launcher waited ``launch.final_sync_timeout_s`` for the last one;
+- ended on partial weights, or on an older version than the trainer's last one
+  when that version did reach some actor (``<run>:published_version``, the newest
+  some actor received whole, equals the trainer's version), after the launcher
+  waited ``launch.final_sync_timeout_s`` for it. When the trainer's last version
+  reached no actor (e.g. a relaunch whose trainer finishes on the data left in the
+  streams before the actors have joined), an actor behind it is not stuck: nothing
+  was there to receive;
 
 the outcome is ``failed: weights did not reach the actors: ...`` naming each
 one, and the launcher exits 1. The second rule is also checked live: the
@@ -249,9 +253,10 @@ def weight_problems(
             line = f"{name} applied {applied} weight versions; {failed} of {offered} sent failed"
         elif at_end and applied == 0 and trainer_v > 0:
             line = f"{name} applied no weight version (trainer at v{trainer_v})"
-        elif at_end and newest_published is not None and (version or 0) < newest_published:
-            held = "partial weights" if version is None else f"v{version}"
-            line = f"{name} ended on {held}; the newest published is v{newest_published}"
+        elif at_end and version is None:
+            line = f"{name} ended on partial weights (an in-place update failed)"
+        elif at_end and newest_published == trainer_v and version < newest_published:
+            line = f"{name} ended on v{version}; the newest published is v{newest_published}"
         else:
             continue
         problems.append(line + (f" (last error: {why[:200]})" if why and failed else ""))

@@ -113,9 +113,16 @@ def test_pipeline_on_real_vllm_applies_every_version_and_leaves_nothing(tmp_path
     assert s["weight_versions_failed"]["actor-0"] == 0, s["pools"]["actor-0"]
     assert s["weight_problems"] == [] and s["newest_published_version"] == steps
     assert int(s["pools"]["actor-0"]["version"]) == steps
-    assert s["sequences_spanning_versions"] >= 1, "no sequence continued across a swap"
     records = read_jsonl(str(run_dir / "metrics.jsonl"))
-    assert max(r["versions"][1] for r in records if r.get("event") == "group") > 0
+    groups = [r for r in records if r.get("event") == "group"]
+    assert max(r["versions"][1] for r in groups) > 0
+    # sequences in flight went on across swaps: the actor's own records of what it
+    # published (whether the trainer's 5 steps happen to take such a sample depends on
+    # timing: the summary's sequences_spanning_versions counts trained ones only)
+    spanning = sum(r["spanning"] for r in groups)
+    print(f"sequences spanning versions: {spanning} published, "
+          f"{s['sequences_spanning_versions']} trained")  # fmt: skip
+    assert spanning >= 1, "no published sequence continued across a swap"
     assert any(r.get("event") == "swap" for r in records)  # the lock's hold, recorded
     assert "did not stop" not in out, out  # the actor stopped vLLM and itself in time
     assert run_leftovers(run_dir) == [], "processes of the run outlived the launcher"

@@ -52,13 +52,17 @@ def test_an_actor_left_on_an_older_version_than_the_newest_published():
     assert weight_problems(st, 6) == ["actor-1 ended on v2; the newest published is v6"]
     assert weight_problems(st, 6, at_end=False) == []
     assert weight_problems(st, 2) == []  # v6 never reached any actor: nothing to hold
+    # a relaunch whose trainer ran to v4 on leftover data before the (restarted) actor
+    # joined: the published key still says v2 from the first launch, the actor is on v0
+    relaunch = statuses(4, actor_0=dict(version=0, weight_updates_applied=2))
+    assert weight_problems(relaunch, 2) == []
 
 
 def test_an_actor_holding_partial_weights():
     """An in-place update that failed leaves version "None" in the status hash."""
     st = statuses(4, actor_0=dict(version="None", weight_updates_applied=3))
     assert weight_problems(st, 4) == [
-        "actor-0 ended on partial weights; the newest published is v4"
+        "actor-0 ended on partial weights (an in-place update failed)"
     ]
     assert "lag 0" in Progress.line(st, 10, 1.0)  # no whole version: no lag to show
 
