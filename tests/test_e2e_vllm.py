@@ -95,6 +95,10 @@ def test_pipeline_on_real_vllm_applies_every_version_and_leaves_nothing(tmp_path
         *VLLM,
         f"trainer.max_steps={steps}",
         "engine.max_new_tokens=128",  # long enough for swaps to land mid-sequence
+        # no back-pressure pause: the actor generates all the time, so every swap finds
+        # sequences in flight (held back, it often swaps with its engine empty)
+        "actor.max_lag=1000",
+        "actor.max_queue_groups=1000",
         env_extra=ENV,
         timeout=900,
     )
