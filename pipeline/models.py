@@ -178,12 +178,13 @@ def _try_hub(repo_id: str) -> str | None:
 # ---------------------------------------------------------------- builders
 
 
-def _build_tiny(out: Path, seed: int = 0) -> None:
-    """A tiny random Llama plus a character-level ChatML tokenizer, fully deterministic."""
+def _build_tiny(out: Path, seed: int = 0, **shape) -> None:
+    """A tiny random Llama plus a character-level ChatML tokenizer, fully deterministic;
+    ``shape``: LlamaConfig fields that differ from the tiny defaults."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = _tiny_tokenizer()
-    config = LlamaConfig(
+    fields = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -196,6 +197,7 @@ def _build_tiny(out: Path, seed: int = 0) -> None:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
+    config = LlamaConfig(**{**fields, **shape})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)

@@ -45,29 +45,16 @@ ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 def model_dir(tmp_path_factory) -> str:
     """The tiny chat model with head size 32 (hidden 128, 4 heads): +exp=tiny's own has
     head size 16, which vLLM's CPU attention refuses."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from pipeline.models import _tiny_tokenizer
+    from pipeline.models import _build_tiny
 
     out = str(tmp_path_factory.mktemp("tiny-vllm"))
-    tokenizer = _tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+    _build_tiny(
+        Path(out),
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
         tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
     )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
     return out
 
 

@@ -16,8 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from actor.engines.vllm.worker.extension import LockedWeights, NonstopWorkerExtension, StepVersions
 from actor.engines.vllm.worker.layout import build_plan
-from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement, encode
-from pipeline.weights import bucket_layout, checksum, flatten
+from pipeline.messages import encode
+from tests import vllm_real
 
 VOCAB, PAD_TO = 100, 64
 
@@ -113,19 +113,8 @@ def sched(new=(), cached=(), scheduled=None, finished=()):
 
 
 def announcement(version: int, hf: dict[str, torch.Tensor], bucket_bytes: int = 4096):
-    named = list(hf.items())
-    layout = bucket_layout(named, bucket_bytes)
-    flat = flatten(hf, layout)
-    ann = WeightAnnouncement(
-        schema=SCHEMA_VERSION,
-        version=version,
-        dtype="float32",
-        buckets=layout,
-        checksums=checksum(flat),
-        targets=["actor-0"],
-        created=time.time(),
-    )
-    return ann, flat
+    """tests/vllm_real.py's announcement with small buckets (many of them per model)."""
+    return vllm_real.announcement(version, hf, bucket_bytes)
 
 
 class MemorySource:
