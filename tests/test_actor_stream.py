@@ -110,6 +110,7 @@ def core():
 def test_requests_stay_in_flight_while_groups_are_published(setup, monkeypatch):
     s = setup
     swapped, at_stop, warm = threading.Event(), {}, {}
+    stop_at = [18]
 
     def until():
         n = s.pool.client.xlen(s.pool.names.rollouts)
@@ -119,7 +120,11 @@ def test_requests_stay_in_flight_while_groups_are_published(setup, monkeypatch):
         if n >= 8 and not swapped.is_set():
             swapped.set()
             new_version(s.engine, 1, seed=1)  # while requests are in flight
-        if n >= 18:
+            # staging takes seconds under load while the actor goes on publishing: stop
+            # only once groups begun after the swap had time to come out (IN_FLIGHT / G
+            # groups were in flight at the swap; one CI run hit n >= 18 before any did)
+            stop_at[0] = max(18, s.pool.client.xlen(s.pool.names.rollouts) + 2 * IN_FLIGHT // G + 2)
+        if n >= stop_at[0]:
             at_stop.update(spins=core().empty_spins, steps=list(core().active_log))
             return True
         return False

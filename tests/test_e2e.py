@@ -25,9 +25,15 @@ def test_pipeline_end_to_end(tmp_path):
     assert summary["weight_updates_published"] + summary["weight_versions_unreceived"] == 6
     assert summary["weight_updates_published"] >= 2
     assert summary["weight_updates_applied"]["actor-0"] >= 2
-    assert summary["sequences_spanning_versions"] >= 1, "no sequence continued across a swap"
     assert summary["weight_problems"] == [] and summary["weight_versions_failed"]["actor-0"] == 0
     assert run_leftovers(run_dir) == []
+    records = read_jsonl(str(run_dir / "metrics.jsonl"))
+    # a sequence continued across a swap: counted where the actor published it (its group
+    # record); which of them the 6 steps then train is timing (the summary's
+    # sequences_spanning_versions counts trained ones, and was 0 in one CI run)
+    spanning = sum(r["spanning"] for r in records if r.get("event") == "group")
+    assert spanning >= 1, "no published sequence continued across a swap"
+    assert 0 <= summary["sequences_spanning_versions"] <= spanning
     for key in (
         "stale_samples_dropped",
         "reward_mean_first_window",
@@ -36,7 +42,6 @@ def test_pipeline_end_to_end(tmp_path):
     ):
         assert key in summary
 
-    records = read_jsonl(str(run_dir / "metrics.jsonl"))
     produced = [r["group"] for r in records if r.get("event") == "group"]
     trained = [sid for r in records if r.get("event") == "step" for sid in r["sample_ids"]]
     assert len(produced) == len(set(produced)), "a group id was produced twice"
