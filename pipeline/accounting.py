@@ -21,7 +21,13 @@ dead-lettered, or still in a stream (in flight); one found nowhere is **lost** (
 group id when none of the group's samples is found, else by sample id). A sample
 in two surviving steps is **duplicated**; an id the trainer, a preprocessor or a
 stream holds that no actor recorded as published is a **phantom**; a sample with
-two final outcomes (trained, stale, no signal, dead-lettered) is **conflicting**.
+two final outcomes (trained, stale, no signal, dead-lettered) is **conflicting**,
+except one: a copy of a trained sample that reaches the trainer again in a later step
+(a work-stream XADD retried after its reply was lost to a dying redis-server, or an
+entry re-read after a restart) is dropped as a duplicate while the trainer's dedupe
+window still holds its id, and after that as stale (trainer/batches.py): "trained at
+step k, stale at a step after k" is that second copy turned away, **redelivered**
+(listed, not a problem). Stale at or before the step that trained it stays a conflict.
 
 The counts (``groups_trained``, ``groups_in_flight_at_end``, ...) give each
 published group its first outcome in that order, for the summary; they add up by
@@ -195,8 +201,28 @@ def account(
     flight_rollouts = set(flight.get("rollouts_groups", []))
     flight_samples = set(flight.get("batches_samples", []))
 
+    trained_at: dict[str, list[int]] = {}
+    stale_at: dict[str, list[int]] = {}
+    for st in steps:
+        for sid in st.get("sample_ids", []):
+            trained_at.setdefault(sid, []).append(st["step"])
+        for sid in st.get("stale_ids", []):
+            stale_at.setdefault(sid, []).append(st["step"])
+
     def finals(g: str, s: str) -> list[bool]:  # a sample's final outcomes
         return [s in trained, s in stale, g in no_signal, s in dead_samples or g in dead_whole]
+
+    def said(s: str) -> str:  # a conflicting sample's outcomes, with the trainer's steps
+        g, parts = _group_of(s), []
+        if s in trained:
+            parts.append("trained at step " + ",".join(map(str, trained_at[s])))
+        if s in stale:
+            parts.append("stale at step " + ",".join(map(str, stale_at[s])))
+        if g in no_signal:
+            parts.append("no signal")
+        if s in dead_samples or g in dead_whole:
+            parts.append("dead-lettered")
+        return "; ".join(parts)
 
     def somewhere(g: str, s: str) -> bool:
         return any(finals(g, s)) or s in flight_samples or g in flight_rollouts
@@ -223,7 +249,18 @@ def account(
         else:
             outcome[g] = "lost"
     terms = Counter(outcome.values())
-    conflicting = sorted(s for s in pub_samples if sum(finals(_group_of(s), s)) > 1)
+    # a later copy of a trained sample turned away as stale: every stale step after its
+    # one training step, and no other outcome (see the module doc)
+    redelivered = sorted(
+        s
+        for s in pub_samples
+        if len(trained_at.get(s, ())) == 1
+        and min(stale_at.get(s, [0])) > trained_at[s][0]
+        and finals(_group_of(s), s) == [True, True, False, False]
+    )
+    conflicting = sorted(
+        s for s in pub_samples if sum(finals(_group_of(s), s)) > 1 and s not in redelivered
+    )
     seen_samples = set(trained) | stale | dead_samples | flight_samples
     seen_groups = batched | no_signal | dead_whole | flight_rollouts
     phantom = sorted(s for s in seen_samples if s not in pub_samples)
@@ -244,6 +281,7 @@ def account(
         "samples_trained": sum(s in pub_samples for s in trained),
         "samples_lost": sum("/" in x for x in lost),  # of groups found in part
         "samples_conflicting": len(conflicting),
+        "samples_redelivered_stale": len(redelivered),
         "dead_letters": len(dead),
         "dead_letter_reasons": dict(reasons),
         "in_flight_undecodable": len(flight.get("bad", [])),
@@ -252,6 +290,8 @@ def account(
         "duplicated_ids": duplicated,
         "phantom_ids": phantom,
         "conflicting_ids": conflicting,
+        "conflicting_outcomes": {c: said(c) for c in conflicting},
+        "redelivered_ids": redelivered,
     }
 
 
@@ -266,4 +306,11 @@ def problems(terms: dict[str, Any]) -> list[str]:
         "conflicting_ids": "conflicting: {} (two final outcomes: trained, stale, no signal, "
         "dead-lettered)",
     }
-    return [text.format(x) for key, text in say.items() for x in terms.get(key, [])]
+    outcomes = terms.get("conflicting_outcomes", {})  # which outcomes, in which steps
+    return [
+        f"conflicting: {x} ({outcomes[x]})"
+        if key == "conflicting_ids" and x in outcomes
+        else text.format(x)
+        for key, text in say.items()
+        for x in terms.get(key, [])
+    ]

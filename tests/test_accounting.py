@@ -189,6 +189,7 @@ def test_each_discrepancy_is_named_by_id():
         "conflicting: d/0",
         "conflicting: d/1",
     ]
+    assert said[-1] == "conflicting: d/1 (trained at step 1; no signal)"  # which two, when
     assert terms["groups_lost"] == 1 and terms["samples_lost"] == 1
 
 
@@ -235,3 +236,20 @@ def test_a_trained_id_dropped_from_the_trainers_record_is_lost(rclient, tmp_path
         "phantom: g2/1",
         "phantom: g2",
     ]
+
+
+def test_a_later_copy_of_a_trained_sample_turned_away_as_stale_is_redelivered():
+    """A retried XADD's second copy reaching the trainer after its dedupe window is
+    rejected as stale: trained once, not a conflict. Stale in or before the step that
+    trained it is two outcomes: a conflict."""
+    records = produced("a", "b") + [step(1, ["a/0", "a/1", "b/0", "b/1"]), step(9, [], ["a/0"])]
+    terms = account(records, NO_FLIGHT, [], G)
+    assert terms["redelivered_ids"] == ["a/0"] and terms["samples_redelivered_stale"] == 1
+    assert terms["conflicting_ids"] == [] and problems(terms) == []
+    assert terms["groups_trained"] == 2
+    early = produced("a", "b") + [step(1, [], ["a/0"]), step(2, ["a/0", "a/1", "b/0", "b/1"])]
+    same = produced("a", "b") + [step(1, ["a/0", "a/1", "b/0", "b/1"], ["a/0"])]
+    for records, when in ((early, "trained at step 2; stale at step 1"), (same, "step 1; stale")):
+        terms = account(records, NO_FLIGHT, [], G)
+        assert terms["conflicting_ids"] == ["a/0"] and terms["redelivered_ids"] == []
+        assert when in problems(terms)[0]

@@ -464,6 +464,7 @@ COLUMNS = [
     "groups_in_flight_at_end",
     "groups_lost",
     "groups_duplicated",
+    "samples_redelivered_stale",
     "samples_left_after_drain",
     "max_recovery_s",
     "trainer_steps",
