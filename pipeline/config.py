@@ -9,16 +9,36 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+if TYPE_CHECKING:
+    from pipeline.redis_tls import TLSFiles
 
 
 @dataclass
 class RunConfig:
     name: str = "math"  # streams and keys are named <redis.prefix>:<run.name>:<stream>
     seed: int = 0
+
+
+@dataclass
+class TLSConfig:
+    """``redis.tls``: Redis over TLS (pipeline/redis_tls.py). ``redis.tls=true`` is short
+    for ``redis.tls.enabled=true``."""
+
+    # true with no redis.url: the embedded redis-server listens on TLS only, with a CA and
+    # server and client certificates made per run in RUN_DIR/redis/tls; with redis.url:
+    # the URL must be rediss://
+    enabled: bool = False
+    # an operator's rediss:// Redis (NONSTOP_REDIS_TLS_CA/_CERT/_KEY override these): the
+    # CA file that signs its certificate ("": the system's CAs), and a client certificate
+    # and its key when the server asks for one (tls-auth-clients)
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
 
 
 @dataclass
@@ -38,6 +58,7 @@ class RedisConfig:
     # needs shards - 1 more URLs in shard_urls (or NONSTOP_REDIS_SHARD_URLS, comma-joined)
     shards: int = 1
     shard_urls: list[str] = field(default_factory=list)
+    tls: TLSConfig = field(default_factory=TLSConfig)
 
 
 @dataclass
@@ -377,6 +398,7 @@ def validate(cfg: Any) -> None:
         raise ValueError("actor.max_lag and trainer.max_lag must be >= 0")
     validate_scorers(_get(cfg, "preprocessor"))
     validate_shards(cfg)
+    validate_tls(cfg)
     validate_devices(cfg)
     validate_eval_and_mode(cfg)
     validate_engine(cfg)
@@ -590,9 +612,12 @@ def load_config(path: str, overrides: list[str] | None = None) -> Any:
                 f"{path}: preprocessor.reference was folded into preprocessor.scorers; "
                 "write preprocessor.scorers: [reference] (true) or [] (false) instead"
             )
+        tls = OmegaConf.select(raw, "redis.tls")
+        if isinstance(tls, bool):  # the shorthand redis: {tls: true}
+            raw.redis.tls = {"enabled": tls}
         cfg = OmegaConf.merge(OmegaConf.structured(Config), raw)
         if overrides:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(expand_shorthands(overrides)))
     except OmegaConfBaseException as e:
         raise ValueError(f"bad config {path}: {e}") from None
     validate(cfg)
@@ -662,3 +687,108 @@ def shard_urls(cfg: Any, role: str | None = None) -> list[str]:
             "(comma-joined)"
         )
     return urls
+
+
+# ---------------------------------------------------------------- Redis over TLS
+
+
+def expand_shorthands(overrides: list[str]) -> list[str]:
+    """Command-line overrides with ``redis.tls=true|false`` spelled out as
+    ``redis.tls.enabled=...`` (``redis.tls`` is a section: ``redis.tls.ca=...``, ...);
+    the launcher applies this to its arguments before Hydra reads them."""
+    out = []
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        if eq and key.lstrip("+~") == "redis.tls":
+            o = f"{key}.enabled={value}"
+        out.append(o)
+    return out
+
+
+def validate_tls(cfg: Any) -> None:
+    """``redis.tls`` against ``redis.url`` (the files themselves: :func:`tls_files`)."""
+    from pipeline.redis_tls import KEYS, is_tls
+
+    tls, url = _get(cfg, "redis.tls"), _get(cfg, "redis.url")
+    if not isinstance(tls.enabled, bool):
+        raise ValueError(f"redis.tls.enabled={tls.enabled!r} must be true or false")
+    given = [KEYS[k] for k in ("ca", "cert", "key") if tls[k]]
+    if bool(tls.cert) != bool(tls.key):
+        raise ValueError(
+            "redis.tls.cert and redis.tls.key go together (a client certificate and its "
+            f"private key); only {given[-1]} is set: set both, or neither"
+        )
+    if not url:
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} name files for an external Redis (redis.url=rediss://"
+                "host:port/0); the embedded redis-server makes its own CA and certificates "
+                "per run with redis.tls=true: drop them, or set redis.url"
+            )
+        return
+    if tls.enabled and not is_tls(url):
+        raise ValueError(
+            "redis.tls=true but redis.url is a plain-text redis:// URL: use "
+            "rediss://host:port/0 (TLS), or redis.tls=false"
+        )
+    if given and not is_tls(url):
+        raise ValueError(
+            f"{', '.join(given)} set but redis.url is a plain-text redis:// URL: use "
+            "rediss://host:port/0 for TLS, or drop the TLS files"
+        )
+
+
+def tls_files(cfg: Any | None = None) -> TLSFiles:
+    """The client's TLS files: ``NONSTOP_REDIS_TLS_CA``, ``_CERT``, ``_KEY`` win over
+    ``redis.tls.ca``, ``cert``, ``key`` (the launcher hands an embedded TLS server's
+    client files to its pools this way; ``cfg`` None: the environment only). ValueError
+    naming the setting or variable when a file is missing or a certificate comes
+    without its key."""
+    from pipeline.redis_tls import ENV, KEYS, TLSFiles
+
+    values, origin = {}, {}
+    for what in ("ca", "cert", "key"):
+        env = os.environ.get(ENV[what], "")
+        conf = (_get(cfg, KEYS[what]) or "") if cfg is not None else ""
+        values[what], origin[what] = (env, ENV[what]) if env else (conf, KEYS[what])
+    files = TLSFiles(**values, origin=origin)
+    if bool(files.cert) != bool(files.key):
+        have, missing = ("cert", "key") if files.cert else ("key", "cert")
+        raise ValueError(
+            f"{files.named(have)} is set but not {KEYS[missing]} ({ENV[missing]}): a client "
+            "certificate needs its private key; set both, or neither"
+        )
+    for what in ("ca", "cert", "key"):
+        path = values[what]
+        if path and not os.access(path, os.R_OK):
+            why = "is not readable by this user" if os.path.exists(path) else "does not exist"
+            raise ValueError(
+                f"{files.named(what)}={path} {why}: give the PEM file of the "
+                + {
+                    "ca": "CA that signs the server's certificate",
+                    "cert": "client certificate",
+                }.get(what, "client certificate's private key")
+            )
+    return files
+
+
+def redis_tls(cfg: Any | None, url: str) -> TLSFiles | None:
+    """The TLS files to reach ``url`` with (:func:`tls_files`), None for a plain-text
+    ``redis://`` URL; ValueError for TLS files or ``redis.tls=true`` with a plain URL."""
+    from pipeline.redis_tls import is_tls
+
+    files = tls_files(cfg)
+    if is_tls(url):
+        return files
+    given = [files.named(k) for k in ("ca", "cert", "key") if getattr(files, k)]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} set but the Redis URL is plain-text redis://: use rediss:// "
+            "(redis.url or NONSTOP_REDIS_URL) for TLS, or unset them"
+        )
+    if cfg is not None and _get(cfg, "redis.tls.enabled"):
+        raise ValueError(
+            "redis.tls=true but the Redis URL is plain-text redis:// (redis.url or "
+            "NONSTOP_REDIS_URL): use rediss://"
+        )
+    return None

@@ -31,10 +31,19 @@ import redis
 from omegaconf import OmegaConf
 
 from actor.sync import DRAIN_FIELD
-from pipeline.config import register, resolve_engine, shard_urls, validate
+from pipeline.config import (
+    expand_shorthands,
+    redis_tls,
+    register,
+    resolve_engine,
+    shard_urls,
+    validate,
+)
 from pipeline.evaluator import wait_for_final_eval
 from pipeline.progress import Progress
 from pipeline.redis_server import EmbeddedRedis, check_no_eviction
+from pipeline.redis_tls import ENV as TLS_ENV
+from pipeline.redis_tls import TLSFiles, make_run_certs
 from pipeline.streams import Names, RedisUnavailable, connect, mark_run
 from pipeline.summary import newest_published, status_version, write_summary
 from pipeline.supervisor import Supervisor
@@ -100,29 +109,39 @@ def supervise(cfg, sup: Supervisor, client, names: Names) -> tuple[str, int]:
         return "interrupted", 130
 
 
-def start_shards(cfg, run_dir: str, env: dict[str, str]) -> tuple[list[EmbeddedRedis], list]:
+def start_shards(
+    cfg, run_dir: str, env: dict[str, str], tls: tuple[TLSFiles, TLSFiles] | None = None
+) -> tuple[list[EmbeddedRedis], list]:
     """redis.shards > 1: the embedded launcher starts shards 1.. too (``redis-shardK/``,
-    the URLs to the pools in NONSTOP_REDIS_SHARD_URLS); an external redis.url takes
-    them from redis.shard_urls. Returns (servers started here, clients of shards 1..)."""
+    the URLs to the pools in NONSTOP_REDIS_SHARD_URLS; ``tls``: on TLS only, like the
+    primary); an external redis.url takes them from redis.shard_urls. Returns (servers
+    started here, clients of shards 1..)."""
     servers = []
     if cfg.redis.url:
         urls = shard_urls(cfg, None)
-    else:
-        for k in range(1, cfg.redis.shards):
-            server = EmbeddedRedis(
-                os.path.join(run_dir, f"redis-shard{k}"), cfg.redis.embedded_appendfsync
-            )
-            server.start()
-            servers.append(server)
-            print(f"embedded redis-server shard {k} on 127.0.0.1:{server.port}")
-        urls = [s.url for s in servers]
-        if urls:
-            env["NONSTOP_REDIS_SHARD_URLS"] = ",".join(urls)
-            os.makedirs(os.path.join(run_dir, "redis"), exist_ok=True)
-            path = os.path.join(run_dir, "redis", "shard_urls")  # for pipeline.inspect
-            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-                f.write(",".join(urls) + "\n")
-    return servers, [connect(u, reconnect_s=2.0) for u in urls]
+        return servers, [connect(u, reconnect_s=2.0, tls=redis_tls(cfg, u)) for u in urls]
+    for k in range(1, cfg.redis.shards):
+        server = EmbeddedRedis(
+            os.path.join(run_dir, f"redis-shard{k}"), cfg.redis.embedded_appendfsync, tls=tls
+        )
+        server.start()
+        servers.append(server)
+        print(f"embedded redis-server shard {k} on 127.0.0.1:{server.port}")
+    urls = [s.url for s in servers]
+    if urls:
+        env["NONSTOP_REDIS_SHARD_URLS"] = ",".join(urls)
+        os.makedirs(os.path.join(run_dir, "redis"), exist_ok=True)
+        path = os.path.join(run_dir, "redis", "shard_urls")  # for pipeline.inspect
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(",".join(urls) + "\n")
+    return servers, [connect(u, reconnect_s=2.0, tls=tls and tls[1]) for u in urls]
+
+
+def cli_recipe(run_dir: str, port: int, tls: TLSFiles | None) -> str:
+    """The redis-cli command line for the embedded server (README: "Looking inside a
+    live run with redis-cli"), with ``--tls --cacert ...`` when it speaks TLS."""
+    cmd = f'redis-cli -p {port} -a "$(cat {run_dir}/redis/auth)" --no-auth-warning'
+    return f"{cmd} {tls.cli_args()}" if tls else cmd
 
 
 def _interrupt(signum, _frame) -> None:
@@ -144,21 +163,33 @@ def run(cfg) -> int:
     os.makedirs(run_dir, exist_ok=True)
     cfg.run_dir = run_dir
     print(f"run directory: {run_dir}")
-    client = connect(cfg.redis.url, reconnect_s=2.0) if cfg.redis.url else None  # fail early
+    client_tls = redis_tls(cfg, cfg.redis.url) if cfg.redis.url else None
+    # fail early: an unreachable Redis, or a TLS mismatch, before the model is materialized
+    client = connect(cfg.redis.url, reconnect_s=2.0, tls=client_tls) if cfg.redis.url else None
     print(f"model: {cfg.model.name} (materializing once for every pool)")
     cfg.model.path = materialize_model(cfg.model.name)
     config_path = os.path.join(run_dir, "config.yaml")
     OmegaConf.save(cfg, config_path)
-    server, env = None, dict(os.environ)
+    server, env, tls = None, dict(os.environ), None
     if cfg.redis.url:
         url = cfg.redis.url
     else:
-        server = EmbeddedRedis(os.path.join(run_dir, "redis"), cfg.redis.embedded_appendfsync)
+        for var in TLS_ENV.values():  # files of some other Redis: not this run's
+            env.pop(var, None)
+        if cfg.redis.tls.enabled:  # TLS only: a CA, server and client certificates per run
+            tls = make_run_certs(os.path.join(run_dir, "redis", "tls"))
+            client_tls = tls[1]
+            env.update(client_tls.env())  # the pools' rediss:// client files
+        server = EmbeddedRedis(
+            os.path.join(run_dir, "redis"), cfg.redis.embedded_appendfsync, tls=tls
+        )
         server.start()
         url = server.url
+        tls_note = f", TLS only (certificates in {run_dir}/redis/tls)" if tls else ""
         print(
-            f"embedded redis-server on 127.0.0.1:{server.port} (password in "
-            f"{run_dir}/redis/auth, AOF in {run_dir}/redis)"
+            f"embedded redis-server on 127.0.0.1:{server.port}{tls_note} (password in "
+            f"{run_dir}/redis/auth, AOF in {run_dir}/redis)\n"
+            f"  redis-cli: {cli_recipe(run_dir, server.port, client_tls)}"
         )
         with open(os.path.join(run_dir, "redis", "auth"), "w") as f:
             os.chmod(f.name, 0o600)
@@ -168,8 +199,8 @@ def run(cfg) -> int:
     env["NONSTOP_REDIS_URL"] = url
     env["NONSTOP_RUN_DIR"] = run_dir  # marks every process of the run (and its children)
     env.setdefault("NONSTOP_RUN_SECRET", secrets.token_hex(16))
-    shard_servers, shards = start_shards(cfg, run_dir, env)
-    client = client or connect(url, reconnect_s=2.0)
+    shard_servers, shards = start_shards(cfg, run_dir, env, tls)
+    client = client or connect(url, reconnect_s=2.0, tls=client_tls)
     names = Names(cfg.redis.prefix, cfg.run.name)
     for shard in [client, *shards]:
         check_no_eviction(shard)
@@ -212,4 +243,5 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = expand_shorthands(sys.argv[1:])  # redis.tls=true: redis.tls.enabled=true
     main()

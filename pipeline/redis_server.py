@@ -1,5 +1,6 @@
 """An embedded redis-server for one run: loopback only, per-run password,
-AOF in the run directory, ``noeviction``.
+AOF in the run directory, ``noeviction``; with ``redis.tls=true`` on TLS only, client
+certificates required (pipeline/redis_tls.py).
 
 Durability (``redis.embedded_appendfsync``): ``always`` (the default) makes
 redis-server write and fsync the AOF before it replies to a command, so every
@@ -23,6 +24,8 @@ import time
 
 import redis
 
+from pipeline.redis_tls import TLSFiles
+
 log = logging.getLogger(__name__)
 APPENDFSYNC = ("always", "everysec")
 
@@ -36,7 +39,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EmbeddedRedis:
     """Start with :meth:`start`, stop with :meth:`stop`; ``url`` carries the password."""
 
-    def __init__(self, data_dir: str, appendfsync: str = "always", port: int | None = None):
+    def __init__(
+        self,
+        data_dir: str,
+        appendfsync: str = "always",
+        port: int | None = None,
+        tls: tuple[TLSFiles, TLSFiles] | None = None,
+    ):
         if appendfsync not in APPENDFSYNC:
             raise ValueError(
                 f"redis.embedded_appendfsync={appendfsync!r} is not supported; use always "
@@ -52,10 +61,34 @@ class EmbeddedRedis:
         self.port = port or free_port()
         self.password = secrets.token_hex(16)
         self.proc: subprocess.Popen | None = None
+        # (the server's files, a client's files): TLS only on the port (redis.tls=true;
+        # pipeline/redis_tls.make_run_certs), clients need a certificate of the same CA
+        self.server_tls, self.client_tls = tls if tls else (None, None)
 
     @property
     def url(self) -> str:
-        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+        scheme = "rediss" if self.server_tls else "redis"
+        return f"{scheme}://:{self.password}@127.0.0.1:{self.port}/0"
+
+    def _listen_args(self) -> list[str]:
+        """Plain text on ``port``, or (TLS) no plain port and TLS on ``port``."""
+        if self.server_tls is None:
+            return ["--port", str(self.port)]
+        t = self.server_tls
+        return [
+            "--port",
+            "0",
+            "--tls-port",
+            str(self.port),
+            "--tls-cert-file",
+            t.cert,
+            "--tls-key-file",
+            t.key,
+            "--tls-ca-cert-file",
+            t.ca,
+            "--tls-auth-clients",
+            "yes",
+        ]
 
     def start(self, timeout_s: float = 10.0) -> None:
         exe = shutil.which("redis-server")
@@ -67,8 +100,7 @@ class EmbeddedRedis:
         os.makedirs(self.data_dir, exist_ok=True)
         args = [
             exe,
-            "--port",
-            str(self.port),
+            *self._listen_args(),
             "--bind",
             "127.0.0.1",
             "--protected-mode",
@@ -92,7 +124,7 @@ class EmbeddedRedis:
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout_s
-        client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
+        client = self.client(socket_connect_timeout=1)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
@@ -104,6 +136,11 @@ class EmbeddedRedis:
                 time.sleep(0.05)
         self.stop()
         raise TimeoutError(f"redis-server did not answer on port {self.port} in {timeout_s}s")
+
+    def client(self, **kwargs) -> redis.Redis:
+        """A plain redis-py client of this server (no retries), TLS files included."""
+        tls = self.client_tls.client_kwargs() if self.client_tls else {}
+        return redis.Redis.from_url(self.url, **tls, **kwargs)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:

@@ -25,7 +25,7 @@ from typing import Any
 import redis
 import torch
 
-from pipeline.config import load_config, redis_url, shard_urls
+from pipeline.config import load_config, redis_tls, redis_url, shard_urls
 from pipeline.redis_server import UnsafeRedis, check_no_eviction
 from pipeline.shards import Shards
 from pipeline.streams import (
@@ -116,8 +116,8 @@ def start_pool(
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    client = connect(redis_url(cfg, role), reconnect_s=cfg.redis.reconnect_s)
-    extra = [connect(u, reconnect_s=cfg.redis.reconnect_s) for u in shard_urls(cfg, role)]
+    client = _connect(cfg, redis_url(cfg, role))
+    extra = [_connect(cfg, u) for u in shard_urls(cfg, role)]
     names = Names(cfg.redis.prefix, cfg.run.name)
     check_permissions(client, names, role, redis_url(cfg, role))  # NOPERM: exit 4 now
     for url, shard in zip(shard_urls(cfg, role), extra, strict=True):
@@ -142,6 +142,17 @@ def start_pool(
     detail = f": {describe(cfg)}" if describe is not None else ""
     logging.getLogger(role).info("%s started (pid %d)%s", args.name, os.getpid(), detail)
     return pool
+
+
+def _connect(cfg: Any, url: str) -> redis.Redis:
+    """:func:`connect` with the TLS files of ``redis.tls`` / NONSTOP_REDIS_TLS_* for a
+    ``rediss://`` URL; a missing file or a TLS setting beside a plain URL is
+    :class:`RedisRefused` (one line, exit 4: restarting cannot fix it)."""
+    try:
+        tls = redis_tls(cfg, url)
+    except ValueError as e:
+        raise RedisRefused(str(e)) from None
+    return connect(url, reconnect_s=cfg.redis.reconnect_s, tls=tls)
 
 
 def pin_cpus(role: str, cpus: Any) -> None:

@@ -31,6 +31,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from pipeline.messages import BadEntry, decode
+from pipeline.redis_tls import TLSFiles, explain, is_tls, settled
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +127,10 @@ class RedisUnavailable(ConnectionError):
 
 
 class RedisRefused(RedisUnavailable):
-    """Redis answers but refuses this user (credentials, a command the ACL denies):
-    waiting will not fix it. Pools exit 4 on it (EXIT_REFUSED), so the launcher stops
-    the run at once instead of restarting them."""
+    """Redis answers but refuses this user (credentials, a command the ACL denies), or
+    the two ends disagree on TLS (pipeline/redis_tls.py): waiting will not fix it. Pools
+    exit 4 on it (EXIT_REFUSED), so the launcher stops the run at once instead of
+    restarting them."""
 
 
 def connect(
@@ -137,16 +139,23 @@ def connect(
     delay_s: float = 0.25,
     reconnect_s: float = 60.0,
     startup_s: float = 8.0,
+    tls: TLSFiles | None = None,
 ) -> redis.Redis:
     """Connect with bounded retries (``attempts`` tries within ``startup_s`` seconds,
     then :class:`RedisUnavailable` naming the URL, password hidden, and what to
     check); every call has a socket deadline.
 
+    ``rediss://`` URLs speak TLS with ``tls``'s CA, certificate and key (None: from
+    ``NONSTOP_REDIS_TLS_CA``/``_CERT``/``_KEY``, pipeline.config.tls_files); a TLS
+    mismatch (a plain client at a TLS server, a CA that does not sign the server's
+    certificate, a missing client certificate) is :class:`RedisRefused` in one line.
+
     Once connected, a command that meets a dropped connection (redis-server
     restarting) is retried with exponential backoff for about ``reconnect_s``
     seconds before the error reaches the caller.
     """
-    _probe(url, attempts, delay_s, startup_s)
+    tls, ssl_kwargs = _tls(url, tls)
+    _probe(url, attempts, delay_s, startup_s, tls, ssl_kwargs)
     retry = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=max(1, int(reconnect_s / 2)))
     client = redis.Redis.from_url(
         url,
@@ -155,22 +164,57 @@ def connect(
         health_check_interval=30,
         retry=retry,
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        **ssl_kwargs,
     )
     client.ping()
     return client
 
 
-def _probe(url: str, attempts: int, delay_s: float, startup_s: float) -> None:
+def _tls(url: str, tls: TLSFiles | None) -> tuple[TLSFiles | None, dict[str, str]]:
+    """The TLS files for ``url`` and redis-py's arguments for them ({} for redis://)."""
+    if not is_tls(url):
+        if tls is not None and (tls.ca or tls.cert):
+            raise ValueError(
+                f"TLS files ({tls.named('ca')}, ...) given for the plain-text URL "
+                f"{_redact(url)}: use rediss:// for TLS, or drop them"
+            )
+        return None, {}
+    if tls is None:
+        from pipeline.config import tls_files
+
+        tls = tls_files(None)
+    return tls, tls.client_kwargs()
+
+
+def cli_command(url: str, tls: TLSFiles | None = None) -> str:
+    """``redis-cli`` reaching ``url`` (password hidden), with ``--tls --cacert ...``
+    for a ``rediss://`` URL (redis-cli's -u takes no TLS files)."""
+    base = f"redis-cli -u {_redact(url)}"
+    return f"{base} {(tls or TLSFiles()).cli_args()}" if is_tls(url) else base
+
+
+def _probe(
+    url: str,
+    attempts: int,
+    delay_s: float,
+    startup_s: float,
+    tls: TLSFiles | None = None,
+    ssl_kwargs: dict[str, str] | None = None,
+) -> None:
     """PING ``url`` without the run-time retries until it answers or the start-up
     budget is spent: a refused or unanswered connection is tried again, refused
-    credentials are not (they will not change)."""
-    deadline, last = time.monotonic() + startup_s, None
+    credentials are not (they will not change), nor a TLS mismatch (redis_tls.explain:
+    one line saying what is wrong and how to fix it; an ambiguous one once seen twice)."""
+    deadline, last, why = time.monotonic() + startup_s, None, None
     for i in range(attempts):
         left = deadline - time.monotonic()
         if left <= 0:
             break
         probe = redis.Redis.from_url(
-            url, socket_timeout=min(5.0, left), socket_connect_timeout=min(5.0, left)
+            url,
+            socket_timeout=min(5.0, left),
+            socket_connect_timeout=min(5.0, left),
+            **(ssl_kwargs or {}),
         )
         try:
             probe.ping()
@@ -182,15 +226,20 @@ def _probe(url: str, attempts: int, delay_s: float, startup_s: float) -> None:
                 "server's ACL (deploy/redis/users.acl)"
             ) from None
         except (redis.ConnectionError, redis.TimeoutError) as e:
-            last = e
+            last, seen = e, why
+            why = explain(url, e, tls, _redact(url))
+            if why is not None and (why == seen or settled(e)):
+                raise RedisRefused(why) from None
             log.debug("redis at %s not reachable (%s), try %d/%d", _redact(url), e, i + 1, attempts)
         finally:
             probe.close()
         time.sleep(max(0.0, min(delay_s * 2**i, 2.0, deadline - time.monotonic())))
+    if why is not None:
+        raise RedisRefused(why)
     raise RedisUnavailable(
         f"cannot reach redis at {_redact(url)} within {startup_s:.0f} s ({last}): check that "
         "redis-server is running there, the host and port in redis.url (or NONSTOP_REDIS_URL), "
-        f"any firewall between, and try `redis-cli -u {_redact(url)} ping`"
+        f"any firewall between, and try `{cli_command(url, tls)} ping`"
     )
 
 

@@ -25,7 +25,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--run-dir", help="a run directory (its redis/url or redis/port+auth, and config.yaml)"
     )
-    p.add_argument("--url", help="redis://[:PASS@]host:port/db (default: $NONSTOP_REDIS_URL)")
+    p.add_argument("--url", help="redis[s]://[:PASS@]host:port/db (default: $NONSTOP_REDIS_URL)")
+    for what, help_ in (
+        ("ca", "the CA that signs the server's certificate"),
+        ("cert", "a client certificate"),
+        ("key", "its private key"),
+    ):
+        p.add_argument(
+            f"--tls-{what}",
+            metavar="FILE",
+            help=f"rediss://: {help_} (default: the run dir's redis/tls, "
+            f"$NONSTOP_REDIS_TLS_{what.upper()} or the config's redis.tls.{what})",
+        )
     p.add_argument("--config", help="a config.yaml to take redis.prefix and run.name from")
     p.add_argument(
         "--shard-urls",
@@ -57,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         target = resolve(args)
-        client = connect(target.url, attempts=3)
+        client = connect(target.url, attempts=3, tls=target.tls)
         target = pick_run(client, target)
-        shards = [(u, connect(u, attempts=3)) for u in target.shard_urls]
+        shards = [(u, connect(u, attempts=3, tls=target.tls)) for u in target.shard_urls]
     except (ValueError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import redis
 
+from pipeline.redis_tls import TLSFiles, is_tls
+
 
 @dataclass
 class Target:
@@ -16,6 +18,7 @@ class Target:
     prefix: str
     run: str
     shard_urls: list[str] = field(default_factory=list)  # redis.shards 1..
+    tls: TLSFiles | None = None  # rediss://: the CA, client certificate and key
 
 
 # ------------------------------------------------------------------ where the run is
@@ -49,7 +52,7 @@ def discover_runs(client: redis.Redis) -> list[tuple[str, str]]:
 
 def resolve(args: argparse.Namespace) -> Target:
     """The Redis URL, prefix and run name from the arguments (errors say what to pass)."""
-    prefix, run, url = args.prefix, args.run, args.url
+    prefix, run, url, tls = args.prefix, args.run, args.url, None
     shards = [u for u in (args.shard_urls or "").split(",") if u]
     config = args.config
     if args.run_dir:
@@ -67,7 +70,12 @@ def resolve(args: argparse.Namespace) -> Target:
                     "pass --url redis://... for a run on an external Redis"
                 )
             auth = _read(auth_f) if os.path.exists(auth_f) else ""
-            url = f"redis://:{auth}@127.0.0.1:{_read(port_f)}/0"
+            tls_dir = os.path.join(rd, "redis", "tls")  # redis.tls=true: the run's certificates
+            scheme = "rediss" if os.path.exists(os.path.join(tls_dir, "ca.crt")) else "redis"
+            url = f"{scheme}://:{auth}@127.0.0.1:{_read(port_f)}/0"
+            if scheme == "rediss":
+                files = {k: os.path.join(tls_dir, f) for k, f in RUN_TLS.items()}
+                tls = TLSFiles(**files, origin={k: "--run-dir" for k in files})
         shards_f = os.path.join(rd, "redis", "shard_urls")  # embedded shards (launcher)
         if not shards and os.path.exists(shards_f):
             shards = [u for u in _read(shards_f).split(",") if u]
@@ -85,7 +93,31 @@ def resolve(args: argparse.Namespace) -> Target:
         raise ValueError(
             "no Redis to inspect: pass --run-dir DIR, --url redis://... or set NONSTOP_REDIS_URL"
         )
-    return Target(url=url, prefix=prefix or "", run=run or "", shard_urls=shards)
+    if is_tls(url):
+        tls = _tls(args, config) or tls
+    return Target(url=url, prefix=prefix or "", run=run or "", shard_urls=shards, tls=tls)
+
+
+RUN_TLS = {"ca": "ca.crt", "cert": "client.crt", "key": "client.key"}  # launcher's names
+
+
+def _tls(args: argparse.Namespace, config: str | None) -> TLSFiles | None:
+    """TLS files from --tls-ca/--tls-cert/--tls-key, else NONSTOP_REDIS_TLS_* or the
+    config's redis.tls (None: none of them names a file)."""
+    from omegaconf import OmegaConf
+
+    from pipeline.config import tls_files
+
+    given = {k: getattr(args, f"tls_{k}", None) or "" for k in ("ca", "cert", "key")}
+    if any(given.values()):
+        for k, path in given.items():
+            if path and not os.path.exists(path):
+                raise ValueError(f"--tls-{k} {path} does not exist")
+        if bool(given["cert"]) != bool(given["key"]):
+            raise ValueError("--tls-cert and --tls-key go together: pass both, or neither")
+        return TLSFiles(**given, origin={k: f"--tls-{k}" for k in given})
+    files = tls_files(OmegaConf.load(config) if config else None)
+    return files if files.ca or files.cert else None
 
 
 def pick_run(client: redis.Redis, target: Target) -> Target:
@@ -98,8 +130,9 @@ def pick_run(client: redis.Redis, target: Target) -> Target:
         if (not target.prefix or p == target.prefix) and (not target.run or r == target.run)
     ]
     if len(runs) == 1:
-        return Target(target.url, *runs[0], target.shard_urls)
+        return Target(target.url, *runs[0], target.shard_urls, target.tls)
     if not runs and target.run:  # no pool has started yet: inspect what is there
-        return Target(target.url, target.prefix or "nonstop", target.run, target.shard_urls)
+        prefix = target.prefix or "nonstop"
+        return Target(target.url, prefix, target.run, target.shard_urls, target.tls)
     listing = ", ".join(f"--prefix {p} --run {r}" for p, r in runs) or "none"
     raise ValueError(f"pass --run (and --prefix) to choose a run; runs with pools here: {listing}")

@@ -1,0 +1,253 @@
+"""Redis over TLS (pipeline/redis_tls.py): the embedded server on TLS only, one clear
+line for a plain client or a wrong CA, the settings' checks, and the tiny pipeline over
+TLS, embedded (redis.tls=true) and against an operator's TLS-only redis-server started
+by deploy/bin/nonstop-redis-start with the shipped ACL users."""
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+
+import pytest
+import redis
+from omegaconf import OmegaConf
+
+from pipeline.config import Config, load_config, redis_tls, tls_files, validate
+from pipeline.launch import cli_recipe
+from pipeline.redis_server import EmbeddedRedis, free_port
+from pipeline.redis_tls import TLSFiles, make_run_certs, speaks_plain
+from pipeline.streams import RedisRefused, connect
+from tests.launching import ROOT, run_tiny
+
+TLS_ENV = ("NONSTOP_REDIS_TLS_CA", "NONSTOP_REDIS_TLS_CERT", "NONSTOP_REDIS_TLS_KEY")
+
+
+@pytest.fixture
+def tls_server(tmp_path, monkeypatch):
+    """An EmbeddedRedis on TLS only, its certificates where the launcher puts them."""
+    for var in TLS_ENV:
+        monkeypatch.delenv(var, raising=False)
+    run_dir = tmp_path / "run"
+    certs = make_run_certs(str(run_dir / "redis" / "tls"))
+    server = EmbeddedRedis(str(run_dir / "redis"), tls=certs)
+    server.start()
+    (run_dir / "redis" / "port").write_text(f"{server.port}\n")
+    (run_dir / "redis" / "auth").write_text(server.password + "\n")
+    yield server, run_dir
+    server.stop()
+
+
+def _one_line(e: BaseException) -> str:
+    """The error's message: one line, the password hidden."""
+    msg = str(e)
+    assert "\n" not in msg and ("***@" in msg or "@" not in msg), msg
+    return msg
+
+
+def test_the_embedded_tls_server_speaks_tls_only_and_its_files_are_private(tls_server):
+    server, run_dir = tls_server
+    folder = run_dir / "redis" / "tls"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    files = sorted(p.name for p in folder.iterdir())
+    assert files == ["ca.crt", "client.crt", "client.key", "server.crt", "server.key"]
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in folder.iterdir())
+    assert server.url.startswith("rediss://")
+    client = connect(server.url, tls=server.client_tls)
+    assert client.ping() and client.config_get("port") == {"port": "0"}  # no plain port
+    assert client.config_get("tls-auth-clients") == {"tls-auth-clients": "yes"}
+    assert not speaks_plain("127.0.0.1", server.port)  # PING in clear text gets no answer
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis(port=server.port, password=server.password, socket_timeout=3).ping()
+    recipe = cli_recipe(str(run_dir), server.port, server.client_tls)  # what the launcher prints
+    assert "--tls --cacert" in recipe
+    out = subprocess.run(f"{recipe} PING", shell=True, capture_output=True, text=True, timeout=10)
+    assert out.stdout.strip() == "PONG", out.stderr
+
+
+def test_a_plain_client_at_the_tls_server_gets_one_clear_line(tls_server):
+    server, _ = tls_server
+    with pytest.raises(RedisRefused) as info:
+        connect(server.url.replace("rediss://", "redis://"), startup_s=8)
+    msg = _one_line(info.value)
+    assert f"redis at redis://***@127.0.0.1:{server.port}/0 speaks TLS" in msg
+    assert "use rediss://" in msg and "redis.tls.ca" in msg
+
+
+def test_the_launcher_says_it_in_one_line_and_exits_2(tls_server, tmp_path):
+    server, _ = tls_server
+    plain = server.url.replace("rediss://", "redis://")
+    cmd = [sys.executable, "-m", "pipeline.launch", "+exp=tiny", f"run_dir={tmp_path / 'r'}"]
+    out = subprocess.run(
+        [*cmd, f"redis.url={plain}"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: redis at redis://***@")
+    assert "speaks TLS: use rediss://" in out.stderr
+
+
+def test_a_pool_with_a_wrong_ca_exits_4_with_one_line(tls_server, tmp_path):
+    from tests.test_backpressure import actor_config
+
+    server, _ = tls_server
+    _, other = make_run_certs(str(tmp_path / "other"))
+    env = dict(os.environ, NONSTOP_REDIS_URL=server.url, HF_HUB_OFFLINE="1")
+    env.update(NONSTOP_CACHE=str(tmp_path / "cache"), NONSTOP_RUN_SECRET="s" * 32)
+    env.update(NONSTOP_REDIS_TLS_CA=other.ca, NONSTOP_REDIS_TLS_CERT=server.client_tls.cert)
+    env["NONSTOP_REDIS_TLS_KEY"] = server.client_tls.key
+    cmd = [sys.executable, "-m", "actor", "--config", actor_config(tmp_path, server.url)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 4, out
+    assert "Traceback" not in out and server.password not in out
+    line = next(ln for ln in out.splitlines() if "certificate verify failed" in ln)
+    assert f"NONSTOP_REDIS_TLS_CA={other.ca} does not sign the certificate of redis at" in line
+
+
+def test_a_wrong_ca_or_no_client_certificate_gets_one_clear_line(tls_server, tmp_path):
+    server, _ = tls_server
+    _, other = make_run_certs(str(tmp_path / "other"))
+    wrong = TLSFiles(other.ca, server.client_tls.cert, server.client_tls.key)
+    with pytest.raises(RedisRefused) as info:
+        connect(server.url, tls=wrong, startup_s=8)
+    msg = _one_line(info.value)
+    assert msg.startswith(f"certificate verify failed: redis.tls.ca={other.ca} does not sign")
+    assert "set redis.tls.ca (NONSTOP_REDIS_TLS_CA)" in msg
+    with pytest.raises(RedisRefused) as info:
+        connect(server.url, tls=TLSFiles(ca=server.client_tls.ca), startup_s=8)
+    msg = _one_line(info.value)
+    assert "asks for a client certificate; set redis.tls.cert and redis.tls.key" in msg
+
+
+def test_a_tls_client_at_a_plain_server_gets_one_clear_line(redis_server):
+    url = redis_server.url.replace("redis://", "rediss://")
+    with pytest.raises(RedisRefused) as info:
+        connect(url, tls=TLSFiles(), startup_s=12)
+    assert "does not speak TLS: use redis://" in _one_line(info.value)
+
+
+def test_inspect_reads_a_tls_run_dir(tls_server, capsys):
+    from pipeline.inspect.cli import main
+
+    server, run_dir = tls_server
+    assert main(["--run-dir", str(run_dir), "--run", "tiny", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run"] == "nonstop:tiny"
+
+
+def _cfg(**redis_keys):
+    cfg = OmegaConf.structured(Config)
+    for k, v in redis_keys.items():
+        OmegaConf.update(cfg, f"redis.{k}", v)
+    return cfg
+
+
+def test_tls_settings_are_checked_with_the_key_and_the_fix(tmp_path, monkeypatch):
+    for var in TLS_ENV:
+        monkeypatch.delenv(var, raising=False)
+    pem = tmp_path / "ca.crt"
+    pem.write_text("x")
+    cases = [
+        ({"tls.ca": str(pem)}, "redis.tls.ca name files for an external Redis"),
+        ({"url": "redis://h:1/0", "tls.enabled": True}, "use rediss://host:port/0"),
+        ({"url": "redis://h:1/0", "tls.ca": str(pem)}, "redis.tls.ca set but redis.url is"),
+        ({"url": "rediss://h:1/0", "tls.cert": str(pem)}, "only redis.tls.cert is set"),
+    ]
+    for keys, expected in cases:
+        with pytest.raises(ValueError, match=expected):
+            validate(_cfg(**keys))
+    validate(_cfg(url="rediss://h:1/0", **{"tls.ca": str(pem)}))  # fine
+    with pytest.raises(ValueError, match=r"redis.tls.ca=/nope/ca.crt does not exist"):
+        tls_files(_cfg(url="rediss://h:1/0", **{"tls.ca": "/nope/ca.crt"}))
+    monkeypatch.setenv("NONSTOP_REDIS_TLS_KEY", str(pem))
+    with pytest.raises(ValueError, match="NONSTOP_REDIS_TLS_KEY is set but not redis.tls.cert"):
+        tls_files(None)
+    monkeypatch.delenv("NONSTOP_REDIS_TLS_KEY")
+    monkeypatch.setenv("NONSTOP_REDIS_TLS_CA", str(pem))  # the environment wins
+    files = redis_tls(_cfg(url="rediss://h:1/0", **{"tls.ca": "/nope"}), "rediss://h:1/0")
+    assert files.ca == str(pem) and files.named("ca") == "NONSTOP_REDIS_TLS_CA"
+    with pytest.raises(ValueError, match="NONSTOP_REDIS_TLS_CA set but the Redis URL is plain"):
+        redis_tls(_cfg(), "redis://h:1/0")
+
+
+def test_redis_tls_true_is_short_for_enabled(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("redis:\n  tls: true\n")
+    assert load_config(str(path)).redis.tls.enabled is True
+    path.write_text("redis:\n  tls: {}\n")
+    assert load_config(str(path), ["redis.tls=true"]).redis.tls.enabled is True
+    out = subprocess.run(  # the launcher's command line, composed by Hydra
+        [sys.executable, "-m", "pipeline.launch", "+exp=tiny", "redis.tls=true", "--cfg", "job"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert OmegaConf.create(out.stdout).redis.tls.enabled is True
+
+
+def test_the_tiny_pipeline_on_an_embedded_tls_redis(tmp_path):
+    run_dir = tmp_path / "run"
+    code, out = run_tiny(tmp_path, run_dir, "redis.tls=true", "trainer.max_steps=2")
+    assert code == 0, out
+    assert "TLS only" in out and "--tls --cacert" in out  # the redis-cli line it prints
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["trainer_steps"] == 2 and summary["weight_updates_applied"]["actor-0"] >= 1
+    # the server had no plain port (test above): every pool spoke TLS with the run's files
+    assert OmegaConf.load(run_dir / "config.yaml").redis.tls.enabled is True
+    assert (run_dir / "redis" / "tls" / "client.key").stat().st_mode & 0o077 == 0
+
+
+ROLES = ("actor", "preprocessor", "trainer", "operator")
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+def test_the_tiny_pipeline_over_tls_with_the_shipped_acl_users(tmp_path):
+    """An operator's Redis as deploy/ starts it (nonstop-redis-start with a rediss://
+    URL: TLS only, client certificates required) with deploy/redis/users.acl; each pool
+    reaches it as its own user over TLS, files from NONSTOP_REDIS_TLS_*."""
+    server, client = make_run_certs(str(tmp_path / "tls"))
+    acl = (ROOT / "deploy" / "redis" / "users.acl").read_text()
+    for role in ROLES:
+        acl = acl.replace(f"CHANGE-ME-{role}", f"pw-{role}")
+    (tmp_path / "users.acl").write_text(acl)
+    port = free_port()
+    env = dict(
+        os.environ,
+        NONSTOP_REDIS_URL=f"rediss://:unused-default@127.0.0.1:{port}/0",
+        NONSTOP_REDIS_DIR=str(tmp_path / "redis-data"),
+        NONSTOP_REDIS_RUNTIME=str(tmp_path / "redis-run"),
+        NONSTOP_REDIS_SERVER=shutil.which("redis-server"),
+        NONSTOP_REDIS_TLS_CA=server.ca,
+        NONSTOP_REDIS_TLS_SERVER_CERT=server.cert,
+        NONSTOP_REDIS_TLS_SERVER_KEY=server.key,
+    )
+    cmd = [str(ROOT / "deploy" / "bin" / "nonstop-redis-start")]
+    cmd += [str(ROOT / "deploy" / "redis" / "nonstop-redis.conf"), "--aclfile"]
+    cmd += [str(tmp_path / "users.acl"), "--appendfsync", "everysec", "--maxmemory", "1gb"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    urls = {r: f"rediss://{r}:pw-{r}@127.0.0.1:{port}/0" for r in ROLES}
+    try:
+        connect(urls["operator"], tls=client, startup_s=15).close()
+        assert not speaks_plain("127.0.0.1", port)
+        pools = {f"NONSTOP_REDIS_URL_{r.upper()}": urls[r] for r in ROLES[:3]}
+        code, out = run_tiny(
+            tmp_path,
+            tmp_path / "run",
+            f"redis.url={urls['operator']}",
+            "trainer.max_steps=2",
+            f"redis.tls.cert={client.cert}",  # the config's, beside the environment's CA
+            f"redis.tls.key={client.key}",
+            env_extra={"NONSTOP_REDIS_TLS_CA": client.ca, **pools},
+        )
+        assert code == 0, out
+        summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+        assert summary["trainer_steps"] == 2 and summary["weight_updates_applied"]["actor-0"] >= 1
+        actor = connect(urls["actor"], tls=client)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            actor.xadd("nonstop:tiny:batches", {"data": b"x"})
+    finally:
+        proc.terminate()
+        proc.wait(30)
