@@ -13,13 +13,15 @@ from pipeline.telemetry import read_jsonl
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def launch_tiny(tmp, run_dir, *overrides, env_extra=None) -> subprocess.Popen:
-    """``python -m pipeline.launch +exp=tiny run_dir=...`` with stdout+stderr piped."""
+def launch_tiny(tmp, run_dir, *overrides, env_extra=None, wrap=()) -> subprocess.Popen:
+    """``python -m pipeline.launch +exp=tiny run_dir=...`` with stdout+stderr piped;
+    ``wrap``: a command that execs the rest (e.g. into a namespace)."""
     env = dict(
         os.environ, NONSTOP_CACHE=str(Path(tmp) / "cache"), HF_HUB_OFFLINE="1", **(env_extra or {})
     )
+    launch = [sys.executable, "-m", "pipeline.launch", "+exp=tiny", f"run_dir={run_dir}"]
     return subprocess.Popen(
-        [sys.executable, "-m", "pipeline.launch", "+exp=tiny", f"run_dir={run_dir}", *overrides],
+        [*wrap, *launch, *overrides],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

@@ -7,6 +7,8 @@ micro-batches to the others.
             systemd, Slurm or torchrun set them; world size 1 needs none)
     writes  nothing outside the process group
     blocks  in gloo collectives, each bounded by trainer.collective_timeout_s
+    listens rank 0: the group's store on MASTER_ADDR:MASTER_PORT, every rank: its gloo
+            devices on the interface of its address towards MASTER_ADDR; nothing else
 
 Rank 0 alone reads the batches stream. For every optimizer step it sends one
 :class:`Plan` to all ranks over a gloo group: the encoded (msgspec) TrainBatch
@@ -75,19 +77,51 @@ def init_ranks(world_size: int, device: str, timeout_s: float, need_dist: bool) 
     if world == 1 and not need_dist:
         return Ranks(0, 1, 0, None)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        if world > 1:
-            raise ValueError("MASTER_PORT is not set: the launcher sets it for each rank")
-        from pipeline.redis_server import free_port
-
-        os.environ["MASTER_PORT"] = str(free_port("127.0.0.1"))
+    if "MASTER_PORT" not in os.environ and world > 1:
+        raise ValueError("MASTER_PORT is not set: the launcher sets it for each rank")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local))
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         backend = "nccl" if device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        listen_on_master_addr(rank)
+        store = rendezvous_store(rank, world, timeout_s)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     group = dist.new_group(backend="gloo", timeout=timeout) if world > 1 else None
     return Ranks(rank, world, local, group)
+
+
+def listen_on_master_addr(rank: int) -> None:
+    """The gloo groups torch makes itself (the default one, ``new_group``) listen on the
+    interface that holds this rank's address towards MASTER_ADDR, not on whatever this
+    host's name resolves to (``GLOO_SOCKET_IFNAME``; one set by the operator wins)."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    from pipeline.listeners import gloo_interface
+    from pipeline.transfer.channel import local_address
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "0") or 0)
+    here = host if rank == 0 else local_address(host, port or 1)
+    os.environ["GLOO_SOCKET_IFNAME"] = gloo_interface(here)
+
+
+def rendezvous_store(rank: int, world: int, timeout_s: float):
+    """The process group's store at MASTER_ADDR:MASTER_PORT. Rank 0 serves it on that
+    address only (torch's own would listen on every interface); the others connect.
+    Under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``) torchrun's agent serves it,
+    and every rank connects."""
+    host = os.environ["MASTER_ADDR"]
+    port = int(os.environ.get("MASTER_PORT", "0") or 0)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if rank == 0 and not agent:
+        from pipeline.listeners import serve_store
+
+        store, port = serve_store(
+            host, timeout_s, port, world_size=world, wait_for_workers=False, multi_tenant=True
+        )
+        os.environ["MASTER_PORT"] = str(port)  # DeepSpeed reads it
+        return store
+    return dist.TCPStore(host, port, world, is_master=False, timeout=timeout, multi_tenant=True)
 
 
 def _broadcast_bytes(ranks: Ranks, payload: bytes | None) -> bytes:

@@ -1,5 +1,6 @@
 """The key-value channel the ``nccl`` and ``cuda_ipc`` transports speak over: a
-TCPStore served by the trainer, whose address the trainer writes to the run's
+TCPStore served by the trainer on ``trainer.transfer_host`` only (never every
+interface: pipeline/listeners.py), whose address the trainer writes to the run's
 Redis (``<run>:rendezvous``). Only an actor whose signed join the trainer
 accepted knows its nonce, and every key of its channel is under that nonce.
 
@@ -23,7 +24,7 @@ import time
 
 import torch.distributed as dist
 
-from pipeline.redis_server import free_port
+from pipeline.listeners import family, serve_store
 
 OK = "ok"
 
@@ -33,16 +34,9 @@ def _delta(deadline: float) -> datetime.timedelta:
 
 
 def serve(host: str, timeout_s: float) -> tuple[dist.TCPStore, int]:
-    """The trainer's store on a free port of ``host``."""
-    port = free_port(host)
-    store = dist.TCPStore(
-        host,
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-    return store, port
+    """The trainer's store on a free port of ``host``, listening on that address only
+    (pipeline/listeners.py binds its socket)."""
+    return serve_store(host, timeout_s)
 
 
 def join(host: str, port: int, deadline: float) -> dist.TCPStore:
@@ -71,7 +65,7 @@ def local_address(peer_host: str, peer_port: int) -> str:
     """This host's address on the route to ``peer_host`` (what a gloo device binds)."""
     if peer_host in ("127.0.0.1", "localhost", "::1"):
         return peer_host
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    with socket.socket(family(peer_host), socket.SOCK_DGRAM) as s:
         s.connect((peer_host, peer_port))  # UDP: picks the route, sends nothing
         return s.getsockname()[0]
 

@@ -16,8 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from pipeline.redis_server import free_port
-from pipeline.transfer.channel import local_address
+from pipeline.transfer.channel import local_address, serve
 
 
 def pair_group(store: dist.Store, nonce: str, rank: int, host: str, timeout_s: float):
@@ -43,14 +42,7 @@ class GlooSender:
 
     def __init__(self, host: str, timeout_s: float):
         self.host = host
-        self.port = free_port(host)
-        self.store = dist.TCPStore(
-            host,
-            self.port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        self.store, self.port = serve(host, timeout_s)  # listens on ``host`` only
         self._groups: dict[str, object] = {}
         self._lock = threading.Lock()  # send() threads read while the publisher drops
 

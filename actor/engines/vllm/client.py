@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import shutil
 import tempfile
@@ -84,6 +85,7 @@ from actor.engines.vllm import lora as vllm_lora
 from actor.engines.vllm.weights import VLLMWeights, merge
 from pipeline import lora as lora_lib
 from pipeline.config import VLLM_MISSING
+from pipeline.listeners import LOOPBACK, gloo_interface
 
 log = logging.getLogger(__name__)
 TESTED_VLLM = {  # vLLM versions this engine (client and worker extension) was tested on
@@ -203,6 +205,9 @@ class VLLMEngine(VLLMWeights, Engine):
             **vllm_lora.engine_kwargs(lora),
         )
         self.engine_args = args
+        # vLLM's worker groups are gloo groups torch makes itself: they would listen on
+        # whatever this host's name resolves to; its ranks are all on this machine
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", gloo_interface(LOOPBACK))
         self.llm = self._call(self._start(args), self.rpc_timeout_s * 5)
         if self.llm.vllm_config.scheduler_config.async_scheduling:
             self.close()
