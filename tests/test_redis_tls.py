@@ -104,6 +104,11 @@ def test_a_pool_with_a_wrong_ca_exits_4_with_one_line(tls_server, tmp_path):
     assert "Traceback" not in out and server.password not in out
     line = next(ln for ln in out.splitlines() if "certificate verify failed" in ln)
     assert f"NONSTOP_REDIS_TLS_CA={other.ca} does not sign the certificate of redis at" in line
+    env["NONSTOP_REDIS_TLS_CA"] = str(tmp_path / "missing.crt")  # a file that is not there
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 4 and "Traceback" not in out, out
+    assert f"NONSTOP_REDIS_TLS_CA={tmp_path / 'missing.crt'} does not exist" in out
 
 
 def test_a_wrong_ca_or_no_client_certificate_gets_one_clear_line(tls_server, tmp_path):
