@@ -706,35 +706,28 @@ def expand_shorthands(overrides: list[str]) -> list[str]:
 
 
 def validate_tls(cfg: Any) -> None:
-    """``redis.tls`` against ``redis.url`` (the files themselves: :func:`tls_files`)."""
-    from pipeline.redis_tls import KEYS, is_tls
-
-    tls, url = _get(cfg, "redis.tls"), _get(cfg, "redis.url")
+    """``redis.tls`` on its own (against the URL a process uses: :func:`redis_tls`; the
+    embedded server: :func:`check_embedded_tls`; the files: :func:`tls_files`)."""
+    tls = _get(cfg, "redis.tls")
     if not isinstance(tls.enabled, bool):
         raise ValueError(f"redis.tls.enabled={tls.enabled!r} must be true or false")
-    given = [KEYS[k] for k in ("ca", "cert", "key") if tls[k]]
     if bool(tls.cert) != bool(tls.key):
+        only = "redis.tls.cert" if tls.cert else "redis.tls.key"
         raise ValueError(
             "redis.tls.cert and redis.tls.key go together (a client certificate and its "
-            f"private key); only {given[-1]} is set: set both, or neither"
+            f"private key); only {only} is set: set both, or neither"
         )
-    if not url:
-        if given:
-            raise ValueError(
-                f"{', '.join(given)} name files for an external Redis (redis.url=rediss://"
-                "host:port/0); the embedded redis-server makes its own CA and certificates "
-                "per run with redis.tls=true: drop them, or set redis.url"
-            )
-        return
-    if tls.enabled and not is_tls(url):
+
+
+def check_embedded_tls(cfg: Any) -> None:
+    """The launcher starts the embedded redis-server (no ``redis.url``): it makes its own
+    TLS files, so ``redis.tls.ca``/``cert``/``key`` would go unused."""
+    given = [k for k in ("redis.tls.ca", "redis.tls.cert", "redis.tls.key") if _get(cfg, k)]
+    if given:
         raise ValueError(
-            "redis.tls=true but redis.url is a plain-text redis:// URL: use "
-            "rediss://host:port/0 (TLS), or redis.tls=false"
-        )
-    if given and not is_tls(url):
-        raise ValueError(
-            f"{', '.join(given)} set but redis.url is a plain-text redis:// URL: use "
-            "rediss://host:port/0 for TLS, or drop the TLS files"
+            f"{', '.join(given)} name files for an external Redis (redis.url=rediss://"
+            "host:port/0); the embedded redis-server makes its own CA and certificates "
+            "per run with redis.tls=true: drop them, or set redis.url"
         )
 
 

@@ -32,6 +32,7 @@ from omegaconf import OmegaConf
 
 from actor.sync import DRAIN_FIELD
 from pipeline.config import (
+    check_embedded_tls,
     expand_shorthands,
     redis_tls,
     register,
@@ -153,6 +154,8 @@ def run(cfg) -> int:
     if chosen:
         print(chosen)
     validate(cfg)
+    if not cfg.redis.url:
+        check_embedded_tls(cfg)
     # Ctrl-C and a service manager's SIGTERM both stop the run cleanly, even when
     # this process inherited an ignored SIGINT (started in the background)
     signal.signal(signal.SIGINT, _interrupt)

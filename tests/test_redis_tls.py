@@ -14,7 +14,14 @@ import pytest
 import redis
 from omegaconf import OmegaConf
 
-from pipeline.config import Config, load_config, redis_tls, tls_files, validate
+from pipeline.config import (
+    Config,
+    check_embedded_tls,
+    load_config,
+    redis_tls,
+    tls_files,
+    validate,
+)
 from pipeline.launch import cli_recipe
 from pipeline.redis_server import EmbeddedRedis, free_port
 from pipeline.redis_tls import TLSFiles, make_run_certs, speaks_plain
@@ -153,15 +160,16 @@ def test_tls_settings_are_checked_with_the_key_and_the_fix(tmp_path, monkeypatch
         monkeypatch.delenv(var, raising=False)
     pem = tmp_path / "ca.crt"
     pem.write_text("x")
-    cases = [
-        ({"tls.ca": str(pem)}, "redis.tls.ca name files for an external Redis"),
-        ({"url": "redis://h:1/0", "tls.enabled": True}, "use rediss://host:port/0"),
-        ({"url": "redis://h:1/0", "tls.ca": str(pem)}, "redis.tls.ca set but redis.url is"),
-        ({"url": "rediss://h:1/0", "tls.cert": str(pem)}, "only redis.tls.cert is set"),
-    ]
-    for keys, expected in cases:
-        with pytest.raises(ValueError, match=expected):
-            validate(_cfg(**keys))
+    with pytest.raises(ValueError, match="only redis.tls.cert is set: set both"):
+        validate(_cfg(url="rediss://h:1/0", **{"tls.cert": str(pem)}))
+    with pytest.raises(ValueError, match="redis.tls.ca name files for an external Redis"):
+        check_embedded_tls(_cfg(**{"tls.ca": str(pem)}))  # the launcher, no redis.url
+    cfg = _cfg(**{"tls.enabled": True})
+    with pytest.raises(ValueError, match="redis.tls=true but the Redis URL is plain-text"):
+        redis_tls(cfg, "redis://h:1/0")
+    cfg = _cfg(**{"tls.ca": str(pem)})
+    with pytest.raises(ValueError, match="redis.tls.ca set but the Redis URL is plain-text"):
+        redis_tls(cfg, "redis://h:1/0")
     validate(_cfg(url="rediss://h:1/0", **{"tls.ca": str(pem)}))  # fine
     with pytest.raises(ValueError, match=r"redis.tls.ca=/nope/ca.crt does not exist"):
         tls_files(_cfg(url="rediss://h:1/0", **{"tls.ca": "/nope/ca.crt"}))
