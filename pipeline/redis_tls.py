@@ -254,11 +254,15 @@ def explain(url: str, error: BaseException, tls: TLSFiles | None, shown_url: str
                 f"certificate verify failed: the certificate of redis at {shown_url} is not "
                 f"for {host} ({_reason(text)}); use a host name or address it names"
             )
-        ca = f"{tls.named('ca')}={tls.ca}" if tls.ca else "no redis.tls.ca: the system's CAs"
+        signer = (
+            f"{tls.named('ca')}={tls.ca} does not sign"
+            if tls.ca
+            else "no redis.tls.ca, and no CA this system trusts signs"
+        )
         return (
-            f"certificate verify failed: {ca} does not sign the certificate of redis at "
-            f"{shown_url} ({_reason(text)}); set redis.tls.ca (NONSTOP_REDIS_TLS_CA) to the "
-            "CA that signed it (an embedded server's: RUN_DIR/redis/tls/ca.crt)"
+            f"certificate verify failed: {signer} the certificate of redis at {shown_url} "
+            f"({_reason(text)}); set redis.tls.ca (NONSTOP_REDIS_TLS_CA) to the CA that "
+            "signed it (an embedded server's: RUN_DIR/redis/tls/ca.crt)"
         )
     if any(s in text for s in CLIENT_CERT) and not speaks_plain(host, port):
         if not tls.cert:

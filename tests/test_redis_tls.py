@@ -127,6 +127,10 @@ def test_a_wrong_ca_or_no_client_certificate_gets_one_clear_line(tls_server, tmp
     msg = _one_line(info.value)
     assert msg.startswith(f"certificate verify failed: redis.tls.ca={other.ca} does not sign")
     assert "set redis.tls.ca (NONSTOP_REDIS_TLS_CA)" in msg
+    no_ca = TLSFiles(cert=server.client_tls.cert, key=server.client_tls.key)
+    with pytest.raises(RedisRefused) as info:
+        connect(server.url, tls=no_ca, startup_s=8)
+    assert "failed: no redis.tls.ca, and no CA this system trusts signs" in _one_line(info.value)
     with pytest.raises(RedisRefused) as info:
         connect(server.url, tls=TLSFiles(ca=server.client_tls.ca), startup_s=8)
     msg = _one_line(info.value)
