@@ -2,7 +2,8 @@
 trainer or actor that dies halfway through a transfer.
 
 ``python -m tests.weight_peers ROLE REDIS_URL MODEL_DIR NAME [TRANSPORT]`` prints
-one line per event (``joined``, ``applied <v>`` then ``digest <v> <digest>``, ``half``)
+one line per event (``joined``, ``applied <v>`` then ``digest <v> <digest>``, ``half``;
+``names_actor``: ``names <v> <json>``)
 and runs until killed. TRANSPORT is gloo (default) or nccl (with the gloo backend: the nccl
 transport's code on the CPU). ``<digest>``: :func:`params_digest` of the actor's model, for
 bit-exact comparisons with the trainer's. ``ipc_actor`` (GPU): see
@@ -64,6 +65,32 @@ def real_actor(client, model_dir: str, name: str, transport: str = "gloo") -> No
             say(f"applied {engine.version}")
             say(f"digest {engine.version} {params_digest(model)}")
         time.sleep(0.05)
+
+
+def names_actor(client, model_dir: str, name: str, transport: str = "gloo") -> None:
+    """A real actor that prints, after every version it applied and every one that
+    failed, ``applied <v>`` or ``failed <n>``, then ``names <v> <json>``: its engine's
+    version and every parameter's digest under its name (:func:`name_digests`)."""
+    import json
+
+    model, tok = load_model(model_dir)
+    engine = HFEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0)
+    receiver = WeightReceiver(
+        client, NAMES, name, engine, timeout_s=TIMEOUT_S, secret=SECRET, transport=transport
+    )
+    receiver.start()
+    say(f"names {engine.version} {json.dumps(name_digests(model))}")
+    applied = failed = 0
+    while True:
+        if receiver.applied > applied or receiver.failed > failed:
+            if receiver.applied > applied:
+                applied = receiver.applied
+                say(f"applied {engine.version}")
+            if receiver.failed > failed:
+                failed = receiver.failed
+                say(f"failed {failed}")
+            say(f"names {engine.version} {json.dumps(name_digests(model))}")
+        time.sleep(0.02)
 
 
 def half_actor(client, model_dir: str, name: str, transport: str = "gloo") -> None:
@@ -178,6 +205,7 @@ if __name__ == "__main__":
     role, url, model_dir, name = sys.argv[1:5]
     roles = {
         "real_actor": real_actor,
+        "names_actor": names_actor,
         "half_actor": half_actor,
         "half_trainer": half_trainer,
         "arrive_only_actor": arrive_only_actor,

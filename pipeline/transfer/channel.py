@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
+import hmac
 import socket
 import time
 
@@ -42,6 +44,68 @@ def serve(host: str, timeout_s: float) -> tuple[dist.TCPStore, int]:
 def join(host: str, port: int, deadline: float) -> dist.TCPStore:
     """An actor's client of the trainer's store (raises if it cannot be reached in time)."""
     return dist.TCPStore(host, port, is_master=False, timeout=_delta(deadline))
+
+
+def tag(nonce: str) -> str:
+    """The store prefix of one join's keys. Anyone who reaches the store can list its
+    keys, so they carry this digest of the nonce, never the nonce (which only travels
+    in the run's Redis, in the actor's signed join)."""
+    return hashlib.sha256(f"nonstop-rl channel {nonce}".encode()).hexdigest()[:24]
+
+
+class StrangerValue(ValueError):
+    """A value in the transfer store that neither side of the join wrote."""
+
+
+class SealedStore(dist.Store):
+    """One join's view of the trainer's store: keys under :func:`tag` of its nonce, and
+    every value sealed with an HMAC keyed by the nonce, checked on every read. A value
+    written by anyone else (a stranger on the store) raises :class:`StrangerValue` on
+    the read, before torch or gloo parse it, so the join or version fails at once and
+    the old weights stay; it never reaches gloo (garbage addresses made it allocate
+    whatever length their bytes said: std::bad_alloc). torch's gloo groups take it as
+    their store (they set, wait and get)."""
+
+    def __init__(self, store: dist.Store, nonce: str):
+        super().__init__()
+        self._store = dist.PrefixStore(tag(nonce), store)
+        self._key = hashlib.sha256(f"nonstop-rl seal {nonce}".encode()).digest()
+
+    def _mac(self, key: str, value: bytes) -> bytes:
+        return hmac.new(self._key, key.encode() + b"\0" + value, hashlib.sha256).digest()
+
+    def set(self, key: str, value) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        self._store.set(key, self._mac(key, data) + data)
+
+    def get(self, key: str) -> bytes:
+        raw = self._store.get(key)
+        mac, data = raw[:32], raw[32:]
+        if len(raw) < 32 or not hmac.compare_digest(mac, self._mac(key, data)):
+            raise StrangerValue(
+                f"the value under {key!r} in the weight-transfer store is not sealed for "
+                "this join: someone else wrote it (a stranger on the store?); the join "
+                "fails and the actor rejoins"
+            )
+        return data
+
+    def wait(self, keys, timeout=None) -> None:
+        if timeout is None:
+            self._store.wait(keys)
+        else:
+            self._store.wait(keys, timeout)
+
+    def check(self, keys) -> bool:
+        return self._store.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self._store.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._store.num_keys()
+
+    def set_timeout(self, timeout) -> None:
+        self._store.set_timeout(timeout)
 
 
 def wait_get(store: dist.Store, key: str, deadline: float) -> str:

@@ -16,15 +16,17 @@ import time
 import torch
 import torch.distributed as dist
 
-from pipeline.transfer.channel import local_address, serve
+from pipeline.transfer.channel import SealedStore, local_address, serve
 
 
 def pair_group(store: dist.Store, nonce: str, rank: int, host: str, timeout_s: float):
-    """The two-rank group of one join (blocks until both ranks are in, or the timeout)."""
+    """The two-rank group of one join (blocks until both ranks are in, or the timeout).
+    Its rendezvous goes through the join's :class:`SealedStore`: a value another client
+    of the store wrote fails the join (StrangerValue) instead of reaching gloo."""
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     opts._timeout = datetime.timedelta(seconds=max(timeout_s, 0.1))
-    return dist.ProcessGroupGloo(dist.PrefixStore(nonce, store), rank, 2, opts)
+    return dist.ProcessGroupGloo(SealedStore(store, nonce), rank, 2, opts)
 
 
 def broadcast_buckets(group, buckets: list[torch.Tensor], deadline: float) -> None:

@@ -1,0 +1,155 @@
+"""A stranger on the trainer's weight-transfer store (issue 25): real processes (a real
+actor, tests/weight_peers.py ``names_actor``; the stranger, tests/store_stranger.py),
+a real redis-server, the trainer's WeightPublisher over gloo in this process.
+
+The stranger reaches the store's port and nothing else: no Redis, no run secret. It
+lists the store's keys, overwrites every one of them with garbage and floods the store
+with 16 KB writes, while the trainer sends a version to a joined actor, and then while
+a restarted actor joins. What must hold, and is asserted on what happened:
+
+- the version sent while it garbles and floods arrives unaffected: the actor's
+  per-name digests are exactly the trainer's for that version, within the deadline
+  (after the join the buckets travel over the gloo pair, not the store);
+- while it garbles the restarted actor's join keys, every weight set the actor shows
+  (after each applied or failed version) is one whole version, per name: never mixed;
+  each of the trainer's publish steps ends within its deadline, and once the stranger
+  stops the actor joins and takes the newest version;
+- the store never shows a join's nonce (its keys carry a digest of it; the nonce
+  travels only in Redis), and a value the stranger wrote under a join's keys is refused
+  as not sealed (channel.SealedStore) before gloo reads it.
+
+Checked to fail: with pair_group's store back to ``PrefixStore(nonce, store)`` (before
+issue 25), the stranger lists keys named by the join's nonce.
+"""
+
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+from pipeline.models import load_model, materialize_model
+from pipeline.streams import wait_until
+from pipeline.weight_publisher import WeightPublisher
+from tests.test_weights import ROOT, Peer
+from tests.weight_peers import BUCKET_MB, NAMES, SECRET, TIMEOUT_S, name_digests
+
+
+def _bump(model, by: float) -> dict[str, str]:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(by)
+    return name_digests(model)
+
+
+def _weight_sets(actor: Peer, until: float, stop_at: int | None = None):
+    """Every ``names <v> <json>`` line the actor prints before ``until`` (or up to the
+    first one of version ``stop_at``), as (v, digests)."""
+    got: list[tuple[int, dict[str, str]]] = []
+    while time.monotonic() < until:
+        try:
+            line = actor.lines.next(until)
+        except AssertionError:  # nothing more before ``until``
+            break
+        if line is None:
+            break
+        if line.startswith("names "):
+            _, v, digests = line.split(" ", 2)
+            got.append((int(v), json.loads(digests)))
+            if int(v) == stop_at:
+                break
+    return got
+
+
+def _is_whole(version: int, digests: dict[str, str], versions: dict) -> bool:
+    return version in versions and digests == versions[version]
+
+
+def test_a_stranger_on_the_store_neither_mixes_nor_stalls_a_transfer(
+    tmp_path, rclient, redis_server, caplog
+):
+    caplog.set_level("ERROR", logger="pipeline.weight_publisher")
+    path = materialize_model("tiny", cache_dir=str(tmp_path))
+    model, _ = load_model(path)
+    versions = {0: name_digests(model)}
+    publisher = WeightPublisher(
+        rclient, NAMES, "127.0.0.1", BUCKET_MB, timeout_s=TIMEOUT_S, secret=SECRET
+    )
+    where = publisher.sender.rendezvous()
+    actor = Peer("names_actor", redis_server.url, path, "actor-0")
+    stranger, stop = None, str(tmp_path / "stop-the-stranger")
+    try:
+        assert actor.line_starting(["names", "0"]) is not None
+        assert wait_until(lambda: publisher.members() == ["actor-0"], 60)
+
+        # 1. a version sent while the stranger garbles every key and floods the store
+        stranger = subprocess.Popen(
+            [sys.executable, "-m", "tests.store_stranger", where["host"], where["port"], stop],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        assert stranger.stdout.readline().startswith("key "), "the stranger saw no key"
+        versions[1] = _bump(model, 0.5)
+        t0 = time.monotonic()
+        publisher.submit(1, model)
+        assert wait_until(publisher.idle, TIMEOUT_S + 5)
+        assert time.monotonic() - t0 < TIMEOUT_S  # within the deadline
+        sets = _weight_sets(actor, time.monotonic() + 10, stop_at=1)
+        assert sets and sets[0][0] == 1, f"version 1 was not applied: {[v for v, _ in sets]}"
+        assert _is_whole(1, sets[0][1], versions)  # unaffected, name by name
+        assert publisher.published == 1 and publisher.actors_dropped == 0
+
+        # 2. the actor restarts (version 2 goes to the dead one and fails in time), and
+        # the new one joins while the stranger garbles its join's keys
+        actor.kill()
+        versions[2] = _bump(model, 0.25)
+        t0 = time.monotonic()
+        publisher.submit(2, model)
+        assert wait_until(publisher.idle, TIMEOUT_S + 5)
+        assert time.monotonic() - t0 < TIMEOUT_S + 2  # the dead actor cost one deadline
+        actor = Peer("names_actor", redis_server.url, path, "actor-0")
+        t0 = time.monotonic()
+        refused = lambda: [r for r in caplog.records if "StrangerValue" in r.getMessage()]  # noqa: E731
+        during = []  # what the actor shows while the stranger is at it (30 s at most)
+        while time.monotonic() - t0 < 30 and not (refused() and during):
+            during += _weight_sets(actor, time.monotonic() + 1, stop_at=2)
+        with open(stop, "w"):
+            pass
+        out, _ = stranger.communicate(timeout=30)
+        # 3. the stranger gone: the actor joins and takes the newest version, whole
+        t1 = time.monotonic()
+        after = during + _weight_sets(actor, time.monotonic() + 3 * TIMEOUT_S + 20, stop_at=2)
+        print(
+            f"\nstranger: {out.splitlines()[-1]}; joins refused on a sealed value: "
+            f"{len(refused())}; actor versions while it garbled: {[v for v, _ in during]}, "
+            f"then {[v for v, _ in after[len(during) :]]} ({time.monotonic() - t1:.1f} s "
+            "after it stopped)"
+        )
+        for v, digests in after:
+            assert _is_whole(v, digests, versions), f"mixed or unknown weights at version {v}"
+        assert after and after[-1][0] == 2, [v for v, _ in after]
+        assert publisher.idle() and publisher._thread.is_alive()
+    finally:
+        if stranger is not None and stranger.poll() is None:
+            stranger.kill()
+        actor.kill()
+        publisher.close(timeout_s=5)
+
+    lines = out.splitlines()
+    done = lines[-1].split()
+    assert done[:2] == ["done", "garbled"] and int(done[2]) > 0 and int(done[4]) > 0, lines[-1]
+    seen = [line.split(" ", 1)[1] for line in lines if line.startswith("key ")]
+    nonces = [f[b"nonce"].decode() for _, f in rclient.xrange(NAMES.joins)]
+    assert len(nonces) >= 2 and seen  # both actors' joins; the stranger saw their keys
+    leaked = [k for k in seen if any(n in k for n in nonces)]
+    assert not leaked, f"the store shows join nonces: {leaked}"
+    # a join the stranger broke failed on a sealed value (or the deadline), never on
+    # garbage parsed by gloo
+    for rec in caplog.records:
+        if "did not complete its weight-transfer join" in rec.getMessage():
+            assert "StrangerValue" in rec.getMessage() or "imeout" in rec.getMessage(), (
+                rec.getMessage()
+            )
