@@ -22,15 +22,19 @@ Checked to fail: with pair_group's store back to ``PrefixStore(nonce, store)`` (
 issue 25), the stranger lists keys named by the join's nonce.
 """
 
+import datetime
 import json
 import subprocess
 import sys
 import time
 
+import pytest
 import torch
+import torch.distributed as dist
 
 from pipeline.models import load_model, materialize_model
 from pipeline.streams import wait_until
+from pipeline.transfer.channel import SealedStore, StrangerValue, serve, tag, wait_get
 from pipeline.weight_publisher import WeightPublisher
 from tests.test_weights import ROOT, Peer
 from tests.weight_peers import BUCKET_MB, NAMES, SECRET, TIMEOUT_S, name_digests
@@ -153,3 +157,25 @@ def test_a_stranger_on_the_store_neither_mixes_nor_stalls_a_transfer(
             assert "StrangerValue" in rec.getMessage() or "imeout" in rec.getMessage(), (
                 rec.getMessage()
             )
+
+
+def test_a_planted_ack_or_plan_is_refused_and_names_no_nonce():
+    """The nccl and cuda_ipc channels: an "ok" ack (the trainer would count a version
+    received that never arrived) or a plan a stranger planted under a join's keys is
+    refused on the read; the stranger's listing shows the keys' tag, not the nonce."""
+    store, port = serve("127.0.0.1", 5)
+    stranger = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(5))
+    nonce = "0123abcd4567ef89"
+    SealedStore(store, nonce).set("hello", "1")
+    assert wait_get(SealedStore(store, nonce), "hello", time.monotonic() + 2) == "1"
+    keys = stranger.list_keys()
+    assert keys == [f"{tag(nonce)}/hello"] and not any(nonce in k for k in keys)
+    for key, value in (("ack/3", "ok"), ("plan/3", "g0 1 2 " + "0" * 32)):
+        stranger.set(f"{tag(nonce)}/{key}", value)
+        with pytest.raises(StrangerValue, match="not sealed"):
+            wait_get(SealedStore(store, nonce), key, time.monotonic() + 2)
+    other = SealedStore(store, "another nonce")  # a value sealed for another join
+    other.set("ack/3", "ok")
+    stranger.set(f"{tag(nonce)}/ack/3", stranger.get(f"{tag('another nonce')}/ack/3"))
+    with pytest.raises(StrangerValue):
+        wait_get(SealedStore(store, nonce), "ack/3", time.monotonic() + 2)

@@ -117,7 +117,7 @@ def arrive_only_actor(client, model_dir: str, name: str, transport: str = "nccl"
     """Joins, takes its place in the first group the trainer plans (says it arrived at
     the store barrier), then never creates its communicator: under NCCL the trainer's
     non-blocking communicator set-up must still give up at its deadline (GPU test)."""
-    from pipeline.transfer.channel import wait_get
+    from pipeline.transfer.channel import SealedStore, wait_get
 
     receiver = WeightReceiver(
         client, NAMES, name, None, timeout_s=TIMEOUT_S, secret=SECRET, transport=transport
@@ -127,9 +127,9 @@ def arrive_only_actor(client, model_dir: str, name: str, transport: str = "nccl"
     while True:
         for _s, entries in client.xread({NAMES.weights: after}, block=1000) or []:
             ann = decode(entries[0][1][b"data"], WeightAnnouncement)
-            plan = wait_get(t.store, f"plan/{t.nonce}/{ann.version}", time.monotonic() + 30)
-            group, rank, _world = plan.split()
-            t.store.set(f"{group}/arrived/{rank}", "1")
+            plan = wait_get(t.channel, f"plan/{ann.version}", time.monotonic() + 30)
+            _group, rank, _world, seal = plan.split()
+            SealedStore(t.store, seal).set(f"arrived/{rank}", "1")
             say("arrived")
             threading.Event().wait()
 

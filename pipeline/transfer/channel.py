@@ -1,18 +1,27 @@
-"""The key-value channel the ``nccl`` and ``cuda_ipc`` transports speak over: a
-TCPStore served by the trainer on ``trainer.transfer_host`` only (never every
-interface: pipeline/listeners.py), whose address the trainer writes to the run's
-Redis (``<run>:rendezvous``). Only an actor whose signed join the trainer
-accepted knows its nonce, and every key of its channel is under that nonce.
+"""The key-value channel the transports rendezvous over: a TCPStore served by the
+trainer on ``trainer.transfer_host`` only (never every interface:
+pipeline/listeners.py), whose address the trainer writes to the run's Redis
+(``<run>:rendezvous``). Only an actor whose signed join the trainer accepted knows
+its nonce; the nonce itself never appears in the store.
 
-Keys (one store per trainer process; the sender deletes a round's keys after it)::
+Anyone who reaches the port can list, read and write the store's keys. So every
+join talks through its :class:`SealedStore`: keys under :func:`tag` of the nonce (a
+digest), every value HMAC-sealed with the nonce and checked on every read. A value
+someone else wrote fails that join or version at once (:class:`StrangerValue`);
+the actor keeps its weights and rejoins. What a stranger can still do: delete or
+overwrite keys (the join or version fails within its deadline) and fill the
+store's memory (nothing here bounds it: keep the port unreachable to others).
 
-    hello/<nonce>               actor: "I reached the store" (accept() waits for it)
-    plan/<nonce>/<version>      trainer: what the actor needs to take this version
-    ack/<nonce>/<version>       actor: "ok" once every bucket arrived and checked, else
+Keys of one join (``nccl``, ``cuda_ipc``; the sender deletes a round's keys after it)::
+
+    hello                       actor: "I reached the store" (accept() waits for it)
+    plan/<version>              trainer: what the actor needs to take this version
+    ack/<version>               actor: "ok" once every bucket arrived and checked, else
                                 "error: <why>"
 
-Every wait has a deadline (``time.monotonic()`` seconds) and raises TimeoutError
-naming the key when it passes.
+``gloo`` puts its pair group's rendezvous there (gloo.py); ``nccl`` its broadcast
+groups' under a per-group seal. Every wait has a deadline (``time.monotonic()``
+seconds) and raises TimeoutError naming the key when it passes.
 """
 
 from __future__ import annotations
@@ -94,6 +103,9 @@ class SealedStore(dist.Store):
             self._store.wait(keys)
         else:
             self._store.wait(keys, timeout)
+
+    def add(self, key: str, amount: int) -> int:  # a counter: not sealable, passed on
+        return self._store.add(key, amount)
 
     def check(self, keys) -> bool:
         return self._store.check(keys)

@@ -5,7 +5,9 @@ The trainer keeps one persistent export buffer per bucket (re-made only when
 the layout changes) and shares each with ``UntypedStorage._share_cuda_()``
 (the call torch.multiprocessing's reductions use). Its handle tuple travels as
 JSON (msgspec, never pickle) on the channel of channel.py, whose TCPStore
-listens on 127.0.0.1 only: no other host can read a handle::
+listens on 127.0.0.1 only: no other host can read a handle. Every key goes through
+the join's channel.SealedStore (under a digest of its nonce, values HMAC-sealed), so
+another local client of the store can neither plant an offer nor an ack::
 
     trainer send(targets, v, buckets)              actor (its receiver thread)
       copy buckets -> export buffers, sync
@@ -36,7 +38,7 @@ import msgspec
 import torch
 
 from pipeline.transfer import channel
-from pipeline.transfer.channel import OK, forget, wait_get
+from pipeline.transfer.channel import OK, SealedStore, forget, wait_get
 
 log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
@@ -174,7 +176,7 @@ class IpcSender:
         }
 
     def accept(self, actor: str, nonce: str, deadline: float) -> None:
-        wait_get(self.store, f"hello/{nonce}", deadline)
+        wait_get(SealedStore(self.store, nonce), "hello", deadline)
         with self._lock:
             self._nonces[actor] = nonce
 
@@ -203,19 +205,19 @@ class IpcSender:
         with self._lock:
             nonces = {a: self._nonces.get(a) for a in targets}
         for nonce in filter(None, nonces.values()):
-            self.store.set(f"plan/{nonce}/{version}", offer)
+            SealedStore(self.store, nonce).set(f"plan/{version}", offer)
         results: dict[str, float | Exception] = {}
         for actor, nonce in nonces.items():
             if nonce is None:
                 results[actor] = KeyError(f"{actor} has no open channel")
                 continue
             try:
-                got = wait_get(self.store, f"ack/{nonce}/{version}", deadline)
+                got = wait_get(SealedStore(self.store, nonce), f"ack/{version}", deadline)
                 ok = got == OK
                 results[actor] = 1000 * (time.monotonic() - t0) if ok else RuntimeError(got)
             except TimeoutError as e:
                 results[actor] = e
-            forget(self.store, f"plan/{nonce}/{version}", f"ack/{nonce}/{version}")
+            forget(SealedStore(self.store, nonce), f"plan/{version}", f"ack/{version}")
         return results
 
 
@@ -243,13 +245,14 @@ class IpcReceiver:
         self.device = self._mapper.device
         self.store = channel.join(rendezvous["host"], int(rendezvous["port"]), deadline)
         self.nonce = nonce
-        self.store.set(f"hello/{nonce}", "1")
+        self.store = SealedStore(self.store, nonce)  # this join's keys, sealed
+        self.store.set("hello", "1")
 
     def begin(self, version: int, buckets: int, deadline: float) -> None:
         if self.store is None:
             raise RuntimeError("receive before connect(): join the transfer first")
         self._version, self._next = version, 0
-        offer = decode_offer(wait_get(self.store, f"plan/{self.nonce}/{version}", deadline))
+        offer = decode_offer(wait_get(self.store, f"plan/{version}", deadline))
         if offer.version != version or len(offer.buffers) != buckets:
             raise ValueError(
                 f"cuda_ipc offer for version {offer.version} with {len(offer.buffers)} "
@@ -278,7 +281,7 @@ class IpcReceiver:
         if self.store is None or self._version is None:
             return
         try:
-            self.store.set(f"ack/{self.nonce}/{self._version}", error and f"error: {error}" or OK)
+            self.store.set(f"ack/{self._version}", error and f"error: {error}" or OK)
         except Exception as e:  # the trainer then drops us at its deadline
             log.warning("could not ack version %s: %s", self._version, e)
         self._version = None

@@ -4,17 +4,21 @@ separate from the trainer's own group, re-formed whenever its membership changes
 The group's backend is NCCL on GPUs; ``weights.nccl_backend=gloo`` runs the very
 same code on the CPU (CI). Its rendezvous is the trainer's TCPStore
 (channel.py), reached through ``<run>:rendezvous`` after a signed join; the
-group itself lives under a fresh store prefix per membership (``g<n>``)::
+group itself lives under a fresh seal per membership (``g<n>``, a random key sent
+to each member in its own sealed plan). Every key below is read and written
+through a channel.SealedStore: a join's keys under a digest of its nonce, a group's
+under a digest of its seal, every value HMAC-sealed, so another client of the
+store can neither learn a nonce nor plant a plan, an ack or a rendezvous value::
 
     trainer send(targets, v, buckets)           actor (its receiver thread)
       targets differ from the group's members:
-        plan/<nonce>/<v> = "g<n> <rank> <world>"   begin(v): read the plan
-        wait for g<n>/arrived/<rank> of each  <--  set g<n>/arrived/<rank>
-        g<n>/go = 1 (all there) or 0 (give up) -->  go 0: fail this version, rejoin
-        form the group (rank 0)                     form the group (its rank)
+        <nonce> plan/<v> = "g<n> <rank> <world> <seal>"   begin(v): read the plan
+        wait for <seal> arrived/<rank> of each  <--  set <seal> arrived/<rank>
+        <seal> go = 1 (all there) or 0 (give up) -->  go 0: fail this version, rejoin
+        form the group on <seal> (rank 0)             form the group (its rank)
       else: the plan names the current group
       broadcast each bucket from rank 0  ------->  receive(bucket) x n (checksummed)
-      wait for ack/<nonce>/<v> of each     <----   finish(): "ok" or "error: ..."
+      wait for <nonce> ack/<v> of each     <----   finish(): "ok" or "error: ..."
 
 Outcomes are per actor: an actor that acked got the version whole. Any failure
 of a collective (a dead or slow member) costs at most the deadline; the group is
@@ -41,6 +45,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import secrets
 import threading
 import time
 
@@ -48,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.transfer import channel
-from pipeline.transfer.channel import OK, forget, local_address, wait_get, wait_work
+from pipeline.transfer.channel import OK, SealedStore, forget, local_address, wait_get, wait_work
 
 log = logging.getLogger(__name__)
 BACKENDS = ("nccl", "gloo")
@@ -62,7 +67,7 @@ def _device(backend: str) -> torch.device:
 
 
 def make_group(backend: str, store, rank: int, world: int, host: str, timeout_s: float):
-    """A ``world``-rank group of ``backend`` on ``store`` (already prefixed)."""
+    """A ``world``-rank group of ``backend`` on ``store`` (the group's SealedStore)."""
     timeout = datetime.timedelta(seconds=max(timeout_s, 0.1))
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
@@ -119,7 +124,7 @@ class NcclSender:
         self.store, self.port = channel.serve(host, timeout_s)
         self._nonces: dict[str, str] = {}
         self._lock = threading.Lock()  # members() is read from other threads
-        self._group, self._key, self._name = None, None, ""
+        self._group, self._key, self._name, self._seal = None, None, "", ""
         self._formed = 0  # groups formed so far (names g0, g1, ...)
 
     def rendezvous(self) -> dict[str, str]:
@@ -131,7 +136,7 @@ class NcclSender:
         }
 
     def accept(self, actor: str, nonce: str, deadline: float) -> None:
-        wait_get(self.store, f"hello/{nonce}", deadline)  # it reached the store
+        wait_get(SealedStore(self.store, nonce), "hello", deadline)  # it reached the store
         with self._lock:
             self._nonces[actor] = nonce
 
@@ -173,8 +178,8 @@ class NcclSender:
             failed.update({a: e for a in members})  # unless their ack says otherwise
             ack_by = min(deadline, time.monotonic() + ACK_GRACE_S)
         results = self._acks(members, nonces, version, ack_by, t0, failed)
-        forget(self.store, *(f"plan/{nonces[a]}/{version}" for a in members))
-        forget(self.store, *(f"ack/{nonces[a]}/{version}" for a in members))
+        for a in members:
+            forget(SealedStore(self.store, nonces[a]), f"plan/{version}", f"ack/{version}")
         return {a: results.get(a, failed.get(a)) for a in targets}
 
     def _teardown(self) -> None:
@@ -187,28 +192,31 @@ class NcclSender:
         world = len(members) + 1
         if key == self._key:
             for rank, a in enumerate(members, start=1):
-                self.store.set(f"plan/{nonces[a]}/{version}", f"{self._name} {rank} {world}")
+                plan = f"{self._name} {rank} {world} {self._seal}"
+                SealedStore(self.store, nonces[a]).set(f"plan/{version}", plan)
             return
         self._teardown()
-        name = f"g{self._formed}"
+        name, seal = f"g{self._formed}", secrets.token_hex(16)
         self._formed += 1
-        for rank, a in enumerate(members, start=1):
-            self.store.set(f"plan/{nonces[a]}/{version}", f"{name} {rank} {world}")
+        for rank, a in enumerate(members, start=1):  # the group's seal, to members only
+            SealedStore(self.store, nonces[a]).set(
+                f"plan/{version}", f"{name} {rank} {world} {seal}"
+            )
+        group_store = SealedStore(self.store, seal)
         missing = []
         for rank, a in enumerate(members, start=1):
             try:
-                wait_get(self.store, f"{name}/arrived/{rank}", deadline)
+                wait_get(group_store, f"arrived/{rank}", deadline)
             except TimeoutError:
                 missing.append(a)
         if missing:
-            self.store.set(f"{name}/go", "0")
+            group_store.set("go", "0")
             raise RuntimeError(f"group {name} did not form: {missing} never arrived")
-        self.store.set(f"{name}/go", "1")
-        prefixed = dist.PrefixStore(name, self.store)
+        group_store.set("go", "1")
         self._group = make_group(
-            self.backend, prefixed, 0, world, self.host, deadline - time.monotonic()
+            self.backend, group_store, 0, world, self.host, deadline - time.monotonic()
         )
-        self._key, self._name = key, name
+        self._key, self._name, self._seal = key, name, seal
         log.info("formed broadcast group %s of %s (%d ranks)", name, members, world)
 
     def _acks(self, members, nonces, version, ack_by, t0, failed) -> dict:
@@ -216,7 +224,7 @@ class NcclSender:
         results: dict[str, float | Exception] = {}
         for a in members:
             try:
-                got = wait_get(self.store, f"ack/{nonces[a]}/{version}", ack_by)
+                got = wait_get(SealedStore(self.store, nonces[a]), f"ack/{version}", ack_by)
             except TimeoutError as e:
                 results[a] = failed.get(a, e)
                 continue
@@ -234,6 +242,7 @@ class NcclReceiver:
         self.timeout_s = timeout_s
         self.device = torch.device("cpu")  # set by connect() from the trainer's backend
         self.store, self.nonce, self.backend, self.here = None, "", "", ""
+        self.channel: SealedStore | None = None  # this join's keys on the store
         self.group, self.group_name = None, ""
         self._version: int | None = None
 
@@ -246,25 +255,26 @@ class NcclReceiver:
         self.store = channel.join(host, port, deadline)
         self.here = local_address(host, port)
         self.nonce = nonce
-        self.store.set(f"hello/{nonce}", "1")
+        self.channel = SealedStore(self.store, nonce)
+        self.channel.set("hello", "1")
 
     def begin(self, version: int, buckets: int, deadline: float) -> None:
-        if self.store is None:
+        if self.channel is None:
             raise RuntimeError("receive before connect(): join the transfer first")
         self._version = version
-        name, rank, world = wait_get(self.store, f"plan/{self.nonce}/{version}", deadline).split()
+        name, rank, world, seal = wait_get(self.channel, f"plan/{version}", deadline).split()
         if name == self.group_name:
             return
         destroy(self.group)
         self.group, self.group_name = None, ""
-        self.store.set(f"{name}/arrived/{rank}", "1")
-        if wait_get(self.store, f"{name}/go", deadline) != "1":
+        group_store = SealedStore(self.store, seal)
+        group_store.set(f"arrived/{rank}", "1")
+        if wait_get(group_store, "go", deadline) != "1":
             raise RuntimeError(f"the trainer gave up forming group {name}: a member was missing")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        prefixed = dist.PrefixStore(name, self.store)
         self.group = make_group(
-            self.backend, prefixed, int(rank), int(world), self.here, deadline - time.monotonic()
+            self.backend, group_store, int(rank), int(world), self.here, deadline - time.monotonic()
         )
         self.group_name = name
 
@@ -278,10 +288,10 @@ class NcclReceiver:
             raise
 
     def finish(self, error: str | None) -> None:
-        if self.store is None or self._version is None:
+        if self.channel is None or self._version is None:
             return
         try:
-            self.store.set(f"ack/{self.nonce}/{self._version}", error and f"error: {error}" or OK)
+            self.channel.set(f"ack/{self._version}", error and f"error: {error}" or OK)
         except Exception as e:  # the trainer then drops us at its deadline
             log.warning("could not ack version %s: %s", self._version, e)
         if error:
@@ -294,4 +304,4 @@ class NcclReceiver:
 
     def close(self) -> None:
         self._leave()
-        self.store, self._version = None, None
+        self.store, self.channel, self._version = None, None, None
