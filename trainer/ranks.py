@@ -83,14 +83,14 @@ def init_ranks(world_size: int, device: str, timeout_s: float, need_dist: bool) 
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         backend = "nccl" if device.startswith("cuda") else "gloo"
-        listen_on_master_addr(rank)
+        listen_on_master_addr()
         store = rendezvous_store(rank, world, timeout_s)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     group = dist.new_group(backend="gloo", timeout=timeout) if world > 1 else None
     return Ranks(rank, world, local, group)
 
 
-def listen_on_master_addr(rank: int) -> None:
+def listen_on_master_addr() -> None:
     """The gloo groups torch makes itself (the default one, ``new_group``) listen on the
     interface that holds this rank's address towards MASTER_ADDR, not on whatever this
     host's name resolves to (``GLOO_SOCKET_IFNAME``; one set by the operator wins)."""
@@ -100,8 +100,7 @@ def listen_on_master_addr(rank: int) -> None:
     from pipeline.transfer.channel import local_address
 
     host, port = os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "0") or 0)
-    here = host if rank == 0 else local_address(host, port or 1)
-    os.environ["GLOO_SOCKET_IFNAME"] = gloo_interface(here)
+    os.environ["GLOO_SOCKET_IFNAME"] = gloo_interface(local_address(host, port or 1))
 
 
 def rendezvous_store(rank: int, world: int, timeout_s: float):
