@@ -131,6 +131,30 @@ def test_listing_finds_a_socket_by_its_address_and_family(tmp_path):
         assert "[::]:" in str(next(x for x in got if x.address == "::"))
 
 
+def test_store_listens_on_its_address_only_ipv4_or_ipv6():
+    """serve_store binds the family of its host; a host that is no address of this
+    machine is a ValueError naming the setting."""
+    from pipeline.listeners import serve_store
+
+    for host in ("127.0.0.1", "::1"):
+        store, port = serve_store(host, 5)
+        assert [x.address for x in listening([os.getpid()]) if x.port == port] == [host]
+        client = torch_store(host, port)
+        client.set("k", "v")
+        assert store.get("k") == b"v"
+        del client, store
+    with pytest.raises(ValueError, match="trainer.transfer_host"):
+        serve_store("192.0.2.254", 5)  # TEST-NET-1: on no interface here
+
+
+def torch_store(host: str, port: int):
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=5))
+
+
 def test_default_run_listens_on_the_configured_address_only(tmp_path, wrap):
     code, out, seen = listen_during_run(tmp_path, wrap, "trainer.max_steps=3")
     assert code == 0, out[-3000:]
