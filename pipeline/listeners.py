@@ -15,10 +15,13 @@ backend, torch 2.13), and from then on owns and closes that descriptor.
 weight-transfer store (pipeline/transfer) and the trainer ranks' rendezvous store
 (trainer/ranks.py) are made here and nowhere else.
 
-gloo's TCP devices listen too, on the address they are created for:
-the transports name it (``create_device(hostname=...)``), and the trainer ranks'
-default groups, which torch creates itself, bind the interface named by
-``GLOO_SOCKET_IFNAME``, which :func:`gloo_interface` finds for an address.
+gloo's TCP devices listen too, on the address they are created for: the transports
+name it (``create_device(hostname=...)``); the groups torch creates itself bind the
+interface named by ``GLOO_SOCKET_IFNAME`` (else whatever this host's name resolves
+to, which on a cluster node is its network address), which :func:`gloo_interface`
+finds for an address: the trainer ranks' groups, the interface of the rank's address
+towards MASTER_ADDR (trainer/ranks.py); vLLM's worker groups, loopback
+(actor/engines/vllm/client.py). A value the operator set wins.
 
 To see what a machine listens on: ``ss -ltnp`` (every process), or
 :func:`listening` for given processes.
@@ -27,6 +30,7 @@ To see what a machine listens on: ``ss -ltnp`` (every process), or
 from __future__ import annotations
 
 import datetime
+import errno
 import ipaddress
 import os
 import socket
@@ -60,7 +64,7 @@ def bound_socket(host: str, port: int = 0, backlog: int = 128) -> socket.socket:
         try:
             sock.bind((host, port))
         except OSError as e:
-            if e.errno == 99:  # EADDRNOTAVAIL
+            if e.errno == errno.EADDRNOTAVAIL:
                 raise ValueError(
                     f"{host!r} is not an address of this machine, so nothing can listen on "
                     "it; set trainer.transfer_host (or MASTER_ADDR) to one of its addresses"
