@@ -19,7 +19,9 @@ a restarted actor joins. What must hold, and is asserted on what happened:
   as not sealed (channel.SealedStore) before gloo reads it.
 
 Checked to fail: with pair_group's store back to ``PrefixStore(nonce, store)`` (before
-issue 25), the stranger lists keys named by the join's nonce.
+issue 25), the stranger lists keys named by the join's nonce (and the trainer's failed
+joins name gloo parsing its garbage: std::bad_alloc, address.cc enforce failures); with
+SealedStore.get's check removed, the planted ack and plan are taken.
 """
 
 import datetime
@@ -100,7 +102,8 @@ def test_a_stranger_on_the_store_neither_mixes_nor_stalls_a_transfer(
         t0 = time.monotonic()
         publisher.submit(1, model)
         assert wait_until(publisher.idle, TIMEOUT_S + 5)
-        assert time.monotonic() - t0 < TIMEOUT_S  # within the deadline
+        sent_s = time.monotonic() - t0
+        assert sent_s < TIMEOUT_S  # within the deadline
         sets = _weight_sets(actor, time.monotonic() + 10, stop_at=1)
         assert sets and sets[0][0] == 1, f"version 1 was not applied: {[v for v, _ in sets]}"
         assert _is_whole(1, sets[0][1], versions)  # unaffected, name by name
@@ -113,7 +116,8 @@ def test_a_stranger_on_the_store_neither_mixes_nor_stalls_a_transfer(
         t0 = time.monotonic()
         publisher.submit(2, model)
         assert wait_until(publisher.idle, TIMEOUT_S + 5)
-        assert time.monotonic() - t0 < TIMEOUT_S + 2  # the dead actor cost one deadline
+        dead_s = time.monotonic() - t0
+        assert dead_s < TIMEOUT_S + 2  # the dead actor cost one deadline
         actor = Peer("names_actor", redis_server.url, path, "actor-0")
         t0 = time.monotonic()
         refused = lambda: [r for r in caplog.records if "StrangerValue" in r.getMessage()]  # noqa: E731
@@ -127,7 +131,9 @@ def test_a_stranger_on_the_store_neither_mixes_nor_stalls_a_transfer(
         t1 = time.monotonic()
         after = during + _weight_sets(actor, time.monotonic() + 3 * TIMEOUT_S + 20, stop_at=2)
         print(
-            f"\nstranger: {out.splitlines()[-1]}; joins refused on a sealed value: "
+            f"\nversion 1 sent under the flood in {sent_s:.2f} s, version 2 to the killed "
+            f"actor failed in {dead_s:.2f} s (deadline {TIMEOUT_S} s); "
+            f"stranger: {out.splitlines()[-1]}; joins refused on a sealed value: "
             f"{len(refused())}; actor versions while it garbled: {[v for v, _ in during]}, "
             f"then {[v for v, _ in after[len(during) :]]} ({time.monotonic() - t1:.1f} s "
             "after it stopped)"
