@@ -119,7 +119,7 @@ def serve_store(
 
 def _interface_networks() -> dict[str, list[ipaddress.IPv4Interface | ipaddress.IPv6Interface]]:
     """Interface name -> its IPv4 and IPv6 addresses with their networks."""
-    import psutil  # a dependency of deepspeed, which `make setup` installs
+    import psutil
 
     out = {}
     for name, addrs in psutil.net_if_addrs().items():
