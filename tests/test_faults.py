@@ -133,6 +133,21 @@ def test_redis_sigkill_mid_run_loses_and_duplicates_nothing(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_tls_only_redis_killed_mid_run_comes_back_on_tls(tmp_path):
+    """redis.tls=true: the launcher restarts the SIGKILLed server from its AOF on TLS only
+    with the run's certificates; the pools reconnect over TLS and every group is
+    accounted for (the bench reaches the run's Redis as pipeline.inspect --run-dir does)."""
+    proc, result, run_dir = run_faults_bench(
+        tmp_path, "--faults", "redis_sigkill", "--set", "redis.tls=true"
+    )
+    assert OmegaConf.load(run_dir / "config.yaml").redis.tls.enabled is True
+    assert (run_dir / "redis" / "tls" / "ca.crt").exists()
+    check_account(result, run_dir)
+    assert result["restarts"].get("redis", 0) >= 1, result["restarts"]
+    assert result["passed"] and proc.returncode == 0, proc.stdout[-3000:]
+
+
+@pytest.mark.slow
 def test_pipeline_survives_the_fault_schedule(tmp_path):
     proc, result, run_dir = run_faults_bench(tmp_path)
     check_account(result, run_dir)

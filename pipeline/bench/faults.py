@@ -88,16 +88,24 @@ def launch(run_dir: str, args) -> subprocess.Popen:
         )
 
 
+def run_redis(run_dir: str):
+    """The run's embedded Redis as ``pipeline.inspect --run-dir`` finds it: its URL
+    (``rediss://`` with ``redis.tls=true``), TLS files and shard URLs."""
+    from pipeline.inspect.cli import parse_args
+    from pipeline.inspect.target import resolve
+
+    return resolve(parse_args(["--run-dir", run_dir]))
+
+
 def wait_for_redis(run_dir: str, proc: subprocess.Popen, timeout_s: float = 300):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the launcher exited ({proc.returncode}): {launcher_out(run_dir)}")
         try:
-            port = Path(run_dir, "redis", "port").read_text().strip()
-            auth = Path(run_dir, "redis", "auth").read_text().strip()
-            return connect(f"redis://:{auth}@127.0.0.1:{port}/0", attempts=3)
-        except (OSError, ConnectionError):
+            target = run_redis(run_dir)
+            return connect(target.url, attempts=3, tls=target.tls)
+        except (OSError, ConnectionError, ValueError):  # ValueError: no redis/port yet
             time.sleep(0.2)
     raise TimeoutError("the launcher never started its redis-server")
 
@@ -224,10 +232,8 @@ def apply_fault(fault: dict, run_dir: str, client, names: Names, metrics: str) -
 
 def shard_clients(run_dir: str) -> list:
     """Clients of redis.shards 1.. (the launcher writes their URLs), none with one shard."""
-    path = Path(run_dir, "redis", "shard_urls")
-    if not path.exists():
-        return []
-    return [connect(u, attempts=3) for u in path.read_text().strip().split(",") if u]
+    target = run_redis(run_dir)
+    return [connect(u, attempts=3, tls=target.tls) for u in target.shard_urls]
 
 
 def drain(run_dir: str, client, names: Names, proc: subprocess.Popen) -> dict:
