@@ -28,11 +28,16 @@ def test_pipeline_end_to_end(tmp_path):
     assert summary["weight_problems"] == [] and summary["weight_versions_failed"]["actor-0"] == 0
     assert run_leftovers(run_dir) == []
     records = read_jsonl(str(run_dir / "metrics.jsonl"))
-    # a sequence continued across a swap: counted where the actor published it (its group
-    # record); which of them the 6 steps then train is timing (the summary's
-    # sequences_spanning_versions counts trained ones, and was 0 in one CI run)
-    spanning = sum(r["spanning"] for r in records if r.get("event") == "group")
-    assert spanning >= 1, "no published sequence continued across a swap"
+    # Whether a swap lands inside one of the hf engine's generation batches (about 50 ms
+    # each here) is timing: two CI-like runs had no sequence spanning versions, one none
+    # trained, one none published. The swap between two forward passes with sequences
+    # going on is asserted where it is not left to timing: test_engine.py (hf) and, across
+    # real processes, test_e2e_vllm.py (real vLLM, back-pressure off). Here: every
+    # published group's versions lie within what the trainer published, and the trainer
+    # counts no more spanning sequences than the actor published.
+    groups = [r for r in records if r.get("event") == "group"]
+    assert groups and all(0 <= lo <= hi <= 6 for lo, hi in (r["versions"] for r in groups))
+    spanning = sum(r["spanning"] for r in groups)
     assert 0 <= summary["sequences_spanning_versions"] <= spanning
     for key in (
         "stale_samples_dropped",
