@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 Snapshot = tuple[int, list[BucketSpec], list[torch.Tensor]]
 HISTORY = 256  # recent transfer times and dropped actors kept for telemetry
+ALIVE_S = 15.0  # an actor whose status hash beat this recently may still join (close())
 
 
 class WeightPublisher:
@@ -127,10 +128,22 @@ class WeightPublisher:
             return self._pending is None and not self._busy
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Let the last submitted version go out (bounded), then stop the thread."""
+        """Let the last submitted version go out (bounded), then stop the thread.
+
+        While no actor has received that version and some actor is alive (its status
+        hash beat within :data:`ALIVE_S`), keep accepting joins until ``timeout_s``:
+        an actor that joins late (a short run, a loaded machine) is sent the last
+        version then, instead of the trainer leaving with it unreceived."""
         deadline = time.monotonic() + timeout_s
         while not self.idle() and time.monotonic() < deadline:
             time.sleep(0.05)
+        waited = False
+        while self._last_unreceived() and time.monotonic() < deadline and self._actors_alive():
+            if not waited:
+                log.info("waiting up to %.0f s for an actor to join for the last version",
+                         deadline - time.monotonic())
+                waited = True
+            time.sleep(0.2)
         with self._cv:
             self._stop = True
             left, self._pending = self._pending, None
@@ -140,6 +153,24 @@ class WeightPublisher:
             self._count("unreceived", "weight_versions_unreceived")
         self._retire_latest()
         self.sender.close()
+
+    def _last_unreceived(self) -> bool:
+        with self._cv:
+            pending = self._pending is not None or self._busy
+        return pending or (self._latest is not None and not self._latest_received)
+
+    def _actors_alive(self) -> bool:
+        """Some actor's status hash beat within ALIVE_S (and it has not stopped)."""
+        try:
+            for key in self.client.scan_iter(match=self.names.status("*"), count=100):
+                role, beat, state = self.client.hmget(key, "role", "heartbeat", "state")
+                if role != b"actor" or state == b"stopped" or beat is None:
+                    continue
+                if time.time() - float(beat) < ALIVE_S:
+                    return True
+        except redis.RedisError:
+            return False  # no Redis: nothing to wait for
+        return False
 
     # -- the thread -------------------------------------------------------------
     def _run(self) -> None:

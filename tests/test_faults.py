@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from actor.stream import Room
 from actor.sync import DRAIN_FIELD, Turns
 from pipeline.accounting import account, in_flight
-from pipeline.bench.faults import DEFAULT_SCHEDULE, account_run, passed, plan
+from pipeline.bench.faults import DEFAULT_SCHEDULE, account_run, left_in_flight, passed, plan
 from pipeline.config import Config, validate
 from pipeline.messages import SCHEMA_VERSION, RolloutGroup, encode
 from pipeline.redis_server import EmbeddedRedis
@@ -116,6 +116,30 @@ def test_faults_flag_picks_named_faults_from_the_schedule():
     with pytest.raises(SystemExit, match="redis_sigstop"):
         plan(schedule, "redis_sigstop")
     assert "80:kill:redis" in DEFAULT_SCHEDULE  # the hard kill is in the default schedule
+
+
+def test_what_is_left_after_a_drain_must_be_what_the_trainer_says_it_holds():
+    """Left after a drain: only the trainer's unfinished step, in its pending list. Its
+    samples must be exactly what the trainer's status says the step holds (fresh below
+    a step, plus stale ones its record will drop): one sample more in the pending list,
+    a full step's worth, or an entry elsewhere is not ok."""
+    step = {"event": "step", "version": 1, "sample_ids": ["a", "b"], "stale_ids": []}
+
+    def entry(ids, where="pending:trainer", stream="batches"):
+        return {"stream": stream, "shard": 0, "id": "1-0", "where": where, "ids": ids}
+
+    def left(entries, fresh, stale=0):
+        trainer = {"buffered_samples": str(fresh), "buffered_stale": str(stale)}
+        return left_in_flight([step], {"entries": entries}, 8, trainer)
+
+    held = [entry(["a", "c", "d"]), entry(["e", "f"])]  # "a" was trained: not left
+    assert left(held, fresh=4)["ok"] and left(held, fresh=4)["samples"] == 4
+    assert left(held, fresh=2, stale=2)["ok"]  # two of them stale: the record drops them
+    assert not left(held, fresh=3)["ok"]  # one in the pending list the trainer lost track of
+    assert not left([entry(list("cdefghij"))], fresh=8)["ok"]  # a whole step, not trained
+    assert not left([*held, entry(["g"], where="unread")], fresh=4)["ok"]
+    assert not left([entry(["c"], stream="rollouts")], fresh=1)["ok"]
+    assert left([], fresh=0)["ok"] and not left([], fresh=1)["ok"]
 
 
 @pytest.mark.slow

@@ -121,6 +121,37 @@ def test_a_version_nobody_received_is_not_counted_as_published(tmp_path, rclient
     assert rclient.get(names.published_version) is None
 
 
+def test_an_actor_joining_after_the_last_step_is_sent_the_last_version(tmp_path, rclient):
+    """A short run on a loaded machine: the trainer's last version went out to nobody
+    (no actor had joined yet); while an actor is alive, close() keeps accepting joins,
+    so the actor that joins then is sent it before the trainer leaves."""
+    trainer_model, actor_model, tok = _models(tmp_path)
+    names = Names("test", "late-join")
+    PoolStatus(rclient, names, "actor-0", "actor")  # alive: its heartbeat is fresh
+    publisher = WeightPublisher(
+        rclient, names, "127.0.0.1", bucket_mb=0.05, timeout_s=10, secret=SECRET
+    )
+    with torch.no_grad():
+        for p in trainer_model.parameters():
+            p.add_(0.5)
+    publisher.submit(1, trainer_model)
+    assert wait_until(publisher.idle, 10) and publisher.members() == []
+    engine = HFEngine(actor_model, tok, temperature=1.0, top_p=1.0, top_k=0)
+    receiver = WeightReceiver(rclient, names, "actor-0", engine, timeout_s=10, secret=SECRET)
+    closer = threading.Thread(target=publisher.close, kwargs={"timeout_s": 20})
+    closer.start()
+    time.sleep(1.0)  # the trainer is closing when the actor joins
+    receiver.start()
+    try:
+        closer.join(timeout=30)
+        assert not closer.is_alive()
+        assert publisher.published == 1 and publisher.unreceived == 0
+        assert engine.version == 1
+        assert params_digest(actor_model) == params_digest(trainer_model)
+    finally:
+        receiver.stop()
+
+
 def test_submit_rejects_what_is_not_a_parameter_set(tmp_path, rclient):
     publisher = WeightPublisher(
         rclient, Names("test", "bad"), "127.0.0.1", bucket_mb=1, timeout_s=5, secret=SECRET

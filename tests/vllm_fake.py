@@ -290,6 +290,43 @@ class FakeModel(torch.nn.Module):
         return iter(zip(self.names, self.flat, strict=True))
 
 
+class OwnedLock:
+    """threading.Lock that knows which thread holds it: the fake worker gives one to
+    the extension's LockedWeights, so records say whether *this* thread held the
+    forward lock (a plain ``locked()`` is also true while the engine's thread runs a
+    step beside the receiver)."""
+
+    def __init__(self):
+        self._lock, self.owner = threading.Lock(), None
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        got = self._lock.acquire(blocking, timeout)
+        if got:
+            self.owner = threading.get_ident()
+        return got
+
+    def release(self) -> None:
+        self.owner = None
+        self._lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def held_by_me(self) -> bool:
+        return self._lock.locked() and self.owner == threading.get_ident()
+
+
+def forward_lock_held_here(worker) -> bool:
+    """Whether the calling thread holds the worker's per-forward-pass lock."""
+    lock = getattr(getattr(worker, "_nonstop", None), "lock", None)
+    return lock is not None and lock.held_by_me()
+
+
 class FakeLoRAModelManager:
     """LoRAModelManager with one GPU slot: registered adapters (CPU) and the slot they
     are copied into on activation. ``writes`` records every slot write: (version tag,
@@ -324,9 +361,8 @@ class FakeLoRAModelManager:
         ``merges`` records where the work was done: (tag, thread, forward lock held)."""
         if getattr(model, "merged", False):
             return
-        lock = getattr(getattr(self.worker, "_nonstop", None), "lock", None)
         self.merges.append(
-            (model.tag, threading.current_thread().name, lock is not None and lock.locked())
+            (model.tag, threading.current_thread().name, forward_lock_held_here(self.worker))
         )
         model.merged = True
 
@@ -336,12 +372,11 @@ class FakeLoRAModelManager:
         model = self.registered[adapter_id]
         if not self.slot:
             self.slot = {n: torch.zeros_like(t) for n, t in model.tensors.items()}
-        lock = getattr(getattr(self.worker, "_nonstop", None), "lock", None)
         self.writes.append(
             (
                 model.tag,
                 threading.current_thread().name,
-                lock is not None and lock.locked(),
+                forward_lock_held_here(self.worker),
                 self.worker.in_step,
             )
         )
@@ -397,6 +432,18 @@ class FakeWorkerBase:
         self.lora_of: dict[str, LoRARequest] = {}  # request id -> its adapter
         if enable_lora:
             self.model_runner = SimpleNamespace(lora_manager=FakeLoRAManager(self))
+
+    @property
+    def _nonstop(self):
+        return self.__dict__.get("_nonstop")
+
+    @_nonstop.setter
+    def _nonstop(self, weights) -> None:
+        """The extension sets its LockedWeights here (before any locked step): its lock
+        becomes an OwnedLock, so the fake can tell which thread holds it."""
+        if weights is not None and not weights.lock.locked():
+            weights.lock = OwnedLock()
+        self.__dict__["_nonstop"] = weights
 
     def get_model(self):
         return self.model

@@ -108,7 +108,13 @@ def collect(
             if batch is not None:
                 data.batches.append(batch)
                 data.samples += len(batch.samples)
-        pool.status.set(state="waiting for data", buffered_samples=data.samples)
+        # what the unfinished step holds: fresh samples, and stale ones its record will
+        # drop (the faults bench checks them against the trainer's pending list)
+        pool.status.set(
+            state="waiting for data",
+            buffered_samples=data.samples,
+            buffered_stale=len(set(data.stale_ids)),
+        )
         if time.monotonic() - last_idle > idle_every_s:
             idle()
             last_idle = time.monotonic()

@@ -239,13 +239,15 @@ def shard_clients(run_dir: str) -> list:
 def drain(run_dir: str, client, names: Names, proc: subprocess.Popen) -> dict:
     """Stop the actors producing and wait until the preprocessors and the trainer have
     taken all they can: every actor says ``draining``, nothing is left in ``rollouts``,
-    nothing in ``batches`` is unread, and the entries left (the trainer's unfinished
-    step, in its pending list) have not changed for QUIET_S seconds."""
+    nothing in ``batches`` is unread, the trainer waits for data with less than a step
+    of fresh samples (not in the middle of a step), and the entries left (its
+    unfinished step, in its pending list) have not changed for QUIET_S seconds."""
     t0 = time.time()
     client.hset(names.run_marker, DRAIN_FIELD, str(t0))
     shards = shard_clients(run_dir)
+    per_step = int(OmegaConf.load(os.path.join(run_dir, "config.yaml")).trainer.samples_per_step)
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
-    last, since, actors, entries = None, time.monotonic(), {}, []
+    last, since, actors, entries, trainer = None, time.monotonic(), {}, [], {}
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             statuses = read_statuses(client, names)
@@ -254,26 +256,49 @@ def drain(run_dir: str, client, names: Names, proc: subprocess.Popen) -> dict:
             time.sleep(0.5)
             continue
         actors = {k: v.get("state") for k, v in statuses.items() if v.get("role") == "actor"}
+        trainer = statuses.get("trainer", {})
         now = [(e["stream"], e["shard"], e["id"], e["where"]) for e in entries]
         settled = (
             bool(actors)
             and all(state == "draining" for state in actors.values())
             and all(e[0] == "batches" and e[3] != "unread" for e in now)
+            and trainer.get("state") == "waiting for data"
+            and int(trainer.get("buffered_samples", 0)) < per_step
         )
         if not settled or now != last:
             last, since = now, time.monotonic()
         elif time.monotonic() - since >= QUIET_S:
-            return {"drained": True, "drain_s": round(time.time() - t0, 2), "actors": actors}
+            return {
+                "drained": True,
+                "drain_s": round(time.time() - t0, 2),
+                "actors": actors,
+                "trainer_holds": held_by_trainer(trainer),
+            }
         time.sleep(0.5)
-    print(f"not drained after {time.time() - t0:.0f}s: actors {actors}, entries {entries}")
+    print(
+        f"not drained after {time.time() - t0:.0f}s: actors {actors}, trainer "
+        f"{trainer.get('state')} holding {held_by_trainer(trainer)}, entries {entries}"
+    )
     return {"drained": False, "drain_s": round(time.time() - t0, 2), "actors": actors}
 
 
-def left_in_flight(records: list[dict], flight: dict, samples_per_step: int) -> dict:
+def held_by_trainer(status: dict[str, str]) -> dict[str, int]:
+    """The samples the trainer's unfinished step holds, by its own count (status hash)."""
+    return {
+        "fresh": int(status.get("buffered_samples", 0)),
+        "stale": int(status.get("buffered_stale", 0)),
+    }
+
+
+def left_in_flight(
+    records: list[dict], flight: dict, samples_per_step: int, trainer: dict[str, str]
+) -> dict:
     """The entries still holding a sample that no surviving step trained or dropped, by
     stream, shard, entry id and where (``pending:<consumer>``, ``unread``, ...). After a
-    drain that may only be the trainer's unfinished step: batches in its pending list,
-    fewer than ``samples_per_step`` samples; ``ok`` says so."""
+    drain that may only be the trainer's unfinished step: batches in its pending list
+    whose samples are exactly those the trainer says its step holds (``trainer``: its
+    status hash; fresh ones fewer than ``samples_per_step``, plus stale ones the step's
+    record would drop); ``ok`` says so."""
     steps = surviving_steps(records)
     done = {sid for st in steps for sid in st.get("sample_ids", []) + st.get("stale_ids", [])}
     left = [e for e in flight.get("entries", []) if not e["ids"] or set(e["ids"]) - done]
@@ -281,9 +306,13 @@ def left_in_flight(records: list[dict], flight: dict, samples_per_step: int) -> 
     only_partial_step = all(
         e["stream"] == "batches" and e["where"].startswith("pending:") and e["ids"] for e in left
     )
+    held = held_by_trainer(trainer)
     return {
-        "ok": only_partial_step and len(samples) < samples_per_step,
+        "ok": only_partial_step
+        and held["fresh"] < samples_per_step
+        and len(samples) == held["fresh"] + held["stale"],
         "samples": len(samples),
+        "trainer_holds": held,
         "entries": left,
     }
 
@@ -299,7 +328,9 @@ def account_run(run_dir: str, records: list[dict] | None = None) -> dict:
     terms = account(records, flight, summary["dead_letter_entries"], int(cfg.task.group_size))
     terms.update(
         problems=problems(terms),
-        in_flight_after_drain=left_in_flight(records, flight, int(cfg.trainer.samples_per_step)),
+        in_flight_after_drain=left_in_flight(
+            records, flight, int(cfg.trainer.samples_per_step), summary["pools"].get("trainer", {})
+        ),
         in_flight_rollouts_groups=len(flight["rollouts_groups"]),
         in_flight_batches_samples=len(flight["batches_samples"]),
         in_flight_batches_ids=flight["batches_samples"],
