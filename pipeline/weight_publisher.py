@@ -140,8 +140,10 @@ class WeightPublisher:
         waited = False
         while self._last_unreceived() and time.monotonic() < deadline and self._actors_alive():
             if not waited:
-                log.info("waiting up to %.0f s for an actor to join for the last version",
-                         deadline - time.monotonic())
+                log.info(
+                    "waiting up to %.0f s for an actor to join for the last version",
+                    deadline - time.monotonic(),
+                )
                 waited = True
             time.sleep(0.2)
         with self._cv:
