@@ -13,6 +13,7 @@ import time
 import pytest
 import redis
 
+from pipeline.streams import wait_until
 from tests.launching import launch_tiny, wait_for_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -139,17 +140,33 @@ def test_inspect_by_url_finds_the_run(live_run):
     assert json.loads(found.stdout)["run"] == "nonstop:tiny"
 
 
-def test_watch_redraws_until_ctrl_c(live_run):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.inspect", "--run-dir", str(live_run), "--watch", "0.3"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    time.sleep(3)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
+def test_watch_redraws_until_ctrl_c(live_run, tmp_path):
+    # output to files, never a pipe nobody reads while it runs (a full pipe blocks the
+    # redraw); Ctrl-C once three frames are out, not after a guessed start-up time;
+    # faulthandler: a watch that outlives its Ctrl-C dumps where it is stuck on SIGABRT
+    out_path, err_path = tmp_path / "watch.out", tmp_path / "watch.err"
+    with open(out_path, "w") as out_f, open(err_path, "w") as err_f:
+        proc = subprocess.Popen(
+            [sys.executable, "-X", "faulthandler", "-m", "pipeline.inspect"]
+            + ["--run-dir", str(live_run), "--watch", "0.3"],
+            cwd=ROOT,
+            stdout=out_f,
+            stderr=err_f,
+            text=True,
+        )
+        drawn = wait_until(
+            lambda: out_path.read_text().count("\x1b[H\x1b[2J") >= 3 or proc.poll() is not None,
+            60,
+        )
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
+            proc.wait(timeout=10)
+            pytest.fail(f"inspect --watch outlived its Ctrl-C by 30 s:\n{err_path.read_text()}")
+    out, err = out_path.read_text(), err_path.read_text()
+    assert drawn, (out[-2000:], err)
     assert proc.returncode == 0, err
     frames = out.split("\x1b[H\x1b[2J")
     assert len(frames) >= 3, out  # cleared and redrawn at least twice
