@@ -1,15 +1,25 @@
-"""Shared fixtures: a real redis-server per test module and a client for it; tests marked
-``vllm`` are skipped, with the reason, where real vLLM is not importable (tests/vllm_real.py)."""
+"""Shared fixtures: a real redis-server per test module and a client for it, the tiny
+model's folder and a trainer factory on them; tests marked ``vllm`` are skipped, with the
+reason, where real vLLM is not importable (tests/vllm_real.py). Shared helpers that are
+not fixtures live in tests/*_builders.py (and tests/weight_peers.py, tests/vllm_fake.py,
+tests/vllm_real.py); a test module never imports another test module (tests/test_layout.py)."""
 
 from __future__ import annotations
 
 import shutil
+import threading
 
 import pytest
+from omegaconf import OmegaConf
 
+from pipeline.config import Config
+from pipeline.models import materialize_model
 from pipeline.redis_server import EmbeddedRedis
-from pipeline.streams import connect
+from pipeline.runtime import Pool
+from pipeline.streams import Names, connect
+from pipeline.telemetry import MetricsFile, PoolStatus
 from tests.vllm_real import vllm_available, vllm_engine  # noqa: F401 (the fixture)
+from trainer.main import Trainer
 
 # pytest-timeout for tests marked slow or vllm: the faults schedule alone may take 900 s
 # (tests/test_faults.py); a real-vLLM module starts its engine (~70 s idle, minutes under
@@ -39,6 +49,45 @@ def rclient(redis_server):
         yield client
     finally:
         client.close()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny model's folder, materialized once per test module (a module may define
+    its own ``tiny``)."""
+    return materialize_model("tiny", str(tmp_path_factory.mktemp("m")))
+
+
+@pytest.fixture
+def make_trainer(tiny, tmp_path, rclient, monkeypatch):
+    """``make(**trainer_overrides)``: a Trainer pool on the tiny model and ``rclient``
+    (names test:trainer); every one made is closed afterwards."""
+    monkeypatch.setenv("NONSTOP_RUN_SECRET", "test-secret")
+    made = []
+
+    def make(**trainer_overrides) -> Trainer:
+        cfg = OmegaConf.structured(Config)
+        cfg.run_dir, cfg.model.path, cfg.redis.block_ms = str(tmp_path), tiny, 100
+        cfg.trainer.transfer_timeout_s = 5
+        for k, v in trainer_overrides.items():
+            cfg.trainer[k] = v
+        names = Names("test", "trainer")
+        pool = Pool(
+            cfg=cfg,
+            name="trainer",
+            role="trainer",
+            client=rclient,
+            names=names,
+            stop=threading.Event(),
+            status=PoolStatus(rclient, names, "trainer", "trainer"),
+            metrics=MetricsFile(str(tmp_path / "metrics.jsonl")),
+        )
+        made.append(Trainer(pool))
+        return made[-1]
+
+    yield make
+    for t in made:
+        t.publisher.close(timeout_s=1)
 
 
 def pytest_collection_modifyitems(config, items):

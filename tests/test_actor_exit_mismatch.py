@@ -12,8 +12,8 @@ import sys
 
 from pipeline.runtime import EXIT_MISMATCH
 from pipeline.streams import Names
+from tests.config_builders import actor_config
 from tests.launching import ROOT
-from tests.test_backpressure import actor_config
 
 
 def test_a_transport_mismatch_stops_the_actor_with_exit_mismatch(tmp_path, redis_server, rclient):

@@ -27,8 +27,7 @@ from pipeline.streams import Names, wait_until
 from pipeline.telemetry import MetricsFile, PoolStatus, Window, read_jsonl
 from pipeline.weight_receiver import WeightReceiver
 from tests import vllm_fake
-from tests.test_vllm_engine import new_version, settings
-from tests.test_vllm_worker import hf_model, hf_state, vllm_layout
+from tests.vllm_builders import hf_model, hf_state, new_version, settings, vllm_layout
 
 G, IN_FLIGHT, TOKENS = 4, 8, 8
 

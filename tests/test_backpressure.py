@@ -12,37 +12,13 @@ import sys
 import time
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from pipeline.config import register
-from pipeline.models import materialize_model
 from pipeline.streams import Names
 from pipeline.telemetry import read_statuses
+from tests.config_builders import MAX_QUEUE, PER_BATCH, G, actor_config
 from tests.launching import ROOT
 
-MAX_QUEUE, PER_BATCH, G = 3, 2, 4
 BOUND = MAX_QUEUE - 1 + PER_BATCH  # groups in flight, at most
-
-
-def actor_config(tmp_path, url: str) -> str:
-    register()
-    overrides = [
-        "+exp=tiny",
-        f"run_dir={tmp_path}",
-        f"redis.url={url}",
-        f"actor.max_queue_groups={MAX_QUEUE}",
-        "actor.max_lag=1",
-        f"engine.prompts_per_batch={PER_BATCH}",
-        "engine.max_new_tokens=8",
-        f"task.group_size={G}",
-    ]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
-    cfg.model.path = materialize_model("tiny", str(tmp_path / "cache"))
-    path = str(tmp_path / "config.yaml")
-    OmegaConf.save(cfg, path)
-    return path
 
 
 def in_flight(client, names: Names) -> float:

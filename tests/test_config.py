@@ -3,12 +3,10 @@
 import os
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from pipeline.config import load_config, register, validate
-
-CONF = os.path.join(os.path.dirname(__file__), "..", "conf")
+from pipeline.config import load_config, validate
+from tests.config_builders import CONF, compose_config
 
 
 def _options():
@@ -21,15 +19,9 @@ def _options():
                     yield f"+exp={name}" if group == "exp" else f"{group}={name}"
 
 
-def _compose(overrides):
-    register()
-    with initialize_config_dir(config_dir=os.path.abspath(CONF), version_base=None):
-        return compose(config_name="config", overrides=overrides)
-
-
 @pytest.mark.parametrize("override", list(_options()))
 def test_every_yaml_composes(override):
-    cfg = _compose([override])
+    cfg = compose_config([override])
     validate(cfg)
     assert cfg.trainer.max_steps > 0
 
@@ -40,31 +32,31 @@ def test_every_yaml_is_listed():
 
 
 def test_exp_math_overrides_defaults():
-    cfg = _compose(["+exp=math"])
+    cfg = compose_config(["+exp=math"])
     assert cfg.run.name == "math"
     assert cfg.model.name == "smollm2-135m-instruct"
-    tiny = _compose(["+exp=tiny"])
+    tiny = compose_config(["+exp=tiny"])
     assert tiny.model.name == "tiny"
 
 
 def test_bad_value_names_key():
-    cfg = _compose(["trainer.max_steps=0"])
+    cfg = compose_config(["trainer.max_steps=0"])
     with pytest.raises(ValueError, match="trainer.max_steps"):
         validate(cfg)
-    cfg = _compose(["task.kind=file"])
+    cfg = compose_config(["task.kind=file"])
     with pytest.raises(ValueError, match="task.path"):
         validate(cfg)
 
 
 def test_bad_type_and_unknown_key_name_the_key():
     with pytest.raises(Exception, match="max_steps"):
-        _compose(["trainer.max_steps=many"])
+        compose_config(["trainer.max_steps=many"])
     with pytest.raises(Exception, match="no_such_key"):
-        _compose(["trainer.no_such_key=1"])
+        compose_config(["trainer.no_such_key=1"])
 
 
 def test_saved_config_loads_with_overrides(tmp_path):
-    cfg = _compose(["+exp=tiny"])
+    cfg = compose_config(["+exp=tiny"])
     path = tmp_path / "config.yaml"
     OmegaConf.save(cfg, path)
     loaded = load_config(str(path), ["trainer.max_steps=7"])
@@ -83,7 +75,7 @@ def test_engine_auto_picks_vllm_only_where_a_tested_vllm_is_installed(monkeypatc
 
     from pipeline import config
 
-    assert _compose(["+exp=math"]).actor.engine == "auto"
+    assert compose_config(["+exp=math"]).actor.engine == "auto"
     cases = [(True, "0.32.0", "vllm"), (True, "0.1.0", "hf"), (False, "", "hf")]
     real_find_spec = importlib.util.find_spec
     for present, version, engine in cases:
@@ -95,10 +87,10 @@ def test_engine_auto_picks_vllm_only_where_a_tested_vllm_is_installed(monkeypatc
             ),
         )
         monkeypatch.setattr(config, "installed_vllm_version", lambda v=version: v)
-        cfg = _compose(["+exp=math"])
+        cfg = compose_config(["+exp=math"])
         line = config.resolve_engine(cfg)
         assert cfg.actor.engine == engine and line.endswith(")"), (version, line)
         assert config.resolve_engine(cfg) is None  # resolved once: the saved config says it
-    cfg = _compose(["actor.engine=auto"])
+    cfg = compose_config(["actor.engine=auto"])
     validate(cfg)  # a pool started alone on an unresolved config resolves it the same way
     assert cfg.actor.engine in ("hf", "vllm")

@@ -25,7 +25,7 @@ from pipeline.redis_server import EmbeddedRedis, free_port
 from pipeline.streams import Consumer, Names, RedisUnavailable, connect, publish
 from pipeline.summary import build_summary
 from tests.launching import ROOT
-from tests.test_trainer import batch, make_trainer, run_step, sample, tiny  # noqa: F401
+from tests.trainer_builders import batch, run_step, sample
 
 SECRET = "hunter2-not-shown"
 
@@ -92,7 +92,7 @@ def _one_error_line(out: str, url: str) -> None:
 
 @pytest.mark.slow
 def test_a_pool_exits_2_in_one_line_when_redis_is_unreachable(tmp_path):
-    from tests.test_backpressure import actor_config
+    from tests.config_builders import actor_config
 
     url = closed_url()
     env = dict(os.environ, NONSTOP_REDIS_URL=url, HF_HUB_OFFLINE="1")
@@ -109,7 +109,7 @@ def test_a_pool_exits_2_in_one_line_when_redis_is_unreachable(tmp_path):
 def test_a_pool_exits_4_in_one_line_on_an_evicting_redis(tmp_path, redis_server, rclient):
     """A server that may evict stream data stops a pool at start-up in one line (exit
     4: Redis refuses the run, a restart cannot fix it), not with a traceback."""
-    from tests.test_backpressure import actor_config
+    from tests.config_builders import actor_config
 
     url = redis_server.url
     env = dict(os.environ, NONSTOP_REDIS_URL=url, HF_HUB_OFFLINE="1")
@@ -153,7 +153,7 @@ def test_the_launcher_exits_2_in_one_line_when_redis_url_is_unreachable(tmp_path
 
 
 def test_summary_counts_the_trainers_dead_letters_beside_the_preprocessors(
-    make_trainer,  # noqa: F811 (the fixture of tests/test_trainer.py)
+    make_trainer,  # the fixture of tests/conftest.py
     rclient,
     tmp_path,
 ):
@@ -238,7 +238,7 @@ def test_a_user_without_xadd_is_named_with_the_command_key_and_acl_file(tmp_path
 
 @pytest.mark.slow
 def test_an_actor_without_xadd_exits_4_at_start_up(tmp_path):
-    from tests.test_backpressure import actor_config
+    from tests.config_builders import actor_config
 
     urls = acl_server(tmp_path, drop=" +xadd")
     try:
@@ -259,7 +259,7 @@ def test_an_actor_without_xadd_exits_4_at_start_up(tmp_path):
 def test_an_actor_without_xadd_on_an_extra_shard_exits_4_naming_the_shard(tmp_path):
     """redis.shards=2: the primary grants everything, shard 1's actor user lacks XADD;
     the actor stops at start-up naming shard 1's URL (password hidden), not later."""
-    from tests.test_backpressure import actor_config
+    from tests.config_builders import actor_config
 
     (tmp_path / "p").mkdir()
     (tmp_path / "s").mkdir()

@@ -96,7 +96,7 @@ def test_the_launcher_says_it_in_one_line_and_exits_2(tls_server, tmp_path):
 
 
 def test_a_pool_with_a_wrong_ca_exits_4_with_one_line(tls_server, tmp_path):
-    from tests.test_backpressure import actor_config
+    from tests.config_builders import actor_config
 
     server, _ = tls_server
     _, other = make_run_certs(str(tmp_path / "other"))

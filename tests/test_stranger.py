@@ -38,8 +38,7 @@ from pipeline.models import load_model, materialize_model
 from pipeline.streams import wait_until
 from pipeline.transfer.channel import SealedStore, StrangerValue, serve, tag, wait_get
 from pipeline.weight_publisher import WeightPublisher
-from tests.test_weights import ROOT, Peer
-from tests.weight_peers import BUCKET_MB, NAMES, SECRET, TIMEOUT_S, name_digests
+from tests.weight_peers import BUCKET_MB, NAMES, ROOT, SECRET, TIMEOUT_S, Peer, name_digests
 
 
 def _bump(model, by: float) -> dict[str, str]:

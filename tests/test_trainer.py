@@ -4,8 +4,6 @@ and the samples_retired count the actors' back-pressure reads."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
@@ -14,53 +12,20 @@ from omegaconf import OmegaConf
 from pipeline.accounting import account, in_flight
 from pipeline.config import Config
 from pipeline.messages import (
-    SCHEMA_VERSION,
-    Sample,
     TrainBatch,
     decode,
     encode,
     pack_f32,
-    pack_i32,
-    rle_encode,
 )
-from pipeline.models import materialize_model
-from pipeline.runtime import Pool
 from pipeline.streams import Names, publish
-from pipeline.telemetry import MetricsFile, PoolStatus, read_jsonl
+from pipeline.telemetry import read_jsonl
+from tests.trainer_builders import batch, run_step, sample
 from trainer import checkpoint
 from trainer.backends.torch_backend import TorchBackend
 from trainer.collate import collate
 from trainer.main import Trainer
 from trainer.ranks import Ranks
 from trainer.step import token_logprobs, train_step
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return materialize_model("tiny", str(tmp_path_factory.mktemp("m")))
-
-
-def sample(index: int, n: int, version: int, advantage: float, rng, lp=None) -> Sample:
-    return Sample(
-        index=index,
-        completion_ids=pack_i32(rng.integers(10, 90, n)),
-        logprobs=pack_f32(lp if lp is not None else -rng.uniform(3, 5, n)),
-        versions=rle_encode([version] * n),
-        reward=max(advantage, 0.0),
-        finished=True,
-        advantage=advantage,
-    )
-
-
-def batch(group: str, samples: list[Sample], rng) -> TrainBatch:
-    return TrainBatch(
-        schema=SCHEMA_VERSION,
-        batch_id=group,
-        group_ids=[group] * len(samples),
-        prompt_ids=[pack_i32(rng.integers(10, 90, 5)) for _ in samples],
-        samples=samples,
-        temperature=1.0,
-    )
 
 
 def test_a_step_moves_logprobs_the_way_the_advantages_say(tiny):
@@ -84,42 +49,6 @@ def test_a_step_moves_logprobs_the_way_the_advantages_say(tiny):
     down = (after - before)[1][mb.comp[1]]
     assert up.mean() > 0 and down.mean() < 0, (up, down)
     assert (up > 0).float().mean() >= 0.75 and (down < 0).float().mean() >= 0.75
-
-
-@pytest.fixture
-def make_trainer(tiny, tmp_path, rclient, monkeypatch):
-    monkeypatch.setenv("NONSTOP_RUN_SECRET", "test-secret")
-    made = []
-
-    def make(**trainer_overrides) -> Trainer:
-        cfg = OmegaConf.structured(Config)
-        cfg.run_dir, cfg.model.path, cfg.redis.block_ms = str(tmp_path), tiny, 100
-        cfg.trainer.transfer_timeout_s = 5
-        for k, v in trainer_overrides.items():
-            cfg.trainer[k] = v
-        names = Names("test", "trainer")
-        pool = Pool(
-            cfg=cfg,
-            name="trainer",
-            role="trainer",
-            client=rclient,
-            names=names,
-            stop=threading.Event(),
-            status=PoolStatus(rclient, names, "trainer", "trainer"),
-            metrics=MetricsFile(str(tmp_path / "metrics.jsonl")),
-        )
-        made.append(Trainer(pool))
-        return made[-1]
-
-    yield make
-    for t in made:
-        t.publisher.close(timeout_s=1)
-
-
-def run_step(trainer: Trainer) -> dict:
-    plan = trainer.next_plan()
-    assert not plan.stop and plan.batches
-    return trainer.step(plan)  # records the step
 
 
 def retired(trainer: Trainer) -> int:

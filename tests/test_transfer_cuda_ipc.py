@@ -28,8 +28,7 @@ from pipeline.transfer.cuda_ipc import (
 )
 from pipeline.weight_publisher import WeightPublisher
 from pipeline.weight_receiver import WeightReceiver
-from tests.test_weights import ROOT, Lines
-from tests.weight_peers import SECRET, digest
+from tests.weight_peers import ROOT, SECRET, Lines, digest
 
 
 def _buffer(handle: bytes, numel: int = 4, dtype: str = "float32") -> IpcBuffer:

@@ -24,8 +24,7 @@ from pipeline.streams import Names, wait_until
 from pipeline.transfer import make_receiver, make_sender
 from pipeline.weight_publisher import WeightPublisher
 from pipeline.weight_receiver import WeightReceiver
-from tests.test_weights import PEER_LINE_S, Peer
-from tests.weight_peers import BUCKET_MB, NAMES, SECRET, TIMEOUT_S, params_digest
+from tests.weight_peers import BUCKET_MB, NAMES, PEER_LINE_S, SECRET, TIMEOUT_S, Peer, params_digest
 
 
 def _publisher(rclient, names=NAMES, timeout_s=TIMEOUT_S, **kw):
@@ -221,16 +220,16 @@ def test_transports_that_need_cuda_say_so_at_start_up():
 
 def test_config_takes_the_transports_and_names_bad_values():
     from pipeline.config import validate
-    from tests.test_config import _compose
+    from tests.config_builders import compose_config
 
     for name in ("gloo", "nccl", "cuda_ipc"):
-        validate(_compose([f"weights.transport={name}", "weights.nccl_backend=gloo"]))
+        validate(compose_config([f"weights.transport={name}", "weights.nccl_backend=gloo"]))
     for override, key in (
         ("weights.transport=shm", "weights.transport='shm'"),
         ("weights.nccl_backend=mpi", "weights.nccl_backend='mpi'"),
     ):
         with pytest.raises(ValueError, match=f"{key} is not supported; use one of"):
-            validate(_compose([override]))
+            validate(compose_config([override]))
 
 
 # -- NCCL itself (gpu): what the gloo backend above never runs -------------------------

@@ -19,23 +19,15 @@ from actor.engines.vllm.client import VLLMEngine, load_vllm, token_versions
 from pipeline.config import VLLM_MISSING
 from pipeline.transfer import TensorSource
 from tests import vllm_fake
-from tests.test_vllm_worker import announcement, hf_model, hf_state, vllm_layout
-
-
-def settings(**kw):
-    base = dict(
-        in_flight=8,
-        gpu_memory_utilization=0.5,
-        max_num_seqs=64,
-        tensor_parallel_size=1,
-        enforce_eager=True,
-        enable_prefix_caching=True,
-        max_model_len=512,
-        lock_timeout_s=2.0,
-        rpc_timeout_s=20.0,
-        allow_untested_version=False,
-    )
-    return SimpleNamespace(**{**base, **kw})
+from tests.vllm_builders import (
+    announcement,
+    hf_model,
+    hf_state,
+    new_version,
+    prompts,
+    settings,
+    vllm_layout,
+)
 
 
 @pytest.fixture
@@ -61,16 +53,6 @@ def make():
     yield build
     for e in engines:
         e.close()
-
-
-def new_version(engine, version: int, seed: int):
-    ann, flat = announcement(version, hf_state(hf_model(seed)))
-    engine.stage(ann, TensorSource(flat), time.monotonic() + 20)
-    engine.swap(version)
-
-
-def prompts(n: int, length: int = 10, shared: bool = False):
-    return [[(i * 0 if shared else i) + j for j in range(length)] for i in range(n)]
 
 
 def test_in_flight_count_is_held_at_the_configured_number(make):

@@ -20,24 +20,12 @@ if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from actor.engines.vllm.client import VLLMEngine  # noqa: E402
-from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement  # noqa: E402
-from pipeline.transfer import TensorSource  # noqa: E402
-from pipeline.weights import bucket_layout, checksum, flatten  # noqa: E402
-
-CFG = dict(
-    vocab_size=4096,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-)
+from tests.vllm_builders import GPU_CFG, install  # noqa: E402
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**CFG)).to(torch.bfloat16)
+    model = LlamaForCausalLM(LlamaConfig(**GPU_CFG)).to(torch.bfloat16)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -45,7 +33,7 @@ def weights(seed: int) -> dict[str, torch.Tensor]:
 def engine(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**CFG)).to(torch.bfloat16).save_pretrained(folder)
+    LlamaForCausalLM(LlamaConfig(**GPU_CFG)).to(torch.bfloat16).save_pretrained(folder)
     settings = SimpleNamespace(
         in_flight=64,
         gpu_memory_utilization=0.3,
@@ -62,22 +50,6 @@ def engine(tmp_path_factory):
     )
     yield e
     e.close()
-
-
-def install(engine: VLLMEngine, version: int, tensors: dict[str, torch.Tensor]) -> None:
-    layout = bucket_layout(list(tensors.items()), 16 << 20)
-    flat = flatten(tensors, layout)
-    ann = WeightAnnouncement(
-        schema=SCHEMA_VERSION,
-        version=version,
-        dtype="bfloat16",
-        buckets=layout,
-        checksums=checksum(flat),
-        targets=["gpu-test"],
-        created=time.time(),
-    )
-    engine.stage(ann, TensorSource(flat), time.monotonic() + 120)
-    engine.swap(version)
 
 
 def test_generation_through_the_engine_interface(engine):
@@ -127,7 +99,7 @@ def test_tensor_parallel_2_swaps_every_shard_between_the_same_steps(tmp_path):
     corrupt the output, not fail loudly, so A-B-A exactness is the check)."""
     folder = tmp_path / "tiny-llama"
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**CFG)).to(torch.bfloat16).save_pretrained(folder)
+    LlamaForCausalLM(LlamaConfig(**GPU_CFG)).to(torch.bfloat16).save_pretrained(folder)
     settings = SimpleNamespace(
         in_flight=64,
         gpu_memory_utilization=0.3,

@@ -19,7 +19,6 @@ import threading
 import time
 from types import SimpleNamespace
 
-import msgspec
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -31,8 +30,15 @@ from pipeline import lora
 from pipeline.messages import encode
 from pipeline.transfer import TensorSource
 from tests import vllm_fake
-from tests.test_vllm_engine import prompts, settings
-from tests.test_vllm_worker import announcement, hf_model, hf_state, vllm_layout
+from tests.vllm_builders import (
+    adapter_announcement,
+    announcement,
+    hf_model,
+    hf_state,
+    prompts,
+    settings,
+    vllm_layout,
+)
 
 LORA = SimpleNamespace(rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"])
 
@@ -55,11 +61,6 @@ def trained(adapter: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tens
     """A later version: every tensor moved (lora_B starts at zero)."""
     g = torch.Generator().manual_seed(seed)
     return {n: t + 0.05 * torch.randn(t.shape, generator=g) for n, t in adapter.items()}
-
-
-def adapter_announcement(version: int, tensors: dict[str, torch.Tensor]):
-    ann, flat = announcement(version, tensors, bucket_bytes=1024)  # several buckets
-    return msgspec.structs.replace(ann, kind=lora.KIND_LORA), flat
 
 
 def tag(tensors: dict[str, torch.Tensor]) -> float:

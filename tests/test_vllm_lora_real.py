@@ -27,7 +27,7 @@ import torch
 from pipeline import lora
 from pipeline.transfer import ReceiverSource
 from pipeline.transfer.gloo import GlooSender
-from tests.test_vllm_lora import adapter_announcement
+from tests.vllm_builders import adapter_announcement
 from tests.vllm_real import save_tiny, settings, vllm_available
 
 pytestmark = pytest.mark.vllm

@@ -32,7 +32,7 @@ from pipeline.models import materialize_model  # noqa: E402
 from pipeline.runtime import Pool  # noqa: E402
 from pipeline.streams import Names  # noqa: E402
 from pipeline.telemetry import MetricsFile, PoolStatus, Window  # noqa: E402
-from tests.test_vllm_gpu import CFG, install  # noqa: E402
+from tests.vllm_builders import GPU_CFG, install  # noqa: E402
 
 G, IN_FLIGHT = 8, 64
 
@@ -43,7 +43,7 @@ def test_streamed_groups_keep_64_requests_in_flight_through_swaps(rclient, tmp_p
     tok = AutoTokenizer.from_pretrained(materialize_model("tiny", str(tmp_path / "m")))
     folder = str(tmp_path / "model")
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(**{**CFG, "vocab_size": len(tok)})).to(torch.bfloat16)
+    hf = LlamaForCausalLM(LlamaConfig(**{**GPU_CFG, "vocab_size": len(tok)})).to(torch.bfloat16)
     hf.save_pretrained(folder)
     tok.save_pretrained(folder)
     cfg = OmegaConf.structured(Config)

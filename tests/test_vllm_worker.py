@@ -12,64 +12,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from actor.engines.vllm.worker.extension import LockedWeights, NonstopWorkerExtension, StepVersions
 from actor.engines.vllm.worker.layout import build_plan
 from pipeline.messages import encode
-from tests import vllm_real
-
-VOCAB, PAD_TO = 100, 64
-
-
-def hf_model(seed: int, tie: bool = False) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tie,
-    )
-    return LlamaForCausalLM(cfg)
-
-
-def vllm_layout(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What vLLM's Llama holds for these HF weights (TP=1): fused qkv / gate_up,
-    vocabulary padded to a multiple of 64 rows (padding rows zero)."""
-    out = {}
-    for name, t in hf.items():
-        if ".k_proj." in name or ".v_proj." in name or ".up_proj." in name:
-            continue
-        if ".q_proj." in name:
-            k, v = name.replace(".q_proj.", ".k_proj."), name.replace(".q_proj.", ".v_proj.")
-            out[name.replace(".q_proj.", ".qkv_proj.")] = torch.cat([t, hf[k], hf[v]])
-        elif ".gate_proj." in name:
-            out[name.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat(
-                [t, hf[name.replace(".gate_proj.", ".up_proj.")]]
-            )
-        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
-            rows = -(-t.shape[0] // PAD_TO) * PAD_TO
-            padded = torch.zeros(rows, t.shape[1])
-            padded[: t.shape[0]] = t
-            out[name] = padded
-        else:
-            out[name] = t.clone()
-    return out
-
-
-class FakeVllmModel(torch.nn.Module):
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        super().__init__()
-        self.names = list(tensors)
-        self.flat = torch.nn.ParameterList(
-            [torch.nn.Parameter(t.clone(), requires_grad=False) for t in tensors.values()]
-        )
-
-    def named_parameters(self, *args, **kwargs):
-        return iter(zip(self.names, self.flat, strict=True))
+from tests.vllm_builders import (
+    FakeVllmModel,
+    announcement,
+    hf_model,
+    hf_state,
+    sched,
+    shard,
+    vllm_layout,
+)
 
 
 class FakeWorker(NonstopWorkerExtension):
@@ -96,27 +51,6 @@ class FakeWorker(NonstopWorkerExtension):
         return self._weights
 
 
-def sched(new=(), cached=(), scheduled=None, finished=()):
-    """A minimal SchedulerOutput: new=[(id, prompt_len, computed)], cached=[(id, computed)]."""
-    return SimpleNamespace(
-        scheduled_new_reqs=[
-            SimpleNamespace(req_id=r, prompt_token_ids=[0] * n, num_computed_tokens=c)
-            for r, n, c in new
-        ],
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[r for r, _ in cached], num_computed_tokens=[c for _, c in cached]
-        ),
-        num_scheduled_tokens=dict(scheduled or {}),
-        total_num_scheduled_tokens=sum((scheduled or {}).values()),
-        finished_req_ids=set(finished),
-    )
-
-
-def announcement(version: int, hf: dict[str, torch.Tensor], bucket_bytes: int = 4096):
-    """tests/vllm_real.py's announcement with small buckets (many of them per model)."""
-    return vllm_real.announcement(version, hf, bucket_bytes)
-
-
 class MemorySource:
     def __init__(self, flat, corrupt: int | None = None):
         self.flat, self.corrupt = flat, corrupt
@@ -137,10 +71,6 @@ def file_source(path: str, corrupt: int = -1) -> MemorySource:
     tensors = load_file(path)
     flat = [tensors[f"b{i}"] for i in range(len(tensors))]
     return MemorySource(flat, corrupt if corrupt >= 0 else None)
-
-
-def hf_state(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -364,10 +294,8 @@ def test_an_armed_tp_swap_is_refused_once_staging_is_written_again():
     """TP > 1: a swap asked for mid-step is armed and applied at the next execute_model
     entry. If a new version began staging meanwhile (the client timed out and moved
     on), the armed apply must not copy the half-written staging as the old version."""
-    from tests.tp_rank import shard  # rank 0's shard of each version, as tp_rank holds
-
     old, v1, v2 = (hf_state(hf_model(s)) for s in (0, 1, 2))
-    worker = FakeWorker(FakeVllmModel(shard(old, 0, 2)))
+    worker = FakeWorker(FakeVllmModel(shard(old, 0, 2)))  # rank 0's shard, as tp_rank holds
     w = LockedWeights(list(worker.model.named_parameters()), 5.0, tp=(0, 2))
     w.wrap(worker)
     ann1, flat1 = announcement(1, v1)

@@ -1,10 +1,5 @@
 """Weight transfer over a real redis-server and a gloo pair group."""
 
-import os
-import queue
-import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -19,7 +14,7 @@ from pipeline.telemetry import PoolStatus
 from pipeline.weight_publisher import WeightPublisher
 from pipeline.weight_receiver import WeightReceiver
 from pipeline.weights import bucket_layout, checksum, flatten
-from tests.weight_peers import BUCKET_MB, NAMES, SECRET, TIMEOUT_S, params_digest
+from tests.weight_peers import BUCKET_MB, NAMES, SECRET, TIMEOUT_S, Peer, params_digest
 
 
 def _models(tmp_path):
@@ -165,68 +160,6 @@ def test_submit_rejects_what_is_not_a_parameter_set(tmp_path, rclient):
             publisher.submit(1, {})
     finally:
         publisher.close(timeout_s=1)
-
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the default wait for a peer's line: a fresh peer imports torch and loads a model before
-# its first line, which took over 30 s on 2 cores shared at load 18
-PEER_LINE_S = 120.0
-
-
-class Lines:
-    """A child's stdout, line by line, each line waited for with a deadline: a peer that
-    hangs without a word fails the test at the deadline instead of blocking readline()
-    for ever (a reader thread does the blocking reads)."""
-
-    def __init__(self, stream):
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
-
-    def _pump(self, stream) -> None:
-        for line in stream:
-            self._queue.put(line)
-        self._queue.put(None)  # end of the stream: the child exited or closed it
-
-    def next(self, deadline: float) -> str | None:
-        """The next line (None once the stream ended); AssertionError at the deadline."""
-        try:
-            return self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            raise AssertionError("the peer printed nothing before the deadline") from None
-
-
-class Peer:
-    """A weight-transfer peer in its own process (tests/weight_peers.py); ``transport``:
-    gloo (default) or nccl; ``env``: extra environment (e.g. CUDA_VISIBLE_DEVICES)."""
-
-    def __init__(
-        self, role: str, url: str, model_dir: str, name: str, transport: str = "gloo", env=None
-    ):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.weight_peers", role, url, model_dir, name, transport],
-            cwd=ROOT,
-            env=None if env is None else {**os.environ, **env},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        self.lines = Lines(self.proc.stdout)
-
-    def line_starting(self, words: list[str], timeout_s: float = PEER_LINE_S) -> list[str] | None:
-        """The first line whose words start with ``words`` (None if the peer exited)."""
-        deadline = time.monotonic() + timeout_s
-        while (got := self.lines.next(deadline)) is not None:
-            if got.split()[: len(words)] == words:
-                return got.split()
-        return None
-
-    def expect(self, line: str, timeout_s: float = PEER_LINE_S) -> None:
-        if self.line_starting(line.split(), timeout_s) is None:
-            raise AssertionError(f"peer exited without saying {line!r}")
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
 
 
 def test_a_silent_peer_fails_the_wait_at_its_deadline(tmp_path, redis_server):

@@ -19,37 +19,7 @@ import torch.distributed as dist
 
 from actor.engines.vllm.worker.extension import NonstopWorkerExtension
 from pipeline.messages import encode
-from tests.test_vllm_worker import (
-    FakeVllmModel,
-    announcement,
-    hf_model,
-    hf_state,
-    sched,
-    vllm_layout,
-)
-
-ROW_PARALLEL = (".o_proj.weight", ".down_proj.weight")
-
-
-def shard(hf: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
-    """What vLLM's Llama holds on TP rank ``rank`` of ``size`` for these HF weights:
-    q/k/v and gate/up split by output rows then fused, o/down split by input columns,
-    the vocabulary padded to 64 rows then split in equal blocks, norms replicated."""
-    out = {}
-    for name, t in vllm_layout(hf).items():
-        if ".qkv_proj." in name:
-            parts = [hf[name.replace(".qkv_proj.", f".{p}_proj.")] for p in "qkv"]
-            out[name] = torch.cat([p.chunk(size)[rank] for p in parts])
-        elif ".gate_up_proj." in name:
-            parts = [hf[name.replace(".gate_up_proj.", f".{p}_proj.")] for p in ("gate", "up")]
-            out[name] = torch.cat([p.chunk(size)[rank] for p in parts])
-        elif name.endswith(ROW_PARALLEL):
-            out[name] = t.chunk(size, dim=1)[rank].contiguous()
-        elif t.dim() == 2:  # embed_tokens / lm_head, padded by vllm_layout
-            out[name] = t.chunk(size)[rank].contiguous()
-        else:
-            out[name] = t.clone()
-    return out
+from tests.vllm_builders import FakeVllmModel, announcement, hf_model, hf_state, sched, shard
 
 
 class Worker(NonstopWorkerExtension):

@@ -8,9 +8,16 @@ and runs until killed. TRANSPORT is gloo (default) or nccl (with the gloo backen
 transport's code on the CPU). ``<digest>``: :func:`params_digest` of the actor's model, for
 bit-exact comparisons with the trainer's. ``ipc_actor`` (GPU): see
 tests/test_transfer_cuda_ipc.py.
+
+The test side, imported by the tests: :class:`Peer` starts one of these roles in its own
+process and :class:`Lines` reads a child's stdout line by line, each line with a deadline.
 """
 
 import hashlib
+import os
+import queue
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -196,6 +203,70 @@ def ipc_actor(rendezvous_json: str, nonce: str, count: str) -> None:
     receiver.finish(None)
     say("digests " + " ".join(digest(out) for out in outs))
     threading.Event().wait()
+
+
+# ---- the test side: a peer in its own process and its stdout, line by line
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the default wait for a peer's line: a fresh peer imports torch and loads a model before
+# its first line, which took over 30 s on 2 cores shared at load 18
+PEER_LINE_S = 120.0
+
+
+class Lines:
+    """A child's stdout, line by line, each line waited for with a deadline: a peer that
+    hangs without a word fails the test at the deadline instead of blocking readline()
+    for ever (a reader thread does the blocking reads)."""
+
+    def __init__(self, stream):
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+
+    def _pump(self, stream) -> None:
+        for line in stream:
+            self._queue.put(line)
+        self._queue.put(None)  # end of the stream: the child exited or closed it
+
+    def next(self, deadline: float) -> str | None:
+        """The next line (None once the stream ended); AssertionError at the deadline."""
+        try:
+            return self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError("the peer printed nothing before the deadline") from None
+
+
+class Peer:
+    """A weight-transfer peer in its own process (a role above); ``transport``:
+    gloo (default) or nccl; ``env``: extra environment (e.g. CUDA_VISIBLE_DEVICES)."""
+
+    def __init__(
+        self, role: str, url: str, model_dir: str, name: str, transport: str = "gloo", env=None
+    ):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.weight_peers", role, url, model_dir, name, transport],
+            cwd=ROOT,
+            env=None if env is None else {**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self.lines = Lines(self.proc.stdout)
+
+    def line_starting(self, words: list[str], timeout_s: float = PEER_LINE_S) -> list[str] | None:
+        """The first line whose words start with ``words`` (None if the peer exited)."""
+        deadline = time.monotonic() + timeout_s
+        while (got := self.lines.next(deadline)) is not None:
+            if got.split()[: len(words)] == words:
+                return got.split()
+        return None
+
+    def expect(self, line: str, timeout_s: float = PEER_LINE_S) -> None:
+        if self.line_starting(line.split(), timeout_s) is None:
+            raise AssertionError(f"peer exited without saying {line!r}")
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
 
 
 if __name__ == "__main__":
