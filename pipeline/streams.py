@@ -153,7 +153,13 @@ def connect(
     Once connected, a command that meets a dropped connection (redis-server
     restarting) is retried with exponential backoff for about ``reconnect_s``
     seconds before the error reaches the caller.
+
+    ``redis+sentinel://`` URLs (redis.mode=sentinel; pipeline/sentinel.py) give a client
+    of the primary the sentinels name, found again on every reconnect, so it follows a
+    failover with the same reconnect budget.
     """
+    if _is_sentinel(url):
+        return _connect_sentinel(url, startup_s, reconnect_s, tls)
     tls, ssl_kwargs = _tls(url, tls)
     _probe(url, attempts, delay_s, startup_s, tls, ssl_kwargs)
     retry = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=max(1, int(reconnect_s / 2)))
@@ -165,6 +171,33 @@ def connect(
         retry=retry,
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         **ssl_kwargs,
+    )
+    client.ping()
+    return client
+
+
+def _is_sentinel(url: str) -> bool:
+    from pipeline.sentinel import is_sentinel
+
+    return is_sentinel(url)
+
+
+def _connect_sentinel(
+    url: str, startup_s: float, reconnect_s: float, tls: TLSFiles | None
+) -> redis.Redis:
+    """:func:`connect` for a ``redis+sentinel://`` URL (pipeline/sentinel.py)."""
+    from pipeline import sentinel
+
+    parsed = sentinel.parse(url)  # ValueError: the form to use
+    if tls is not None and (tls.ca or tls.cert):
+        raise ValueError(
+            f"TLS files ({tls.named('ca')}, ...) given for the sentinel URL {parsed.shown()}: "
+            "TLS with sentinels is not built yet; drop them"
+        )
+    sentinel.probe(parsed, startup_s)
+    retry = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=max(1, int(reconnect_s / 2)))
+    client = sentinel.sentinel_client(
+        parsed, retry, socket_timeout=30, socket_connect_timeout=5, health_check_interval=30
     )
     client.ping()
     return client
