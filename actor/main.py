@@ -38,6 +38,7 @@ from pipeline.messages import (
     pack_i32,
 )
 from pipeline.runtime import EXIT_MISMATCH, Pool, model_path, start_pool, trainer_version
+from pipeline.stopping import final
 from pipeline.streams import count_produced, publish
 from pipeline.telemetry import Window
 from pipeline.weight_receiver import WeightReceiver
@@ -252,12 +253,16 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         receiver.stop()
         swap_ms = engine.stats.swap_ms
-        pool.status.set(
-            state="stopped",
-            version=engine.version,
-            weight_updates_applied=receiver.applied,
-            weight_updates_failed=receiver.failed,
-            swap_ms_max=max(swap_ms) if swap_ms else 0.0,
+        final(  # stopping with redis gone: one short try (pipeline/stopping.py), then on
+            pool.stop,
+            "the actor's stopped status",
+            lambda: pool.status.set(
+                state="stopped",
+                version=engine.version,
+                weight_updates_applied=receiver.applied,
+                weight_updates_failed=receiver.failed,
+                swap_ms_max=max(swap_ms) if swap_ms else 0.0,
+            ),
         )
         log.info("stopped: %d groups, %d weight updates applied", produced, receiver.applied)
         engine.close()

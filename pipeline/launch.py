@@ -219,11 +219,23 @@ def run(cfg) -> int:
     outcome, code = supervise(cfg, sup, client, names)
     try:
         if outcome == "finished":
-            wait_for_final_sync(client, names, cfg, cfg.trainer.max_steps)
-            wait_for_final_eval(client, names, cfg)
+            try:
+                wait_for_final_sync(client, names, cfg, cfg.trainer.max_steps)
+                wait_for_final_eval(client, names, cfg)
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                print(f"redis did not answer while waiting for the last version ({e})")
         sup.stop()
+        # from disk alone when redis does not answer (the machine shutting down)
         summary = write_summary(run_dir, client, names, outcome, time.time() - start, shards)
         print(summary.render())
+        if summary.redis_unavailable:
+            print(
+                f"\nredis did not answer at the end ({summary.redis_error}): "
+                f"{run_dir}/summary.json was written from metrics.jsonl and the run "
+                "directory; its redis_unavailable lists what it lacks. Launch again on this "
+                "run directory to go on from what redis kept",
+                flush=True,
+            )
         if code == 0 and summary.outcome != outcome:  # finished, but weights did not arrive
             print(f"\nrun {summary.outcome}", flush=True)
             code = 1

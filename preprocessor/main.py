@@ -40,6 +40,7 @@ from pipeline.messages import (
 )
 from pipeline.runtime import Pool, start_pool
 from pipeline.shards import open_consumer
+from pipeline.stopping import final
 from pipeline.streams import DATA, Consumer, Names, publish, retire_groups
 from preprocessor.scorers import ScoredGroup, Scorer, build_scorers
 from preprocessor.shaping import pack, set_advantages
@@ -185,8 +186,17 @@ def main(argv: list[str] | None = None) -> None:
         pool.record(event="preprocessed", **counts)
         add_totals(pool, counts)
         pool.status.set(state="working")
-    pool.status.set(state="stopped")
-    totals = pool.client.hmget(pool.status.key, ["kept", "dropped", "batches"])
+    # stopping with redis gone: one short try each (pipeline/stopping.py); the rollouts
+    # this process read and did not acknowledge stay pending and are read again
+    final(pool.stop, "the preprocessor's stopped status", lambda: pool.status.set(state="stopped"))
+    totals = final(
+        pool.stop,
+        "a read of the run totals",
+        lambda: pool.client.hmget(pool.status.key, ["kept", "dropped", "batches"]),
+    )
+    if totals is None:
+        log.info("stopped (run totals not read: redis did not answer)")
+        return
     kept, dropped, batches = ((t or b"0").decode() for t in totals)
     log.info("stopped: kept %s, dropped %s, batches %s (run totals)", kept, dropped, batches)
 

@@ -33,6 +33,7 @@ from pipeline.config import run_secret
 from pipeline.messages import TrainBatch, decode, encode
 from pipeline.runtime import Pool, model_path, start_pool
 from pipeline.shards import open_consumer
+from pipeline.stopping import final
 from pipeline.streams import Lua, add_once
 from pipeline.weight_publisher import WeightPublisher
 from trainer import checkpoint
@@ -289,11 +290,23 @@ class Trainer:
     def finish(self) -> None:
         cfg = self.pool.cfg.trainer
         done = self.state["version"] >= cfg.max_steps
+        state = "finished" if done else "stopped"
         if self.ranks.is_main:
-            self.publisher.close(timeout_s=cfg.transfer_timeout_s)
-            self.pool.status.set(state="finished" if done else "stopped")
-        else:
-            self.pool.status.set(state="finished" if done else "stopped")
+            # told to stop: the actors are stopping too, so the last version is not waited
+            # for past the stop's final-writes budget (pipeline/stopping.py)
+            timeout = (
+                cfg.transfer_timeout_s
+                if done
+                else min(cfg.transfer_timeout_s, self.pool.stop.left())
+            )
+            self.publisher.close(timeout_s=timeout)
+        # stopping with redis gone: one short try; the batches of the unfinished step were
+        # not acknowledged and are read again from the checkpoint's position
+        final(
+            self.pool.stop,
+            f"the trainer's {state} status",
+            lambda: self.pool.status.set(state=state),
+        )
         close(self.ranks)
         log.info("trainer rank %d done at version %d", self.ranks.rank, self.state["version"])
 
