@@ -146,6 +146,7 @@ def publish_group(
         pool.shards.next(),  # redis.shards: the next shard in turn (pipeline/shards.py)
         pool.names.rollouts,
         encode(group),
+        token=group.group_id,  # XADD-once: a re-send adds no copy (pipeline/durable.py)
         schema=SCHEMA_VERSION,
         group=group.group_id,
         actor=pool.name,

@@ -33,6 +33,7 @@ import redis
 import torch
 
 from pipeline.config import load_config, redis_tls, redis_url, shard_urls
+from pipeline.durable import Durability, NotReplicated, attach
 from pipeline.redis_server import UnsafeRedis, check_no_eviction
 from pipeline.shards import Shards
 from pipeline.stopping import NOTHING_LOST, StopEvent, guard, watch
@@ -135,6 +136,9 @@ def start_pool(
         signal.signal(sig, on_stop)
     client = guard(_connect(cfg, redis_url(cfg, role)), stop)
     extra = [guard(_connect(cfg, u), stop) for u in shard_urls(cfg, role)]
+    durability = Durability.from_config(cfg, stop)  # sentinel mode: WAIT behind work writes
+    for c in [client, *extra]:
+        attach(c, durability)
     names = Names(cfg.redis.prefix, cfg.run.name)
     check_permissions(client, names, role, redis_url(cfg, role))  # NOPERM: exit 4 now
     for url, shard in zip(shard_urls(cfg, role), extra, strict=True):
@@ -194,7 +198,8 @@ _current_stop: list[StopEvent] = []  # the process's pool (one per process), for
 
 def run_main(main) -> None:
     """Entry point of a pool, each exit in one line: a lost run (empty Redis) exits with
-    EXIT_DATA_LOST; Redis unreachable at start-up with EXIT_SETUP (the launcher tries
+    EXIT_DATA_LOST; Redis unreachable at start-up, or a work write the replicas never
+    confirmed (pipeline.durable.NotReplicated), with EXIT_SETUP (the launcher tries
     again); Redis refusing the pool (credentials, a command the ACL denies, an evicting
     server or one whose policy may not be read) with EXIT_REFUSED (the run stops). A
     pool told to stop whose Redis fails it meanwhile exits 0 with one line."""
@@ -215,7 +220,7 @@ def run_main(main) -> None:
     except (RedisRefused, UnsafeRedis) as e:
         log.error("%s", e)
         raise SystemExit(EXIT_REFUSED) from None
-    except RedisUnavailable as e:
+    except (RedisUnavailable, NotReplicated) as e:
         log.error("%s", e)
         raise SystemExit(EXIT_SETUP) from None
 

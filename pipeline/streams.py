@@ -9,7 +9,10 @@ every group has read and acknowledged.
 
 Counters that must not drift when a command is re-sent after a lost reply
 (``samples_produced``, ``samples_retired``) are updated by :class:`Lua` scripts
-that remember the last update applied (:func:`add_once`, :func:`retire_groups`).
+that remember the last update applied (:func:`add_once`, :func:`retire_groups`);
+a work entry published with a token (:func:`publish`) is XADDed once however often it
+is re-sent. In sentinel mode these writes and the consumers' XACKs count only once
+WAIT says enough replicas have them (pipeline/durable.py).
 
 Sharding (``redis.shards``): the work streams (``rollouts`` and ``batches``)
 may live on several independent Redis instances, each with its own consumer
@@ -20,7 +23,6 @@ and :class:`ShardedConsumer` reads them all behind the Consumer interface.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -30,6 +32,8 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from pipeline import durable
+from pipeline.durable import Lua
 from pipeline.messages import BadEntry, decode
 from pipeline.redis_tls import TLSFiles, explain, is_tls, settled
 
@@ -338,38 +342,39 @@ def _redact(url: str) -> str:
 
 
 def publish(
-    client: redis.Redis, stream: str, payload: bytes, maxlen: int | None = None, **fields: Any
+    client: redis.Redis,
+    stream: str,
+    payload: bytes,
+    maxlen: int | None = None,
+    token: str | None = None,
+    **fields: Any,
 ) -> str:
-    """XADD ``payload`` with readable plain ``fields`` beside it.
+    """XADD ``payload`` with readable plain ``fields`` beside it; returns the entry id.
 
+    ``token`` (work entries: a group's or a batch's id): XADD-once
+    (:func:`pipeline.durable.publish_once`): a re-send of the same token, a retry after
+    a lost reply included, returns the first entry's id and adds no copy; in sentinel
+    mode it returns once enough replicas have the entry (else NotReplicated).
     ``maxlen`` caps streams whose old entries nobody needs (weight announcements:
     a receiver only acts on the newest); work streams are trimmed by consumption.
     """
-    entry = {k: str(v) for k, v in fields.items()}
+    entry: dict[str, Any] = {k: str(v) for k, v in fields.items()}
     entry["data"] = payload
+    if token is not None:
+        if maxlen is not None:
+            raise ValueError("publish: a token (XADD-once) is for work streams, not maxlen")
+        return durable.publish_once(client, stream, token, entry)[0]
     return client.xadd(stream, entry, maxlen=maxlen, approximate=maxlen is not None).decode()
-
-
-class Lua:
-    """A Lua script run with EVALSHA, and EVAL when the server does not have it cached
-    (after a restart, or the first time). Unlike redis-py's ``register_script`` it never
-    sends SCRIPT LOAD, which deploy/redis/users.acl does not grant the pools (+eval and
-    +evalsha only: SCRIPT also flushes and kills)."""
-
-    def __init__(self, source: str):
-        self.source, self.sha = source, hashlib.sha1(source.encode()).hexdigest()
-
-    def __call__(self, client: redis.Redis, keys: list[str], args: list[Any]) -> Any:
-        try:
-            return client.evalsha(self.sha, len(keys), *keys, *args)
-        except redis.exceptions.NoScriptError:
-            return client.eval(self.source, len(keys), *keys, *args)
 
 
 # KEYS: a counter, a status hash; ARGV: guard field, token, amount, then (field, amount)
 # pairs added to the status hash. Applied once per token: the guard field remembers it.
+# A repeat re-sets the guard: it writes, so a WAIT behind it covers the first (durable.py).
 _ADD_ONCE = Lua("""
-if redis.call('HGET', KEYS[2], ARGV[1]) == ARGV[2] then return 0 end
+if redis.call('HGET', KEYS[2], ARGV[1]) == ARGV[2] then
+  redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+  return 0
+end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('INCRBY', KEYS[1], ARGV[3])
 for i = 4, #ARGV, 2 do redis.call('HINCRBY', KEYS[2], ARGV[i], ARGV[i + 1]) end
@@ -393,7 +398,7 @@ def add_once(
     args: list[Any] = [guard, token, n]
     for field, by in fields.items():
         args += [field, by]
-    return bool(_ADD_ONCE(client, [counter, status], args))
+    return bool(_ADD_ONCE(client, [counter, status], args, f"{counter} += {n} ({token})"))
 
 
 def count_produced(client: redis.Redis, names: Names, actor: str, group_id: str, n: int) -> bool:
@@ -414,7 +419,7 @@ for i = 3, #ARGV, 2 do
     total = total + tonumber(ARGV[i + 1])
   end
 end
-if total > 0 then redis.call('INCRBY', KEYS[1], total) end
+redis.call('INCRBY', KEYS[1], total)  -- also 0: every run writes (durable.py)
 redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -tonumber(ARGV[2]) - 1)
 return total
 """)
@@ -433,7 +438,8 @@ def retire_groups(client: redis.Redis, names: Names, groups: list[tuple[str, int
     args: list[Any] = [time.time(), RETIRED_RECENT_CAP]
     for group_id, n in groups:
         args += [group_id, n]
-    return int(_RETIRE_GROUPS(client, [names.samples_retired, names.retired_recent], args))
+    keys, what = [names.samples_retired, names.retired_recent], f"retiring {len(groups)} groups"
+    return int(_RETIRE_GROUPS(client, keys, args, what))
 
 
 def ensure_group(client: redis.Redis, stream: str, group: str, start: str = "0") -> None:
@@ -575,18 +581,13 @@ class Consumer:
         for plain in (b"group", b"batch"):  # readable ids, for a payload that does not decode
             if plain in fields:
                 entry[plain.decode()] = fields[plain]
-        self.dead_client.xadd(
-            self.names.dead,
-            entry,
-            maxlen=self.dead_maxlen,
-            approximate=True,
-        )
+        durable.xadd(self.dead_client, self.names.dead, entry, maxlen=self.dead_maxlen)
         self.ack([entry_id])
         self.dead_lettered += 1
 
     def ack(self, ids: list[str]) -> None:
-        if ids:
-            self.client.xack(self.stream, self.group, *ids)
+        if ids:  # with WAIT behind it in sentinel mode (pipeline/durable.py)
+            durable.xack(self.client, self.stream, self.group, ids)
 
     # ---- the position interface ShardedConsumer shares (one shard: plain entry ids)
     def client_for(self, entry_id: str) -> redis.Redis:

@@ -23,8 +23,8 @@ only after their batches are written. Groups dropped for no signal are recorded
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import uuid
 from collections import Counter
 
 import numpy as np
@@ -96,7 +96,7 @@ def to_batches(groups: list[RolloutGroup], budget: int) -> list[TrainBatch]:
             out.append(
                 TrainBatch(
                     schema=SCHEMA_VERSION,
-                    batch_id=uuid.uuid4().hex[:16],
+                    batch_id=batch_id(chosen),
                     group_ids=[g.group_id for g, _ in chosen],
                     prompt_ids=[g.prompt_ids for g, _ in chosen],
                     samples=[s for _, s in chosen],
@@ -106,6 +106,14 @@ def to_batches(groups: list[RolloutGroup], budget: int) -> list[TrainBatch]:
                 )
             )
     return out
+
+
+def batch_id(chosen: list) -> str:
+    """A batch's id from its (group, sample) pairs: the same samples packed again (a
+    re-read after a restart before the ack) give the same id, and publish's XADD-once
+    (the id is its token) adds no second copy."""
+    ids = "\n".join(f"{g.group_id}/{s.index}" for g, s in chosen)
+    return hashlib.sha1(ids.encode()).hexdigest()[:16]
 
 
 def score_groups(
@@ -143,6 +151,7 @@ def process(
             out or pool.client,
             pool.names.batches,
             encode(b),
+            token=b.batch_id,  # XADD-once: a re-send adds no copy (pipeline/durable.py)
             schema=SCHEMA_VERSION,
             batch=b.batch_id,
             samples=len(b.samples),

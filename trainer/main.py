@@ -28,7 +28,7 @@ import uuid
 
 import torch
 
-from pipeline import lora
+from pipeline import durable, lora
 from pipeline.config import run_secret
 from pipeline.messages import TrainBatch, decode, encode
 from pipeline.runtime import Pool, model_path, start_pool
@@ -122,7 +122,7 @@ class Trainer:
             # a trainer ran before: its steps after this version are undone
             pool.record(event="resume", version=self.state["version"])
         self._undo_retired(self.state["samples_retired"])
-        pool.client.set(pool.names.trainer_version, self.state["version"])
+        durable.set_value(pool.client, pool.names.trainer_version, self.state["version"])
         self.checkpoint_id = self.state["entry_id"]
         pool.status.set(**describe(cfg))  # backend, ZeRO stage, ranks, dtype: summary.json
         self.publisher = WeightPublisher(
@@ -240,7 +240,7 @@ class Trainer:
         s["recent_samples"] = recent | dict.fromkeys(data.sample_ids, s["version"])
         s["sequences_spanning_versions"] += metrics["spanning"]
         s["entry_id"] = self.consumer.position(s["entry_id"], data.entry_ids)
-        self.pool.client.set(self.pool.names.trainer_version, s["version"])
+        durable.set_value(self.pool.client, self.pool.names.trainer_version, s["version"])
         self.consumer.ack(data.entry_ids)
         dead = self.consumer.dead_lettered - self.dead_seen  # entries, like a preprocessor's
         add_once(  # once even when re-sent after a lost reply
