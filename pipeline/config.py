@@ -689,6 +689,11 @@ def validate_mode(cfg: Any) -> None:
             "redis.url is a redis+sentinel:// URL but redis.mode=single: set "
             "redis.mode=sentinel (or +redis=ha), or give a redis:// URL"
         )
+    if mode == "sentinel" and not url and _get(cfg, "redis.tls.enabled"):
+        raise ValueError(
+            "redis.tls=true with +redis=ha (local sentinels) is not built yet: drop "
+            "redis.tls, or use the single embedded server (+redis=embedded) for TLS"
+        )
     if mode == "sentinel" and _get(cfg, "redis.shards") != 1:
         raise ValueError(
             "redis.shards > 1 is not supported with redis.mode=sentinel (each shard would "
@@ -696,9 +701,7 @@ def validate_mode(cfg: Any) -> None:
         )
     service = _get(cfg, "redis.sentinel_service")
     if not service or "/" in service or " " in service:
-        raise ValueError(
-            f"redis.sentinel_service={service!r} must be a name without '/' or spaces"
-        )
+        raise ValueError(f"redis.sentinel_service={service!r} must be a name without '/' or spaces")
     acked = _get(cfg, "redis.min_replicas_acked")
     if acked is not None and (not isinstance(acked, int) or acked < 0):
         raise ValueError(f"redis.min_replicas_acked={acked!r} must be an integer >= 0")

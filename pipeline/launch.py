@@ -42,6 +42,7 @@ from pipeline.config import (
 )
 from pipeline.evaluator import wait_for_final_eval
 from pipeline.progress import Progress
+from pipeline.redis_ha import start_local_ha
 from pipeline.redis_server import EmbeddedRedis, check_no_eviction
 from pipeline.redis_tls import ENV as TLS_ENV
 from pipeline.redis_tls import TLSFiles, make_run_certs
@@ -176,6 +177,9 @@ def run(cfg) -> int:
     server, env, tls = None, dict(os.environ), None
     if cfg.redis.url:
         url = cfg.redis.url
+    elif cfg.redis.mode == "sentinel":  # +redis=ha: primary, replica, sentinels
+        server = start_local_ha(cfg, run_dir)
+        url = server.url
     else:
         for var in TLS_ENV.values():  # files of some other Redis: not this run's
             env.pop(var, None)

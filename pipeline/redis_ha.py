@@ -77,6 +77,7 @@ class RedisHA:
             "--min-replicas-max-lag", str(MAX_LAG_S),
             "--replica-serve-stale-data", "no",
             "--masterauth", self.password,
+            "--repl-diskless-sync-delay", "0",  # a restarted node syncs at once
         ]  # fmt: skip
         if primary is not None:
             args += ["--replicaof", "127.0.0.1", str(primary.port)]
@@ -276,3 +277,27 @@ class RedisHA:
             self.start_node(k, primary)
             event("restart", f"redis-node{k}", role="replica")
             del self.down_since[k]
+
+
+def start_local_ha(cfg, run_dir: str) -> RedisHA:
+    """``+redis=ha`` in the launcher: start the topology under ``RUN_DIR/redis`` and
+    write the password (``redis/auth``) and the sentinel URL (``redis/url``, read by
+    ``pipeline.inspect --run-dir`` and the faults bench), both mode 0600."""
+    d = os.path.join(run_dir, "redis")
+    ha = RedisHA(d, cfg.redis.sentinel_service, cfg.redis.embedded_appendfsync)
+    ha.start()
+    for name, text in (("auth", ha.password), ("url", ha.url)):
+        with open(
+            os.open(os.path.join(d, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w"
+        ) as f:
+            f.write(text + "\n")
+    nodes = ", ".join(f"node-{k} :{n.port}" for k, n in enumerate(ha.nodes))
+    sentinels = ", ".join(f":{p}" for p in ha.sentinel_ports)
+    print(
+        f"local redis primary and replica on 127.0.0.1 ({nodes}; node-0 is the primary), "
+        f"sentinels on {sentinels} (service {ha.service!r}; password in {d}/auth, "
+        f"sentinel URL in {d}/url, AOF in {d}/node-*)\n"
+        f'  redis-cli: redis-cli -p {ha.sentinel_ports[0]} -a "$(cat {d}/auth)" '
+        f"--no-auth-warning sentinel get-master-addr-by-name {ha.service}"
+    )
+    return ha

@@ -123,12 +123,30 @@ class NotEnoughReplicas(redis.ConnectionError):
 
 
 class NodeConnection(SentinelManagedConnection):
-    """A connection to the primary the sentinels name; NOREPLICAS becomes
-    :class:`NotEnoughReplicas`, which the client's retry covers."""
+    """A connection to the primary the sentinels name.
+
+    - Every (re)connect asks the sentinels: redis-py 8.1's ``send_packed_command``
+      reconnects a dropped connection to its previous address without asking them
+      (``connect_check_health``), so a command retried after the primary died went back
+      to the dead port, and, once that node was restarted as a replica, to a replica.
+    - MASTERDOWN (a replica whose link is down: we reached a replica, not the primary)
+      drops the connection like READONLY does, as a ConnectionError the retry covers.
+    - NOREPLICAS becomes :class:`NotEnoughReplicas`, which the retry covers too.
+    """
+
+    def send_packed_command(self, command, check_health=True):
+        if not self._sock:
+            self.connect()  # SentinelManagedConnection.connect: the primary named now
+        return super().send_packed_command(command, check_health)
 
     def read_response(self, *args, **kwargs):
         try:
             return super().read_response(*args, **kwargs)
+        except redis.exceptions.MasterDownError as e:
+            self.disconnect()
+            raise redis.ConnectionError(
+                f"{self.host}:{self.port} is a replica out of sync ({e}), not the primary"
+            ) from None
         except redis.ResponseError as e:
             if str(e).startswith("NOREPLICAS"):
                 raise NotEnoughReplicas(

@@ -1,0 +1,217 @@
+"""redis.mode=sentinel on real redis-servers on loopback (pipeline/redis_ha.py,
+pipeline/sentinel.py): a primary, a replica and three sentinels; the client found
+through the sentinels follows a failover (SIGKILL of the primary and its data directory
+deleted) with no restart; the primary refuses writes without a replica; bad sentinel
+URLs fail in one line; the tiny pipeline runs end to end on redis=ha."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import redis
+from omegaconf import OmegaConf
+
+from pipeline.config import Config, min_replicas_acked, validate
+from pipeline.redis_ha import RedisHA
+from pipeline.redis_server import free_port
+from pipeline.sentinel import NotEnoughReplicas, parse
+from pipeline.streams import RedisRefused, RedisUnavailable, connect
+from tests.launching import ROOT, run_tiny
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
+
+
+@pytest.fixture
+def ha(tmp_path):
+    topology = RedisHA(str(tmp_path / "redis"))
+    topology.start()
+    yield topology
+    topology.stop()
+
+
+def test_sentinel_urls_parse_and_hide_the_password():
+    p = parse("redis+sentinel://u:s3cret@h1:26379,h2:26380,h3/svc/2")
+    assert p.sentinels == [("h1", 26379), ("h2", 26380), ("h3", 26379)]
+    assert (p.service, p.db, p.username, p.password) == ("svc", 2, "u", "s3cret")
+    assert "s3cret" not in p.shown() and p.shown().startswith("redis+sentinel://***@h1:26379")
+    for bad, said in [
+        ("redis+sentinel://h1:26379", "give the sentinels and the service"),
+        ("redis+sentinel://h1:x/svc", "bad sentinel address"),
+        ("redis+sentinel://h1:1/svc/db", "bad database"),
+        ("rediss+sentinel://h1:1/svc", "not built yet"),
+    ]:
+        with pytest.raises(ValueError, match=said):
+            parse(bad)
+
+
+def test_redis_mode_is_validated():
+    cfg = OmegaConf.structured(Config)
+    validate(cfg)
+    assert min_replicas_acked(cfg) == 0
+    for mode, url, said in [
+        ("cluster", None, "redis.mode=cluster is not built yet: use redis.mode=single or"),
+        ("raft", None, "redis.mode='raft' is not supported"),
+        ("sentinel", "redis://h:1/0", "redis.mode=sentinel needs redis.url=redis\\+sentinel"),
+        ("single", "redis+sentinel://h:1/s", "redis.mode=single"),
+    ]:
+        bad = cfg.copy()
+        bad.redis.mode, bad.redis.url = mode, url
+        with pytest.raises(ValueError, match=said):
+            validate(bad)
+    ok = cfg.copy()
+    ok.redis.mode = "sentinel"
+    validate(ok)
+    assert min_replicas_acked(ok) == 1
+
+
+def test_failover_keeps_the_same_client_writing(ha):
+    """(a) SIGKILL the primary and delete its data: the sentinels promote the replica,
+    the supervisor's round restarts the old node as its replica, and the client made
+    before the kill carries on; every write it saw acknowledged is on the new primary."""
+    client = connect(ha.url, reconnect_s=60)
+    old = ha.nodes[0]
+    assert client.connection_pool.get_master_address() == ("127.0.0.1", old.port)
+    for i in range(20):
+        client.xadd("s", {"i": i})
+    client.execute_command("WAIT", 1, 2000)  # both nodes have them
+    # a blocking write in flight across the failover (BLPOP, like the pools' XREADGROUP
+    # BLOCK): its retry must go to the primary the sentinels name, not back to the old port
+    blocked: dict = {}
+    reader = threading.Thread(target=_read_one, args=(client, blocked), daemon=True)
+    reader.start()
+    _wait(lambda: _blocked_clients(ha, old) > 0, 10, lambda: "the read did not block")
+    os.kill(old.proc.pid, signal.SIGKILL)
+    old.proc.wait()
+    shutil.rmtree(old.data_dir)
+    killed = time.monotonic()
+    lines: list[str] = []
+    watcher = _Watcher(ha, lines)
+    try:
+        client.xadd("s", {"i": 20})  # blocks in the retry until the new primary takes it
+        first_write_s = time.monotonic() - killed
+        new = client.connection_pool.get_master_address()
+    finally:
+        watcher.stop()
+    print(f"\nkill to first write on the new primary: {first_write_s:.2f} s")
+    assert new == ("127.0.0.1", ha.nodes[1].port), (new, lines)
+    assert [int(e[1][b"i"]) for e in client.xrange("s")] == list(range(21))
+    assert any("promoted node-1" in line for line in lines), lines
+    assert any("restarting node-0" in line and "as a replica" in line for line in lines), lines
+    # the old node came back as a replica of the new primary, with the data
+    _wait(lambda: ha.not_ready() is None, 20, lambda: ha.not_ready())
+    role = ha.node_client(old).execute_command("ROLE")
+    assert role[0] == b"slave" and role[2] == ha.nodes[1].port
+    assert first_write_s < 30
+    client.rpush("wake", "up")  # the blocked BLPOP, retried on the new primary, returns
+    reader.join(30)
+    assert blocked.get("got") == (b"wake", b"up"), blocked
+
+
+def _read_one(client, out: dict) -> None:
+    try:
+        out["got"] = client.blpop(["wake"], timeout=60)
+    except Exception as e:  # noqa: BLE001 - reported by the assertion
+        out["error"] = repr(e)
+
+
+def _blocked_clients(ha, node) -> int:
+    return int(ha.node_client(node).info("clients")["blocked_clients"])
+
+
+class _Watcher:
+    """The supervisor's rounds (RedisHA.watch) in a thread, as the launcher runs them."""
+
+    def __init__(self, ha: RedisHA, lines: list[str]):
+        self.done = threading.Event()
+
+        def loop():
+            while not self.done.is_set():
+                ha.watch(lines.append, lambda *a, **k: None)
+                time.sleep(0.2)
+
+        self.thread = threading.Thread(target=loop, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.done.set()
+        self.thread.join(10)
+
+
+def _wait(check, timeout, why=lambda: ""):
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, why()
+        time.sleep(0.1)
+
+
+def test_primary_refuses_writes_without_a_replica(ha):
+    """(b) min-replicas-to-write: with the replica gone the primary applies no write; the
+    caller gets NotEnoughReplicas naming the cause once the reconnect budget is spent."""
+    client = connect(ha.url, reconnect_s=2)
+    client.set("k", "before")
+    replica = ha.nodes[1]
+    os.kill(replica.proc.pid, signal.SIGKILL)
+    replica.proc.wait()
+    # the primary notices a silent replica after min-replicas-max-lag seconds at most
+    _wait(lambda: _refuses(ha), 15, lambda: "the primary still accepts writes")
+    with pytest.raises(
+        NotEnoughReplicas, match="refuses writes: NOREPLICAS.*min-replicas-to-write"
+    ):
+        client.set("k", "after")
+    assert client.get("k") == b"before"  # reads go on; the refused write was not applied
+
+
+def _refuses(ha) -> bool:
+    try:
+        ha.node_client(ha.nodes[0]).set("probe", 1)
+        return False
+    except redis.ResponseError as e:
+        return "NOREPLICAS" in str(e)
+
+
+def test_bad_sentinel_urls_fail_in_one_line(ha):
+    """(c) no sentinel answers; a service the sentinels do not know; a wrong password."""
+    dead = f"redis+sentinel://:pw@127.0.0.1:{free_port()},127.0.0.1:{free_port()}/nonstop/0"
+    t = time.monotonic()
+    with pytest.raises(RedisUnavailable, match="none of the sentinels of") as e:
+        connect(dead, startup_s=1.5)
+    assert "pw" not in str(e.value) and "\n" not in str(e.value)
+    assert time.monotonic() - t < 10
+    unknown = ha.url.replace("/nonstop/", "/nosuch/")
+    with pytest.raises(RedisRefused, match="do not know the service 'nosuch'") as e:
+        connect(unknown, startup_s=2)
+    assert ha.password not in str(e.value)
+    wrong = ha.url.replace(ha.password, "wrong")
+    with pytest.raises(RedisRefused, match="refused the credentials"):
+        connect(wrong, startup_s=2)
+    # and from the command line: a pool's one line, exit 2/4, no traceback
+    code = (
+        "from pipeline.streams import connect, RedisUnavailable\n"
+        "import sys\n"
+        "try:\n    connect(sys.argv[1], startup_s=1)\n"
+        "except RedisUnavailable as e:\n    print(f'error: {e}'); sys.exit(2)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, dead], capture_output=True, text=True, cwd=ROOT, timeout=30
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stdout + out.stderr
+    assert out.stdout.count("\n") == 1 and "redis-sentinel" in out.stdout
+
+
+@pytest.mark.slow
+def test_tiny_pipeline_on_redis_ha(tmp_path):
+    """(d) the launcher starts the topology and the pools run through the sentinels."""
+    run_dir = tmp_path / "run"
+    code, out = run_tiny(tmp_path, run_dir, "redis=ha", timeout=400)
+    assert code == 0, out[-3000:]
+    assert "sentinels on" in out
+    url = (run_dir / "redis" / "url").read_text().strip()
+    assert (
+        url.startswith("redis+sentinel://")
+        and oct((run_dir / "redis" / "url").stat().st_mode)[-3:] == "600"
+    )
