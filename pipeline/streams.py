@@ -81,6 +81,14 @@ class Names:
         return self.stream("joins")
 
     @property
+    def rollouts_once(self) -> str:  # hash: XADD-once token -> entry id (pipeline/durable.py)
+        return durable.once_keys(self.rollouts)[0]
+
+    @property
+    def batches_once(self) -> str:
+        return durable.once_keys(self.batches)[0]
+
+    @property
     def stats(self) -> str:
         return self.stream("stats")
 
@@ -282,10 +290,18 @@ def _probe(
 
 # what each role writes, probed at start-up against its own keys: (command, Names property)
 ROLE_PROBES = {
-    "actor": (("XADD", "rollouts"), ("EVALSHA", "samples_produced")),
+    "actor": (
+        ("XADD", "rollouts"),
+        ("EVALSHA", "rollouts"),  # XADD-once (pipeline/durable.py): the stream and
+        ("EVALSHA", "rollouts_once"),  # its once keys, as a script's keys (RW)
+        ("EVALSHA", "samples_produced"),
+    ),
     "preprocessor": (
         ("XADD", "batches"),
+        ("EVALSHA", "batches"),
+        ("EVALSHA", "batches_once"),
         ("XACK", "rollouts"),
+        ("EVALSHA", "rollouts_once"),  # sentinel mode: an XACK's fence field
         ("XADD", "dead"),
         ("EVALSHA", "samples_retired"),
         ("EVALSHA", "retired_recent"),
@@ -293,6 +309,7 @@ ROLE_PROBES = {
     "trainer": (
         ("XADD", "weights"),
         ("XACK", "batches"),
+        ("EVALSHA", "batches_once"),  # sentinel mode: an XACK's fence field
         ("XADD", "dead"),
         ("EVALSHA", "samples_retired"),
     ),
@@ -318,7 +335,7 @@ def check_permissions(
     the command, the key and deploy/redis/users.acl instead of logging NOPERM later.
     ``shard``: an extra shard, which holds only the sharded work streams."""
     for command, stream in ROLE_PROBES.get(role, ()):
-        if shard and stream not in SHARDED:
+        if shard and stream.removesuffix("_once") not in SHARDED:
             continue
         key = getattr(names, stream)
         args = _PROBE_ARGS[command](key)

@@ -291,3 +291,20 @@ def test_a_publish_whose_reply_is_lost_is_resent_without_a_copy(pair, replicas):
     finally:
         proxy.sock.close()
         direct.close()
+
+
+def test_an_actor_without_its_once_keys_is_refused_at_start_up(tmp_path):
+    """XADD-once runs a script whose keys are the stream and its once keys: a user
+    missing them is named at start-up (check_permissions), not with NOPERM mid-run."""
+    from pipeline.streams import RedisUnavailable, check_permissions
+    from tests.test_redis_errors import acl_server
+
+    urls = acl_server(tmp_path, drop=" %RW~nonstop:*:rollouts:once*")
+    try:
+        names = Names("nonstop", "probe")
+        with pytest.raises(RedisUnavailable) as info:
+            check_permissions(connect(urls["actor"]), names, "actor", urls["actor"])
+        assert "EVALSHA" in str(info.value) and names.rollouts_once in str(info.value)
+    finally:
+        urls["proc"].terminate()
+        urls["proc"].wait()
