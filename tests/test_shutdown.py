@@ -5,10 +5,12 @@ saying what Redis could not give (pipeline/summary.py); nothing is lost (the AOF
 holds every acknowledged write, un-acknowledged entries stay pending), so the run
 launched again on the same directory goes on and its account holds.
 
-Measured here (2 shared cores): with the fix every process of a tiny run is gone
-about 2-4 s after the SIGTERM; without it (the pools' retry budget, redis.reconnect_s,
-spent reconnecting) the pools sit out the launcher's 15 s grace and are killed, and
-the launcher dies in write_summary with a redis ConnectionError traceback.
+Measured here (2 shared cores, load average 3-5): with the fix every process of a
+tiny run is gone 3.7 s after the SIGTERM (the pools in 0.8-2.1 s, the launcher last);
+without it (the pools spending their retry budget, redis.reconnect_s, reconnecting)
+the trainer and the actor sat out the launcher's 15 s grace and were killed (16.4 s),
+and without the summary's fallback the launcher died in write_summary with a redis
+ConnectionError traceback.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ def test_machine_shutdown_stops_everything_at_once_and_loses_nothing(tmp_path):
             proc.communicate()
     print(out[-3000:])
     assert "Traceback" not in out, out
+    assert proc.returncode == 130, out  # interrupted, as on Ctrl-C
     assert slowest < STOP_BOUND_S, f"{slowest:.1f} s: a process sat out the grace\n{out}"
     assert "did not stop in" not in out, out  # nothing waited for the launcher's SIGKILL
     assert run_leftovers(run_dir) == []
