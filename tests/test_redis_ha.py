@@ -4,13 +4,16 @@ through the sentinels follows a failover (SIGKILL of the primary and its data di
 deleted) with no restart; the primary refuses writes without a replica; bad sentinel
 URLs fail in one line; the tiny pipeline runs end to end on redis=ha."""
 
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -215,3 +218,119 @@ def test_tiny_pipeline_on_redis_ha(tmp_path):
         url.startswith("redis+sentinel://")
         and oct((run_dir / "redis" / "url").stat().st_mode)[-3:] == "600"
     )
+
+
+@pytest.mark.slow
+def test_primary_loss_mid_run_loses_and_duplicates_nothing(tmp_path):
+    """(e) pipeline.bench faults redis_primary_loss on a redis=ha run: SIGKILL the primary
+    and delete its data directory mid-run; the sentinels promote the replica, every pool
+    carries on without a restart, and the account finds 0 groups lost, 0 duplicated."""
+    from tests.test_faults import check_account, run_faults_bench
+
+    proc, result, run_dir = run_faults_bench(
+        tmp_path, "--faults", "redis_primary_loss", "--set", "redis=ha"
+    )
+    (fault,) = result["faults"]
+    assert fault["name"] == "redis_primary_loss" and fault["effect"]["new_port"] != fault["port"]
+    print(
+        f"\nredis_primary_loss: kill to first write on the new primary {fault['first_write_s']} s"
+    )
+    terms = check_account(result, run_dir)
+    assert terms["groups_lost"] == 0 and result["groups_duplicated"] == 0
+    assert not [k for k in result["restarts"] if not k.startswith("redis-node")], result["restarts"]
+    assert result["passed"] and proc.returncode == 0, proc.stdout[-3000:]
+
+
+def test_deploy_scripts_start_a_primary_replica_and_sentinels(tmp_path):
+    """deploy/bin/nonstop-redis-start (primary, replica) and nonstop-sentinel-start, as the
+    systemd units run them: the pools' sentinel URL reaches the primary, which refuses
+    writes once its replica is gone; no password on a command line."""
+    password, service = "0123abcd" * 4, "nonstop"
+    node_ports, sentinel_ports = [free_port(), free_port()], [free_port() for _ in range(3)]
+    hosts = ",".join(f"127.0.0.1:{p}" for p in sentinel_ports)
+    url = f"redis+sentinel://:{password}@{hosts}/{service}/0"
+    procs = []
+
+    def start(script, **env):
+        env = dict(os.environ, NONSTOP_REDIS_URL=url, **env)
+        log = ["--logfile", str(tmp_path / f"{script}-{len(procs)}.log")]
+        procs.append(subprocess.Popen([str(ROOT / "deploy/bin" / script), *log], env=env))
+        return procs[-1]
+
+    conf = str(ROOT / "deploy/redis/nonstop-redis.conf")
+    try:
+        for k, port in enumerate(node_ports):
+            role = {
+                "NONSTOP_REDIS_ROLE": "replica",
+                "NONSTOP_REDIS_REPLICAOF": f"127.0.0.1:{node_ports[0]}",
+            }
+            env = dict(
+                NONSTOP_REDIS_NODE_PORT=str(port),
+                NONSTOP_REDIS_DIR=str(tmp_path / f"node{k}"),
+                NONSTOP_REDIS_RUNTIME=str(tmp_path / f"run{k}"),
+                **(role if k else {}),
+            )
+            env = dict(os.environ, NONSTOP_REDIS_URL=url, **env)
+            procs.append(
+                subprocess.Popen(
+                    ["sh", str(ROOT / "deploy/bin/nonstop-redis-start"), conf]
+                    + ["--logfile", str(tmp_path / f"node{k}.log")],
+                    env=env,
+                )
+            )
+        for k, port in enumerate(sentinel_ports):
+            start(
+                "nonstop-sentinel-start",
+                NONSTOP_SENTINEL_PORT=str(port),
+                NONSTOP_REDIS_PRIMARY=f"127.0.0.1:{node_ports[0]}",
+                NONSTOP_SENTINEL_DIR=str(tmp_path / f"sentinel{k}"),
+            )
+        client = connect(url, startup_s=20)
+        _wait(lambda: _in_sync(client), 20, lambda: "the replica never synced")
+        client.set("k", "v")
+        assert client.connection_pool.get_master_address() == ("127.0.0.1", node_ports[0])
+        conf_file = tmp_path / "sentinel0" / "sentinel.conf"
+        assert oct(conf_file.stat().st_mode)[-3:] == "600"
+        for p in procs:
+            assert password.encode() not in Path(f"/proc/{p.pid}/cmdline").read_bytes()
+        procs[1].kill()  # the replica: the primary now refuses writes
+        procs[1].wait()
+        with pytest.raises(NotEnoughReplicas):
+            _wait(lambda: connect(url, reconnect_s=1).set("k", "w") and False, 20)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(20)
+
+
+def _in_sync(client) -> bool:
+    info = client.info("replication")
+    return any(isinstance(v, dict) and v.get("state") == "online" for v in info.values())
+
+
+def test_inspect_shows_the_replication_state(ha, capsys):
+    """pipeline.inspect in sentinel mode: the primary, each replica with its lag in bytes,
+    and the sentinels that answer (one of them stopped here)."""
+    from pipeline.inspect.cli import main
+
+    client = connect(ha.url)
+    client.set("k", "v" * 1000)
+    client.execute_command("WAIT", 1, 2000)
+    ha.sentinel_procs[2].terminate()
+    ha.sentinel_procs[2].wait()
+    args = ["--url", ha.url, "--prefix", "nonstop", "--run", "r"]
+    assert main(args + ["--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)["replication"]
+    assert rep["primary"] == f"127.0.0.1:{ha.nodes[0].port}" and rep["role"] == "master"
+    (replica,) = rep["replicas"]
+    assert replica["address"] == f"127.0.0.1:{ha.nodes[1].port}"
+    assert 0 <= replica["lag_bytes"] < 1000  # it acknowledged the 1000-byte write (WAIT)
+    assert replica["state"] == "online" and rep["good_replicas"] == 1
+    answering = [s for s in rep["sentinels"] if s["error"] is None]
+    assert len(answering) == 2 and all(s["primary"] == rep["primary"] for s in answering)
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert f"primary 127.0.0.1:{ha.nodes[0].port}" in text
+    assert re.search(rf"replica 127.0.0.1:{ha.nodes[1].port}: online, lag \d+ bytes", text)
+    assert "sentinels answering: 2 of 3" in text and ha.password not in text
