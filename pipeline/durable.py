@@ -169,6 +169,8 @@ class Durability:
             if not self.replicas:
                 return written
             tries += 1
+            if isinstance(replies[n], redis.ResponseError):  # WAIT itself refused (a replica)
+                raise replies[n]
             acked = 0 if refused is not None else int(replies[n])
             if acked >= self.replicas:
                 return written

@@ -4,6 +4,7 @@ retry that adds no copy), and single mode sending no WAIT at all."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -308,3 +309,40 @@ def test_an_actor_without_its_once_keys_is_refused_at_start_up(tmp_path):
     finally:
         urls["proc"].terminate()
         urls["proc"].wait()
+
+
+def test_the_pools_policy_comes_from_the_run_config():
+    from omegaconf import OmegaConf
+
+    from pipeline.config import Config
+
+    cfg = OmegaConf.structured(Config)
+    assert Durability.from_config(cfg) == Durability(replicas=0, timeout_ms=2000)  # single
+    cfg.redis.mode, cfg.redis.wait_timeout_ms, cfg.redis.reconnect_s = "sentinel", 500, 9.0
+    assert Durability.from_config(cfg) == Durability(replicas=1, timeout_ms=500, give_up_s=9.0)
+    cfg.redis.min_replicas_acked = 2
+    assert Durability.from_config(cfg).replicas == 2
+
+
+@pytest.mark.slow
+def test_a_run_whose_writes_the_replicas_cannot_confirm_stops_in_one_line(tmp_path):
+    """+redis=ha has one replica; asking for two makes every work write fall short: the
+    pool that writes first says so in one line (what, 1 of 2, what to check) and exits
+    2, nothing is counted, and the run stops (restart_policy=never)."""
+    from tests.launching import run_tiny
+
+    code, out = run_tiny(
+        tmp_path,
+        tmp_path / "run",
+        "redis=ha",
+        "redis.min_replicas_acked=2",
+        "redis.reconnect_s=3",
+        "launch.restart_policy=never",
+        timeout=300,
+    )
+    assert code != 0, out[-3000:]
+    line = next(ln for ln in out.splitlines() if "is not replicated" in ln)
+    assert "WAIT saw 1 of the 2 replica(s)" in line and "INFO replication" in line
+    assert "exited with 2" in out and "Traceback" not in out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["samples_trained"] == 0
