@@ -148,7 +148,8 @@ class Trainer:
         """
         client, names = self.pool.client, self.pool.names
         keys = [names.samples_retired, names.status(self.pool.name)]
-        undone = int(_UNDO_RETIRED(client, keys, [RETIRED_FIELD, kept]))
+        what = "taking back the retirements of undone steps"
+        undone = int(_UNDO_RETIRED(client, keys, [RETIRED_FIELD, kept], what))
         if undone:
             log.info("%d retired samples of undone steps come again", undone)
 
