@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -346,3 +347,30 @@ def test_a_run_whose_writes_the_replicas_cannot_confirm_stops_in_one_line(tmp_pa
     assert "exited with 2" in out and "Traceback" not in out
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["samples_trained"] == 0
+
+
+def test_a_preprocessor_restarted_before_its_ack_publishes_no_second_batch(rclient):
+    """A preprocessor that published a read's batches and died before acknowledging the
+    read re-reads the same groups after its restart and packs the same batches: their
+    ids come from their samples, and XADD-once adds no copy for the trainer to turn
+    away (before XADD-once: a second copy, rejected as stale or a duplicate)."""
+    from omegaconf import OmegaConf
+
+    from pipeline.config import Config
+    from pipeline.messages import RolloutGroup, encode
+    from preprocessor.main import process, usable
+    from tests.test_preprocessor import group
+
+    cfg = OmegaConf.structured(Config)
+    pool = SimpleNamespace(cfg=cfg, client=rclient, names=NAMES, record=lambda **_: None)
+    for gid in ("g1", "g2", "g3"):
+        publish(rclient, NAMES.rollouts, encode(group(gid, 1.0)), token=gid, group=gid)
+
+    def read_and_process() -> int:
+        c = Consumer(rclient, NAMES, NAMES.rollouts, "preprocessor", "pre-0", RolloutGroup)
+        return process(pool, [], usable(pool, c, c.read(10)))["batches"]  # then dies
+
+    first = read_and_process()
+    assert first >= 1 and rclient.xlen(NAMES.batches) == first
+    assert read_and_process() == first  # the restart re-reads its pending entries
+    assert rclient.xlen(NAMES.batches) == first  # ... and publishes no copy
