@@ -126,14 +126,8 @@ def start_pool(
     pin_cpus(role, cfg.pipeline.cpus)
     stop = StopEvent()
     starting = [True]  # a stop while still connecting: nothing to finish, leave now
-
-    def on_stop(signum, _frame) -> None:
-        stop.set()
-        if starting[0]:
-            raise StoppedAtStartup(signal.Signals(signum).name)
-
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_stop)
+        signal.signal(sig, stop_handler(stop, starting))
     client = guard(_connect(cfg, redis_url(cfg, role)), stop)
     extra = [guard(_connect(cfg, u), stop) for u in shard_urls(cfg, role)]
     durability = Durability.from_config(cfg, stop)  # sentinel mode: WAIT behind work writes
@@ -167,6 +161,26 @@ def start_pool(
     detail = f": {describe(cfg)}" if describe is not None else ""
     logging.getLogger(role).info("%s started (pid %d)%s", args.name, os.getpid(), detail)
     return pool
+
+
+def stop_handler(stop: StopEvent, starting: list[bool]) -> Callable[[int, Any], None]:
+    """The pool's SIGTERM/SIGINT handler: set ``stop``, and while ``starting[0]`` (still
+    connecting) leave at once (:class:`StoppedAtStartup`). It sets ``stop`` once: a
+    second signal (a machine's shutdown SIGTERMs every process, and the launcher then
+    SIGTERMs its pools again) runs its handler in the same thread, between two bytecodes
+    of the first, which may be holding the Event's lock inside ``set()``: a second
+    ``set()`` there would wait for that lock forever (seen: a preprocessor hung until the
+    launcher's SIGKILL)."""
+    entered = [False]
+
+    def on_stop(signum: int, _frame: Any) -> None:
+        if not entered[0]:
+            entered[0] = True  # before set(): a signal from here on does not enter it
+            stop.set()
+        if starting[0]:
+            raise StoppedAtStartup(signal.Signals(signum).name)
+
+    return on_stop
 
 
 def _connect(cfg: Any, url: str) -> redis.Redis:

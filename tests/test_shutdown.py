@@ -30,6 +30,7 @@ import redis
 from pipeline.bench.faults import account_run
 from pipeline.messages import SCHEMA_VERSION, TrainBatch, encode
 from pipeline.redis_server import EmbeddedRedis
+from pipeline.runtime import StoppedAtStartup, stop_handler
 from pipeline.stopping import FINAL_WRITES_S, StopAwareRetry, StopEvent, final, guard, watch
 from pipeline.streams import Consumer, Names, connect, publish
 from tests.launching import launch_tiny, run_leftovers, run_tiny, wait_for_step
@@ -95,6 +96,8 @@ def test_machine_shutdown_stops_everything_at_once_and_loses_nothing(tmp_path):
             proc.kill()
             proc.communicate()
     print(out[-3000:])
+    for log in sorted((run_dir / "logs").glob("*.log")):  # how each pool ended
+        print(f"== {log.name}", *log.read_text(errors="replace").splitlines()[-4:], sep="\n")
     assert "Traceback" not in out, out
     assert proc.returncode == 130, out  # interrupted, as on Ctrl-C
     assert slowest < STOP_BOUND_S, f"{slowest:.1f} s: a process sat out the grace\n{out}"
@@ -240,3 +243,44 @@ def test_final_raises_while_running_and_says_it_when_stopping(own_server, caplog
     assert time.monotonic() - t0 < FINAL_WRITES_S + 1.0
     assert "redis did not take the stopped status" in caplog.text
     assert "stays pending" in caplog.text
+
+
+class _SignalInsideSet:
+    """The Event's condition, with a second signal's handler run right after the first
+    ``set()`` took its lock: what a second SIGTERM arriving then does."""
+
+    def __init__(self, cond, handler):
+        self.cond, self.handler, self.fired = cond, handler, False
+
+    def __enter__(self):
+        entered = self.cond.__enter__()
+        if not self.fired:
+            self.fired = True
+            self.handler(signal.SIGTERM, None)  # the second signal, in the same thread
+        return entered
+
+    def __exit__(self, *exc):
+        return self.cond.__exit__(*exc)
+
+    def notify_all(self):
+        self.cond.notify_all()
+
+
+def test_a_second_sigterm_inside_the_first_does_not_hang_the_pool():
+    """A machine's shutdown SIGTERMs every process and the launcher SIGTERMs its pools
+    again: the second handler runs inside the first one's ``stop.set()``, which holds
+    the Event's (non-reentrant) lock. It must return, not wait for that lock forever."""
+    stop = StopEvent()
+    handler = stop_handler(stop, [False])
+    stop._cond = _SignalInsideSet(stop._cond, handler)
+    thread = threading.Thread(target=handler, args=(signal.SIGTERM, None), daemon=True)
+    thread.start()
+    thread.join(timeout=5)
+    assert not thread.is_alive(), "the second signal's handler waited for the Event's lock"
+    assert stop.is_set() and stop._cond.fired
+
+
+def test_a_stop_while_connecting_leaves_at_once():
+    handler = stop_handler(StopEvent(), [True])
+    with pytest.raises(StoppedAtStartup):
+        handler(signal.SIGTERM, None)
