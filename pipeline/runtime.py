@@ -169,8 +169,9 @@ def stop_handler(stop: StopEvent, starting: list[bool]) -> Callable[[int, Any], 
     second signal (a machine's shutdown SIGTERMs every process, and the launcher then
     SIGTERMs its pools again) runs its handler in the same thread, between two bytecodes
     of the first, which may be holding the Event's lock inside ``set()``: a second
-    ``set()`` there would wait for that lock forever (seen: a preprocessor hung until the
-    launcher's SIGKILL)."""
+    ``set()`` there would wait for that lock forever (the likely cause of a preprocessor
+    that, once in about ten shutdown tests, logged nothing after its SIGTERM and lasted
+    until the launcher's SIGKILL; not seen since in 9 runs)."""
     entered = [False]
 
     def on_stop(signum: int, _frame: Any) -> None:
