@@ -118,6 +118,8 @@ def test_machine_shutdown_stops_everything_at_once_and_loses_nothing(tmp_path):
     assert summary["groups_produced"] > 0 and summary["groups_trained"] > 0
     assert "groups_lost" not in summary["accounting"]  # unplaced groups: unaccounted
     assert "from disk only" in out and "redis did not answer at the end" in out
+    with pytest.raises(ValueError, match="written without redis"):
+        account_run(str(run_dir))  # no streams to account with: says so, no KeyError
 
     # the run goes on from what redis kept (its AOF) and finishes; nothing lost or twice
     code, out2 = run_tiny(tmp_path, run_dir, "trainer.max_steps=6", timeout=600)

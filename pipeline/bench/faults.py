@@ -369,6 +369,12 @@ def account_run(run_dir: str, records: list[dict] | None = None) -> dict:
     if records is None:
         records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     summary = json.loads(Path(run_dir, "summary.json").read_text())
+    if summary.get("redis_unavailable"):  # written from disk: no streams, no dead letters
+        raise ValueError(
+            f"{run_dir}/summary.json was written without redis ({summary.get('redis_error')}), "
+            "so it holds no in-flight entries or dead letters to account with: launch the run "
+            "again on this run directory (or start its redis-server) and account that summary"
+        )
     cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
     flight = summary["in_flight"]
     terms = account(records, flight, summary["dead_letter_entries"], int(cfg.task.group_size))
