@@ -49,6 +49,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from pipeline.accounting import account, dead_letters, in_flight
 from pipeline.streams import Names
@@ -478,16 +480,46 @@ def _restarts(records: list[dict]) -> dict[str, int]:
     )
 
 
+def silent(client: redis.Redis, timeout_s: float) -> str | None:
+    """None when ``client``'s server answers a PING within ``timeout_s`` (one try, on a
+    connection of its own with the client's address, credentials and TLS), else why."""
+    pool = client.connection_pool
+    kwargs = dict(pool.connection_kwargs)
+    kwargs.update(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    kwargs["retry"] = Retry(NoBackoff(), 0)
+    conn = pool.connection_class(**kwargs)
+    try:
+        conn.connect()
+        conn.send_command("PING")
+        conn.read_response()
+        return None
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+        return " ".join(str(e).split())[:300] or type(e).__name__
+    finally:
+        conn.disconnect()
+
+
 def write_summary(
-    run_dir: str, client: redis.Redis, names: Names, outcome: str, wall_s: float, shards=()
+    run_dir: str,
+    client: redis.Redis,
+    names: Names,
+    outcome: str,
+    wall_s: float,
+    shards=(),
+    probe_s: float = 3.0,
 ) -> Summary:
     """Write ``summary.json`` from Redis and the run directory; when Redis does not
     answer (its client gives up after its own short retries), from the run directory
-    alone (:func:`build_disk_summary`, ``redis_unavailable`` naming what is missing)."""
+    alone (:func:`build_disk_summary`, ``redis_unavailable`` naming what is missing).
+    Redis is asked first with a ``probe_s`` deadline: a server that is gone refuses at
+    once, and one that hangs is not waited for the client's 30 s socket deadline."""
+    why = silent(client, probe_s)
     try:
-        summary = build_summary(run_dir, client, names, outcome, wall_s, shards)
+        if why is None:
+            summary = build_summary(run_dir, client, names, outcome, wall_s, shards)
     except (redis.ConnectionError, redis.TimeoutError) as e:
         why = " ".join(str(e).split())[:300] or type(e).__name__
+    if why is not None:
         summary = build_disk_summary(run_dir, outcome, wall_s, why)
     path = os.path.join(run_dir, "summary.json")
     with open(path + ".tmp", "w") as f:

@@ -33,6 +33,7 @@ from pipeline.redis_server import EmbeddedRedis
 from pipeline.runtime import StoppedAtStartup, stop_handler
 from pipeline.stopping import FINAL_WRITES_S, StopAwareRetry, StopEvent, final, guard, watch
 from pipeline.streams import Consumer, Names, connect, publish
+from pipeline.summary import WITHOUT_REDIS, write_summary
 from tests.launching import launch_tiny, run_leftovers, run_tiny, wait_for_step
 
 STOP_BOUND_S = 8.0  # every process gone within this after the SIGTERM (grace: 15 s)
@@ -286,3 +287,41 @@ def test_a_stop_while_connecting_leaves_at_once():
     handler = stop_handler(StopEvent(), [True])
     with pytest.raises(StoppedAtStartup):
         handler(signal.SIGTERM, None)
+
+
+@pytest.mark.parametrize("how", ["dead", "hung"])
+def test_the_summary_is_written_from_disk_when_redis_does_not_answer(own_server, tmp_path, how):
+    """The launcher's end: with its redis gone (refusing) or hung (SIGSTOPped: a command
+    would wait the client's 30 s socket deadline, twice), summary.json comes from the
+    run directory within the probe's deadline, saying what redis could not give."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("task:\n  group_size: 2\npipeline:\n  mode: async\n")
+    records = [
+        {"pool": "actor-0", "event": "group", "group": "a:1", "samples": 2},
+        {"pool": "actor-0", "event": "group", "group": "a:2", "samples": 2},
+        {"pool": "trainer", "event": "step", "step": 1, "samples": 2, "reward_mean": 0.5}
+        | {"sample_ids": ["a:1/0", "a:1/1"], "stale_ids": [], "spanning": 0, "stale": 0},
+    ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    client = connect(own_server.url, reconnect_s=2.0)  # as the launcher's
+    if how == "dead":
+        own_server.proc.kill()
+        own_server.proc.wait()
+    else:
+        os.kill(own_server.proc.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    summary = write_summary(str(run_dir), client, Names("t", "x"), "interrupted", 1.0)
+    took = time.monotonic() - t0
+    print(f"redis {how}: summary from disk in {took:.2f} s ({summary.redis_error})")
+    assert took < 5.0
+    written = json.loads((run_dir / "summary.json").read_text())
+    assert written["redis_unavailable"] == list(WITHOUT_REDIS) and written["redis_error"]
+    assert written["trainer_steps"] == 1 and written["samples_trained"] == 2
+    assert written["groups_produced"] == 2 and written["groups_trained"] == 1
+    assert written["accounting"]["groups_unaccounted"] == 1  # a:2: in a stream, or lost
+    assert written["accounting"]["unaccounted_ids"] == ["a:2"]
+    assert written["pools"] == {} and written["weight_updates_published"] is None
+    text = summary.render()
+    assert "from disk only" in text and "not in this summary: pool statuses" in text
+    assert "groups trained/stale/no-signal/unaccounted (no redis)  1 / 0 / 0 / 1" in text
