@@ -11,16 +11,18 @@ one short bounded attempt at its final writes (its ``stopped`` status, the acks 
 work it finished) and leaves, instead of spending the launcher's grace period
 (``launch.stop_timeout_s``) in the reconnect loop and being SIGKILLed. A command
 blocked on a server that accepted it but never answers (a hung server: its socket
-deadline is 30 s) is cut at the same moment: :func:`watch` shuts the pool's open
-sockets down, so the blocked read fails at once.
+deadline is 30 s) is cut once that budget and the longest blocking read
+(``redis.block_ms``) have passed: :func:`watch` shuts the pool's sockets in use down, so
+the blocked read fails then.
 
 Cutting the final writes short loses nothing: an entry a pool read but did not
 acknowledge stays in its consumer group's pending list (PEL), in the AOF, and is
 read again after a restart (the preprocessor re-reads its own pending entries or
 another consumer claims them; the trainer re-reads from its checkpoint's position);
-a rollout group whose XADD got no reply was not counted (the actor records a group
-only after the reply), and the count-once scripts (pipeline.streams.add_once,
-retire_groups) make a re-sent count change nothing. The status hash is telemetry:
+the trainer's unfinished step is neither acknowledged nor checkpointed, so its
+batches come again; a rollout group whose XADD got no reply was not recorded (the
+actor records a group only after the reply), and the count-once scripts
+(pipeline.streams.add_once, retire_groups) make a re-sent count change nothing. The status hash is telemetry:
 a ``stopped`` state that did not land only leaves the last state in place.
 """
 
