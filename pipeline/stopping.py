@@ -22,8 +22,8 @@ another consumer claims them; the trainer re-reads from its checkpoint's positio
 the trainer's unfinished step is neither acknowledged nor checkpointed, so its
 batches come again; a rollout group whose XADD got no reply was not recorded (the
 actor records a group only after the reply), and the count-once scripts
-(pipeline.streams.add_once, retire_groups) make a re-sent count change nothing. The status hash is telemetry:
-a ``stopped`` state that did not land only leaves the last state in place.
+(pipeline.streams.add_once, retire_groups) make a re-sent count change nothing. The
+status hash is telemetry: a ``stopped`` state that did not land leaves the last state.
 """
 
 from __future__ import annotations
