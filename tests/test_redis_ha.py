@@ -25,6 +25,7 @@ from pipeline.redis_server import free_port
 from pipeline.sentinel import NotEnoughReplicas, parse
 from pipeline.streams import RedisRefused, RedisUnavailable, connect
 from tests.launching import ROOT, run_tiny
+from tests.test_deploy import slurm  # noqa: F401 - the single-host Slurm fixture
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
 
@@ -257,7 +258,8 @@ def test_deploy_scripts_start_a_primary_replica_and_sentinels(tmp_path):
         procs.append(subprocess.Popen([str(ROOT / "deploy/bin" / script), *log], env=env))
         return procs[-1]
 
-    conf = str(ROOT / "deploy/redis/nonstop-redis.conf")
+    conf = str(tmp_path / "redis.conf")  # a copy: the sentinels CONFIG REWRITE it
+    shutil.copy(ROOT / "deploy/redis/nonstop-redis.conf", conf)
     try:
         for k, port in enumerate(node_ports):
             role = {
@@ -334,3 +336,50 @@ def test_inspect_shows_the_replication_state(ha, capsys):
     assert f"primary 127.0.0.1:{ha.nodes[0].port}" in text
     assert re.search(rf"replica 127.0.0.1:{ha.nodes[1].port}: online, lag \d+ bytes", text)
     assert "sentinels answering: 2 of 3" in text and ha.password not in text
+
+
+@pytest.mark.slow
+def test_slurm_redis_job_in_sentinel_mode_survives_losing_the_primary(slurm, tmp_path):  # noqa: F811
+    """deploy/slurm/redis.sbatch with redis.mode=sentinel on three nodes of a real
+    single-host Slurm: a primary, a replica and three sentinels (deploy/slurm/redis-ha.sh);
+    SIGKILL the primary and delete its data: the replica is promoted, the client carries
+    on, the dead node's task restarts it as the new primary's replica, and the stopped job
+    records which node is primary for the next one."""
+    from tests.test_deploy import _sbatch, _slurm_env, _tail, _wait_done
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    compose = subprocess.run(
+        [sys.executable, "-m", "pipeline.launch", "+exp=tiny", "redis=ha", f"run_dir={run_dir}"]
+        + ["--cfg", "job"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    (run_dir / "config.yaml").write_text(compose.stdout)
+    env = _slurm_env(slurm, run_dir, tmp_path / "cache")
+    out = tmp_path / "redis.out"
+    job = _sbatch(env, "redis.sbatch", out, "-N3", "-n3")
+    try:
+        _wait(lambda: (run_dir / "redis" / "url").exists(), 120, lambda: _tail(out))
+        url = (run_dir / "redis" / "url").read_text().strip()
+        assert url.startswith("redis+sentinel://") and len(parse(url).sentinels) == 3
+        client = connect(url, reconnect_s=60)
+        client.set("k", "before")
+        client.execute_command("WAIT", 1, 2000)
+        pid, old_dir = client.info("server")["process_id"], client.config_get("dir")["dir"]
+        old = client.connection_pool.get_master_address()
+        os.kill(int(pid), signal.SIGKILL)
+        shutil.rmtree(old_dir)
+        killed = time.monotonic()
+        client.set("k2", "after")
+        print(f"\nslurm: kill to first write on the new primary {time.monotonic() - killed:.1f} s")
+        assert client.connection_pool.get_master_address() != old
+        assert client.get("k") == b"before"
+        _wait(lambda: _in_sync(client), 60, lambda: _tail(out))  # the old node, a replica now
+    finally:
+        subprocess.run(["scancel", "--signal=TERM", job], env=env, timeout=30)
+        _wait_done(env, job, 90, out)
+    assert "restarting redis node" in out.read_text(), _tail(out)
+    assert (run_dir / "redis" / "primary_node").read_text().strip() == "1"
