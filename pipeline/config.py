@@ -61,10 +61,10 @@ class RedisConfig:
     tls: TLSConfig = field(default_factory=TLSConfig)
     # single: one primary (redis://, or the embedded redis-server); sentinel: a primary
     # with replicas found through Redis Sentinel (redis.url=redis+sentinel://..., or
-    # +redis=ha: the launcher starts a primary, a replica and three sentinels,
+    # redis=ha: the launcher starts a primary, a replica and three sentinels,
     # pipeline/redis_ha.py); cluster: not built yet
     mode: str = "single"
-    sentinel_service: str = "nonstop"  # the sentinels' name for the primary (+redis=ha)
+    sentinel_service: str = "nonstop"  # the sentinels' name for the primary (redis=ha)
     # sentinel mode: a write that creates or retires work counts once WAIT says this many
     # replicas have it, waiting at most wait_timeout_ms (None: 1 in sentinel mode, else 0)
     min_replicas_acked: int | None = None
@@ -673,7 +673,7 @@ def validate_mode(cfg: Any) -> None:
     if mode == "cluster":
         raise ValueError(
             "redis.mode=cluster is not built yet: use redis.mode=single or "
-            "redis.mode=sentinel (+redis=ha starts a local primary, replica and sentinels)"
+            "redis.mode=sentinel (redis=ha starts a local primary, replica and sentinels)"
         )
     if mode not in REDIS_MODES:
         raise ValueError(f"redis.mode={mode!r} is not supported; use one of {REDIS_MODES}")
@@ -682,16 +682,16 @@ def validate_mode(cfg: Any) -> None:
         raise ValueError(
             "redis.mode=sentinel needs redis.url=redis+sentinel://[USER:PASSWORD@]HOST:PORT,"
             "HOST:PORT,.../SERVICE[/DB] (the sentinels, not a node), or no redis.url "
-            "(+redis=ha starts a local one)"
+            "(redis=ha starts a local one)"
         )
     if mode == "single" and sentinel_url:
         raise ValueError(
             "redis.url is a redis+sentinel:// URL but redis.mode=single: set "
-            "redis.mode=sentinel (or +redis=ha), or give a redis:// URL"
+            "redis.mode=sentinel (or redis=ha), or give a redis:// URL"
         )
     if mode == "sentinel" and not url and _get(cfg, "redis.tls.enabled"):
         raise ValueError(
-            "redis.tls=true with +redis=ha (local sentinels) is not built yet: drop "
+            "redis.tls=true with redis=ha (local sentinels) is not built yet: drop "
             "redis.tls, or use the single embedded server (+redis=embedded) for TLS"
         )
     if mode == "sentinel" and _get(cfg, "redis.shards") != 1:
@@ -708,7 +708,7 @@ def validate_mode(cfg: Any) -> None:
     if mode == "single" and acked:
         raise ValueError(
             f"redis.min_replicas_acked={acked} needs replicas: set redis.mode=sentinel "
-            "(or +redis=ha), or drop it"
+            "(or redis=ha), or drop it"
         )
     if _get(cfg, "redis.wait_timeout_ms") <= 0:
         raise ValueError(

@@ -1,7 +1,8 @@
 """The launcher: ``python -m pipeline.launch +exp=math [key=value ...]``.
 
 Composes the Hydra config, materializes the model once, starts an embedded
-redis-server unless ``redis.url`` names one, spawns the pools as separate OS
+redis-server unless ``redis.url`` names one (``redis=ha``: a primary, a replica and
+three sentinels, pipeline/redis_ha.py), spawns the pools as separate OS
 processes (``python -m actor|preprocessor|trainer``) with per-process logs,
 shows a live progress line, and stops everything cleanly: when the trainer
 finishes, on Ctrl-C, or when a pool fails (naming it and showing its log).
@@ -177,7 +178,7 @@ def run(cfg) -> int:
     server, env, tls = None, dict(os.environ), None
     if cfg.redis.url:
         url = cfg.redis.url
-    elif cfg.redis.mode == "sentinel":  # +redis=ha: primary, replica, sentinels
+    elif cfg.redis.mode == "sentinel":  # redis=ha: primary, replica, sentinels
         server = start_local_ha(cfg, run_dir)
         url = server.url
     else:

@@ -1,4 +1,4 @@
-"""``+redis=ha``: a local primary, one replica and three sentinels for one run, on
+"""``redis=ha``: a local primary, one replica and three sentinels for one run, on
 loopback (tests and demos; deploy/ for machines of their own).
 
 Each node is an :class:`~pipeline.redis_server.EmbeddedRedis` (per-run password, AOF
@@ -280,7 +280,7 @@ class RedisHA:
 
 
 def start_local_ha(cfg, run_dir: str) -> RedisHA:
-    """``+redis=ha`` in the launcher: start the topology under ``RUN_DIR/redis`` and
+    """``redis=ha`` in the launcher: start the topology under ``RUN_DIR/redis`` and
     write the password (``redis/auth``) and the sentinel URL (``redis/url``, read by
     ``pipeline.inspect --run-dir`` and the faults bench), both mode 0600."""
     d = os.path.join(run_dir, "redis")

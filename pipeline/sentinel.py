@@ -66,7 +66,7 @@ def format_url(
     username: str = "",
     db: int = 0,
 ) -> str:
-    """The URL :func:`parse` reads (the launcher's ``+redis=ha`` hands it to the pools)."""
+    """The URL :func:`parse` reads (the launcher's ``redis=ha`` hands it to the pools)."""
     cred = f"{username}:{password}@" if password or username else ""
     hosts = ",".join(f"{h}:{p}" for h, p in sentinels)
     return f"{SCHEME}://{cred}{hosts}/{service}/{db}"

@@ -7,7 +7,7 @@ running under a restart policy, with a watchdog for silent hangs.
     writes  launcher events (exit, watchdog, restart, redis-restart) to metrics.jsonl
     acts    restarts a crashed pool (launch.restart_policy, launch.max_restarts),
             SIGKILLs a pool silent for launch.watchdog_s (then the policy applies),
-            restarts a dead embedded redis-server on its port and AOF (+redis=ha: a
+            restarts a dead embedded redis-server on its port and AOF (redis=ha: a
             dead node only as the replica of the primary the sentinels name, never as
             the primary it was: pipeline/redis_ha.py),
             stops the run when a pool exits with EXIT_DATA_LOST, EXIT_REFUSED (Redis
