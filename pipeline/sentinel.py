@@ -135,8 +135,10 @@ class NodeConnection(SentinelManagedConnection):
     """
 
     def send_packed_command(self, command, check_health=True):
-        if not self._sock:
-            self.connect()  # SentinelManagedConnection.connect: the primary named now
+        if not self._sock:  # a command's retry: one try at the primary named now; a
+            # failure (none named yet: MasterNotFoundError) is the command retry's to
+            # count, so the reconnect budget is not spent once per retry
+            self._connect_retry()
         return super().send_packed_command(command, check_health)
 
     def read_response(self, *args, **kwargs):

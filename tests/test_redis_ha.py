@@ -120,7 +120,7 @@ def _read_one(client, out: dict) -> None:
     try:
         out["got"] = client.blpop(["wake"], timeout=60)
     except Exception as e:  # noqa: BLE001 - reported by the assertion
-        out["error"] = repr(e)
+        out["error"] = e
 
 
 def _blocked_clients(ha, node) -> int:
@@ -383,3 +383,23 @@ def test_slurm_redis_job_in_sentinel_mode_survives_losing_the_primary(slurm, tmp
         _wait_done(env, job, 90, out)
     assert "restarting redis node" in out.read_text(), _tail(out)
     assert (run_dir / "redis" / "primary_node").read_text().strip() == "1"
+
+
+def test_a_command_in_flight_gives_up_within_the_reconnect_budget(ha):
+    """No primary left to promote (both nodes killed): a command in flight is retried for
+    about redis.reconnect_s, then its error reaches the caller; a reconnect inside the
+    retry is one try, not a second budget per retry (redis-py's own connect retries)."""
+    client = connect(ha.url, reconnect_s=20)
+    out: dict = {}
+    reader = threading.Thread(target=_read_one, args=(client, out), daemon=True)
+    reader.start()
+    _wait(lambda: _blocked_clients(ha, ha.nodes[0]) > 0, 10, lambda: "the read did not block")
+    for node in ha.nodes:
+        os.kill(node.proc.pid, signal.SIGKILL)
+        node.proc.wait()
+    t = time.monotonic()
+    reader.join(120)
+    waited = time.monotonic() - t
+    print(f"\nno primary: the error reached the caller after {waited:.1f} s (budget 20 s)")
+    assert isinstance(out.get("error"), redis.ConnectionError), out
+    assert 10 < waited < 40, waited
