@@ -403,3 +403,22 @@ def test_a_command_in_flight_gives_up_within_the_reconnect_budget(ha):
     print(f"\nno primary: the error reached the caller after {waited:.1f} s (budget 20 s)")
     assert isinstance(out.get("error"), redis.ConnectionError), out
     assert 10 < waited < 40, waited
+
+
+def test_an_acl_user_authenticates_on_the_nodes_and_the_sentinels(ha):
+    """redis+sentinel://USER:PASSWORD@...: the same ACL user on every node and sentinel;
+    a user the sentinels do not know is refused in one line, password hidden."""
+    for node in ha.nodes:
+        ha.node_client(node).acl_setuser(
+            "pool", enabled=True, passwords=["+s3cret"], keys=["*"], commands=["+@all"]
+        )
+    hosts = ",".join(f"127.0.0.1:{p}" for p in ha.sentinel_ports)
+    url = f"redis+sentinel://pool:s3cret@{hosts}/nonstop/0"
+    with pytest.raises(RedisRefused, match="sentinels of .* refused the credentials") as e:
+        connect(url, startup_s=2)
+    assert "s3cret" not in str(e.value)
+    for port in ha.sentinel_ports:  # sentinels keep their own users (ACL SETUSER there)
+        ha.sentinel_client(port).execute_command("ACL", "SETUSER", "pool", "on", ">s3cret", "+@all")
+    client = connect(url, startup_s=5)
+    client.set("k", "v")
+    assert client.acl_whoami() == "pool"
