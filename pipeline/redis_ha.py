@@ -31,6 +31,7 @@ import redis
 
 from pipeline.redis_server import EmbeddedRedis, free_port
 from pipeline.sentinel import format_url
+from pipeline.streams import RedisUnavailable
 
 QUORUM = 2
 DOWN_AFTER_MS = 1000  # a primary silent this long is subjectively down
@@ -135,7 +136,8 @@ class RedisHA:
     def start(self, timeout_s: float = 30.0) -> None:
         """Start the nodes and sentinels and wait, at most ``timeout_s``, until every
         replica is in sync and every sentinel sees the primary, its replicas and the
-        other sentinels; TimeoutError naming what is missing otherwise."""
+        other sentinels; RedisUnavailable (one line: the launcher exits 2 with it) naming
+        what is missing otherwise."""
         self.start_node(0, None)
         for k in range(1, len(self.nodes)):
             self.start_node(k, self.nodes[0])
@@ -147,13 +149,15 @@ class RedisHA:
                 if proc is not None and proc.poll() is not None:
                     err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
                     self.stop()
-                    raise RuntimeError(f"redis sentinel {k} exited with {proc.returncode}: {err}")
+                    raise RedisUnavailable(
+                        f"redis sentinel {k} exited with {proc.returncode}: {err.strip()}"
+                    )
             missing = self.not_ready()
             if missing is None:
                 return
             time.sleep(0.2)
         self.stop()
-        raise TimeoutError(
+        raise RedisUnavailable(
             f"the local Redis primary, replica and sentinels were not ready in {timeout_s:.0f}"
             f" s: {missing}; see the logs in {self.data_dir}/node-*/redis.log and "
             f"{self.data_dir}/sentinel-*/sentinel.log"

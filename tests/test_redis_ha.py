@@ -422,3 +422,15 @@ def test_an_acl_user_authenticates_on_the_nodes_and_the_sentinels(ha):
     client = connect(url, startup_s=5)
     client.set("k", "v")
     assert client.acl_whoami() == "pool"
+
+
+def test_a_topology_not_ready_in_time_is_one_line(tmp_path):
+    """The readiness wait is bounded: sentinels that cannot have found each other within
+    0.5 s (they greet every 2 s) stop the start with one line naming what is missing,
+    and nothing is left running."""
+    topology = RedisHA(str(tmp_path / "redis"))
+    with pytest.raises(RedisUnavailable, match="were not ready in 0 s: .*see the logs") as e:
+        topology.start(timeout_s=0.5)
+    assert "\n" not in str(e.value) and topology.password not in str(e.value)
+    assert all(n.proc.poll() is not None for n in topology.nodes)
+    assert all(p.poll() is not None for p in topology.sentinel_procs)
