@@ -217,7 +217,8 @@ def run_main(main) -> None:
     confirmed (pipeline.durable.NotReplicated), with EXIT_SETUP (the launcher tries
     again); Redis refusing the pool (credentials, a command the ACL denies, an evicting
     server or one whose policy may not be read) with EXIT_REFUSED (the run stops). A
-    pool told to stop whose Redis fails it meanwhile exits 0 with one line."""
+    pool told to stop whose Redis (or anything else it uses: vLLM's engine core, which a
+    machine's shutdown stops too) fails it meanwhile exits 0 with one line."""
     try:
         main()
     except StoppedAtStartup as e:
@@ -228,6 +229,12 @@ def run_main(main) -> None:
             raise
         why = " ".join(str(e).split())
         log.warning("stopped; redis did not answer (%s): %s", why, NOTHING_LOST)
+        raise SystemExit(0) from None
+    except Exception as e:  # told to stop, what the pool used went first (vLLM's engine)
+        if not (_current_stop and _current_stop[0].is_set()):
+            raise
+        why = " ".join(str(e).split())[:300]
+        log.warning("stopped; while stopping: %s: %s (%s)", type(e).__name__, why, NOTHING_LOST)
         raise SystemExit(0) from None
     except DataLost as e:
         log.error("%s", e)
