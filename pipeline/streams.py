@@ -129,6 +129,10 @@ class Names:
     def sync_claims(self) -> str:  # hash: pipeline.mode=sync claims per actor
         return self.key("sync_claims")
 
+    @property
+    def faults_probe(self) -> str:  # pipeline.bench faults: a write timed across a failover
+        return self.key("faults_probe")
+
     def status(self, pool: str) -> str:  # hash: a pool's heartbeat and counters
         return self.key(f"status:{pool}")
 

@@ -187,7 +187,7 @@ def lose_primary(fault: dict, run_dir: str, client, names: Names) -> None:
     os.kill(before["pid"], signal.SIGKILL)
     killed = time.monotonic()
     shutil.rmtree(before["dir"], ignore_errors=True)
-    client.set(names.key("faults_probe"), str(time.time()))  # retried until a primary takes it
+    client.set(names.faults_probe, str(time.time()))  # retried until a primary takes it
     fault["first_write_s"] = round(time.monotonic() - killed, 2)
 
 
