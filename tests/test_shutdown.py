@@ -363,3 +363,36 @@ def test_machine_shutdown_with_a_real_vllm_actor(tmp_path):
     )
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["redis_unavailable"] and summary["actor_engine"] == "vllm", out[-2000:]
+
+
+def test_a_call_into_a_dead_vllm_engine_is_abandoned_at_once():
+    """VLLMEngine._call on a call the engine never answers (its engine core is gone: a
+    machine shutdown SIGTERMs it too) stops waiting once ``AsyncLLM.errored`` says the
+    engine is dead, not after the call's deadline (rpc_timeout_s, 120 s). Whether the
+    real shutdown test catches a call in flight at that moment is timing (about one run
+    in three did, and sat out the grace), so this checks the wait itself, on a real
+    event loop with the engine's one attribute it reads standing in: ``llm.errored``."""
+    import asyncio
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from actor.engines.vllm.client import VLLMEngine
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        engine = SimpleNamespace(_loop=loop, llm=SimpleNamespace(errored=False))
+        threading.Timer(1.0, lambda: setattr(engine.llm, "errored", True)).start()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="the vLLM engine died"):
+            VLLMEngine._call(engine, asyncio.sleep(100), timeout=120.0)
+        took = time.monotonic() - t0
+        assert 0.9 < took < 2.5, took
+        engine.llm.errored = False  # alive: the result, or the deadline, as before
+        assert VLLMEngine._call(engine, asyncio.sleep(0.1, result=7), timeout=5.0) == 7
+        with pytest.raises(TimeoutError, match="did not answer within 0.3 s"):
+            VLLMEngine._call(engine, asyncio.sleep(100), timeout=0.3)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
