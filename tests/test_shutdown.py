@@ -5,8 +5,9 @@ saying what Redis could not give (pipeline/summary.py); nothing is lost (the AOF
 holds every acknowledged write, un-acknowledged entries stay pending), so the run
 launched again on the same directory goes on and its account holds.
 
-Measured here (2 shared cores, load average 3-5): with the fix every process of a
-tiny run is gone 3.7 s after the SIGTERM (the pools in 0.8-2.1 s, the launcher last);
+Measured here (2 shared cores, load average 2-5): with the fix every process of a
+tiny run is gone 3.2-4.4 s after the SIGTERM over 10 runs (the pools in 0.8-2.6 s, the
+launcher last), 4.0 s with a real vLLM actor (15 s before the vLLM fix: SIGKILLed);
 without it (the pools spending their retry budget, redis.reconnect_s, reconnecting)
 the trainer and the actor sat out the launcher's 15 s grace and were killed (16.4 s),
 and without the summary's fallback the launcher died in write_summary with a redis
