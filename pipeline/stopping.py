@@ -104,8 +104,12 @@ class StopAwareRetry(Retry):
                 if left <= 0 or (self._retries >= 0 and failures > self._retries):
                     raise error
                 backoff = min(self._backoff.compute(failures), left)
-                if backoff > 0:
+                if backoff <= 0:
+                    continue
+                if self.stop.is_set():
                     time.sleep(backoff)
+                else:
+                    self.stop.wait(backoff)  # a backoff (up to 2 s) ends at the stop
 
 
 class _NoBackoff:
