@@ -59,6 +59,17 @@ class StopEvent(threading.Event):
             self.since = time.monotonic()
         super().set()
 
+    def sleep(self, seconds: float) -> None:
+        """Sleep ``seconds``, or until the stop if that comes first (while running: a
+        retry's backoff, up to 2 s, ends at the stop). In slices, checking the flag, not
+        with ``wait()``: the pool's signal handler calls ``set()`` in the main thread,
+        and ``wait()`` holds the Event's (non-reentrant) lock for a few bytecodes, where
+        a handler's ``set()`` would wait for it forever."""
+        end = time.monotonic() + seconds
+        running = not self.is_set()
+        while (left := end - time.monotonic()) > 0 and not (running and self.is_set()):
+            time.sleep(min(left, 0.05))
+
     def left(self) -> float:
         """Seconds of the final-writes budget left: infinite while the pool runs."""
         if self.since is None:
@@ -106,10 +117,7 @@ class StopAwareRetry(Retry):
                 backoff = min(self._backoff.compute(failures), left)
                 if backoff <= 0:
                     continue
-                if self.stop.is_set():
-                    time.sleep(backoff)
-                else:
-                    self.stop.wait(backoff)  # a backoff (up to 2 s) ends at the stop
+                self.stop.sleep(backoff)
 
 
 class _NoBackoff:
