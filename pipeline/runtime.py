@@ -224,6 +224,17 @@ def run_main(main) -> None:
     except StoppedAtStartup as e:
         log.info("stopped (%s) while starting", e)
         raise SystemExit(0) from None
+    except DataLost as e:
+        log.error("%s", e)
+        raise SystemExit(EXIT_DATA_LOST) from None
+    except (RedisRefused, UnsafeRedis) as e:
+        log.error("%s", e)
+        raise SystemExit(EXIT_REFUSED) from None
+    except (RedisUnavailable, NotReplicated) as e:
+        log.error("%s", e)
+        raise SystemExit(EXIT_SETUP) from None
+    # last: the clauses above keep their exit codes (an except that re-raises ends the
+    # search, so a catch-all before them would take their exceptions past them)
     except (redis.ConnectionError, redis.TimeoutError) as e:
         if not (_current_stop and _current_stop[0].is_set()):
             raise
@@ -236,15 +247,6 @@ def run_main(main) -> None:
         why = " ".join(str(e).split())[:300]
         log.warning("stopped; while stopping: %s: %s (%s)", type(e).__name__, why, NOTHING_LOST)
         raise SystemExit(0) from None
-    except DataLost as e:
-        log.error("%s", e)
-        raise SystemExit(EXIT_DATA_LOST) from None
-    except (RedisRefused, UnsafeRedis) as e:
-        log.error("%s", e)
-        raise SystemExit(EXIT_REFUSED) from None
-    except (RedisUnavailable, NotReplicated) as e:
-        log.error("%s", e)
-        raise SystemExit(EXIT_SETUP) from None
 
 
 def trainer_version(pool: Pool) -> int:
