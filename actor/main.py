@@ -21,6 +21,7 @@ submitted and published one by one, the engine never waiting for a batch to end.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 import zlib
@@ -38,6 +39,7 @@ from pipeline.messages import (
     pack_i32,
 )
 from pipeline.runtime import EXIT_MISMATCH, Pool, model_path, start_pool, trainer_version
+from pipeline.stopping import final
 from pipeline.streams import count_produced, publish
 from pipeline.telemetry import Window
 from pipeline.weight_receiver import WeightReceiver
@@ -145,6 +147,7 @@ def publish_group(
         pool.shards.next(),  # redis.shards: the next shard in turn (pipeline/shards.py)
         pool.names.rollouts,
         encode(group),
+        token=group.group_id,  # XADD-once: a re-send adds no copy (pipeline/durable.py)
         schema=SCHEMA_VERSION,
         group=group.group_id,
         actor=pool.name,
@@ -183,6 +186,34 @@ def resume_counters(pool: Pool, receiver: WeightReceiver) -> None:
         pool.status.key, ["weight_updates_applied", "weight_updates_failed"]
     )
     receiver.applied, receiver.failed = int(applied or 0), int(failed or 0)
+
+
+RECEIVER_STOP_S = 3.0  # a stopping actor waits this long for its weight receiver to close
+
+
+def stop_receiver(pool: Pool, receiver: WeightReceiver) -> None:
+    """``receiver.stop()``; when the pool was told to stop, waited for RECEIVER_STOP_S at
+    most: a machine shutting down SIGTERMs vLLM's engine core too, and the receiver's
+    close (an RPC into that engine) then waits for an answer that never comes (seen:
+    the actor sat out the launcher's grace). The engine is closed next either way, and
+    a version half received is not applied (receiver.py: staged, or marked partial)."""
+    if not pool.stop.is_set():
+        receiver.stop()
+        return
+
+    def close() -> None:
+        try:
+            receiver.stop()
+        except Exception as e:  # its engine died (a machine shutdown stops it too)
+            log.warning("stopping: the weight receiver did not close cleanly: %s", e)
+
+    closing = threading.Thread(target=close, name="receiver-stop", daemon=True)
+    closing.start()
+    closing.join(timeout=RECEIVER_STOP_S)
+    if closing.is_alive():
+        log.warning(
+            "stopping: the weight receiver did not close within %.0f s; going on", RECEIVER_STOP_S
+        )
 
 
 def build_engine(pool: Pool) -> tuple[Engine, object]:
@@ -250,14 +281,18 @@ def main(argv: list[str] | None = None) -> None:
                 swap_ms_max=round(max(engine.stats.swap_ms, default=0.0), 3),  # recent pauses
             )
     finally:
-        receiver.stop()
+        stop_receiver(pool, receiver)
         swap_ms = engine.stats.swap_ms
-        pool.status.set(
-            state="stopped",
-            version=engine.version,
-            weight_updates_applied=receiver.applied,
-            weight_updates_failed=receiver.failed,
-            swap_ms_max=max(swap_ms) if swap_ms else 0.0,
+        final(  # stopping with redis gone: one short try (pipeline/stopping.py), then on
+            pool.stop,
+            "the actor's stopped status",
+            lambda: pool.status.set(
+                state="stopped",
+                version=engine.version,
+                weight_updates_applied=receiver.applied,
+                weight_updates_failed=receiver.failed,
+                swap_ms_max=max(swap_ms) if swap_ms else 0.0,
+            ),
         )
         log.info("stopped: %d groups, %d weight updates applied", produced, receiver.applied)
         engine.close()

@@ -23,9 +23,10 @@ in two surviving steps is **duplicated**; an id the trainer, a preprocessor or a
 stream holds that no actor recorded as published is a **phantom**; a sample with
 two final outcomes (trained, stale, no signal, dead-lettered) is **conflicting**,
 except one: a copy of a trained sample that reaches the trainer again in a later step
-(a work-stream XADD retried after its reply was lost to a dying redis-server, or an
-entry re-read after a restart) is dropped as a duplicate while the trainer's dedupe
-window still holds its id, and after that as stale (trainer/batches.py): "trained at
+(an entry re-read after a restart, packed into a batch with another id; a work-stream
+XADD retried after its reply was lost makes no copy: XADD-once, pipeline/durable.py)
+is dropped as a duplicate while the trainer's dedupe window still holds its id, and
+after that as stale (trainer/batches.py): "trained at
 step k, stale at a step after k" is that second copy turned away, **redelivered**
 (listed, not a problem). Stale at or before the step that trained it stays a conflict.
 

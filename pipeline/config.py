@@ -59,6 +59,16 @@ class RedisConfig:
     shards: int = 1
     shard_urls: list[str] = field(default_factory=list)
     tls: TLSConfig = field(default_factory=TLSConfig)
+    # single: one primary (redis://, or the embedded redis-server); sentinel: a primary
+    # with replicas found through Redis Sentinel (redis.url=redis+sentinel://..., or
+    # redis=ha: the launcher starts a primary, a replica and three sentinels,
+    # pipeline/redis_ha.py); cluster: not built yet
+    mode: str = "single"
+    sentinel_service: str = "nonstop"  # the sentinels' name for the primary (redis=ha)
+    # sentinel mode: a write that creates or retires work counts once WAIT says this many
+    # replicas have it, waiting at most wait_timeout_ms (None: 1 in sentinel mode, else 0)
+    min_replicas_acked: int | None = None
+    wait_timeout_ms: int = 2000
 
 
 @dataclass
@@ -399,6 +409,7 @@ def validate(cfg: Any) -> None:
     validate_scorers(_get(cfg, "preprocessor"))
     validate_shards(cfg)
     validate_tls(cfg)
+    validate_mode(cfg)
     validate_devices(cfg)
     validate_eval_and_mode(cfg)
     validate_engine(cfg)
@@ -651,6 +662,68 @@ def redis_url(cfg: Any, role: str | None = None) -> str:
             "no Redis to talk to: set redis.url=redis://host:port/0 or NONSTOP_REDIS_URL"
         )
     return url
+
+
+REDIS_MODES = ("single", "sentinel")  # redis.mode=cluster: not built yet
+
+
+def validate_mode(cfg: Any) -> None:
+    """``redis.mode`` against ``redis.url`` and the settings sentinel mode uses."""
+    mode, url = _get(cfg, "redis.mode"), _get(cfg, "redis.url")
+    if mode == "cluster":
+        raise ValueError(
+            "redis.mode=cluster is not built yet: use redis.mode=single or "
+            "redis.mode=sentinel (redis=ha starts a local primary, replica and sentinels)"
+        )
+    if mode not in REDIS_MODES:
+        raise ValueError(f"redis.mode={mode!r} is not supported; use one of {REDIS_MODES}")
+    sentinel_url = bool(url) and url.split("://", 1)[0].endswith("+sentinel")
+    if mode == "sentinel" and url and not sentinel_url:
+        raise ValueError(
+            "redis.mode=sentinel needs redis.url=redis+sentinel://[USER:PASSWORD@]HOST:PORT,"
+            "HOST:PORT,.../SERVICE[/DB] (the sentinels, not a node), or no redis.url "
+            "(redis=ha starts a local one)"
+        )
+    if mode == "single" and sentinel_url:
+        raise ValueError(
+            "redis.url is a redis+sentinel:// URL but redis.mode=single: set "
+            "redis.mode=sentinel (or redis=ha), or give a redis:// URL"
+        )
+    if mode == "sentinel" and not url and _get(cfg, "redis.tls.enabled"):
+        raise ValueError(
+            "redis.tls=true with redis=ha (local sentinels) is not built yet: drop "
+            "redis.tls, or use the single embedded server (+redis=embedded) for TLS"
+        )
+    if mode == "sentinel" and _get(cfg, "redis.shards") != 1:
+        raise ValueError(
+            "redis.shards > 1 is not supported with redis.mode=sentinel (each shard would "
+            "need its own sentinels): use redis.shards=1"
+        )
+    service = _get(cfg, "redis.sentinel_service")
+    if not service or "/" in service or " " in service:
+        raise ValueError(f"redis.sentinel_service={service!r} must be a name without '/' or spaces")
+    acked = _get(cfg, "redis.min_replicas_acked")
+    if acked is not None and (not isinstance(acked, int) or acked < 0):
+        raise ValueError(f"redis.min_replicas_acked={acked!r} must be an integer >= 0")
+    if mode == "single" and acked:
+        raise ValueError(
+            f"redis.min_replicas_acked={acked} needs replicas: set redis.mode=sentinel "
+            "(or redis=ha), or drop it"
+        )
+    if _get(cfg, "redis.wait_timeout_ms") <= 0:
+        raise ValueError(
+            f"redis.wait_timeout_ms={_get(cfg, 'redis.wait_timeout_ms')} must be > 0 "
+            "(how long a write waits for replicas)"
+        )
+
+
+def min_replicas_acked(cfg: Any) -> int:
+    """The replicas a work write waits for with WAIT: ``redis.min_replicas_acked``, or
+    1 in sentinel mode and 0 (no WAIT) in single mode when it is not set."""
+    acked = _get(cfg, "redis.min_replicas_acked")
+    if acked is not None:
+        return acked
+    return 1 if _get(cfg, "redis.mode") == "sentinel" else 0
 
 
 def validate_shards(cfg: Any) -> None:

@@ -1,7 +1,8 @@
 """The launcher: ``python -m pipeline.launch +exp=math [key=value ...]``.
 
 Composes the Hydra config, materializes the model once, starts an embedded
-redis-server unless ``redis.url`` names one, spawns the pools as separate OS
+redis-server unless ``redis.url`` names one (``redis=ha``: a primary, a replica and
+three sentinels, pipeline/redis_ha.py), spawns the pools as separate OS
 processes (``python -m actor|preprocessor|trainer``) with per-process logs,
 shows a live progress line, and stops everything cleanly: when the trainer
 finishes, on Ctrl-C, or when a pool fails (naming it and showing its log).
@@ -42,6 +43,7 @@ from pipeline.config import (
 )
 from pipeline.evaluator import wait_for_final_eval
 from pipeline.progress import Progress
+from pipeline.redis_ha import start_local_ha
 from pipeline.redis_server import EmbeddedRedis, check_no_eviction
 from pipeline.redis_tls import ENV as TLS_ENV
 from pipeline.redis_tls import TLSFiles, make_run_certs
@@ -176,6 +178,9 @@ def run(cfg) -> int:
     server, env, tls = None, dict(os.environ), None
     if cfg.redis.url:
         url = cfg.redis.url
+    elif cfg.redis.mode == "sentinel":  # redis=ha: primary, replica, sentinels
+        server = start_local_ha(cfg, run_dir)
+        url = server.url
     else:
         for var in TLS_ENV.values():  # files of some other Redis: not this run's
             env.pop(var, None)
@@ -219,11 +224,23 @@ def run(cfg) -> int:
     outcome, code = supervise(cfg, sup, client, names)
     try:
         if outcome == "finished":
-            wait_for_final_sync(client, names, cfg, cfg.trainer.max_steps)
-            wait_for_final_eval(client, names, cfg)
+            try:
+                wait_for_final_sync(client, names, cfg, cfg.trainer.max_steps)
+                wait_for_final_eval(client, names, cfg)
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                print(f"redis did not answer while waiting for the last version ({e})")
         sup.stop()
+        # from disk alone when redis does not answer (the machine shutting down)
         summary = write_summary(run_dir, client, names, outcome, time.time() - start, shards)
         print(summary.render())
+        if summary.redis_unavailable:
+            print(
+                f"\nredis did not answer at the end ({summary.redis_error}): "
+                f"{run_dir}/summary.json was written from metrics.jsonl and the run "
+                "directory; its redis_unavailable lists what it lacks. Launch again on this "
+                "run directory to go on from what redis kept",
+                flush=True,
+            )
         if code == 0 and summary.outcome != outcome:  # finished, but weights did not arrive
             print(f"\nrun {summary.outcome}", flush=True)
             code = 1

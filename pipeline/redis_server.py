@@ -64,6 +64,7 @@ class EmbeddedRedis:
         # (the server's files, a client's files): TLS only on the port (redis.tls=true;
         # pipeline/redis_tls.make_run_certs), clients need a certificate of the same CA
         self.server_tls, self.client_tls = tls if tls else (None, None)
+        self.extra_args: list[str] = []  # more redis-server options (pipeline/redis_ha.py)
 
     @property
     def url(self) -> str:
@@ -121,6 +122,7 @@ class EmbeddedRedis:
             os.path.join(os.path.abspath(self.data_dir), "redis.pid"),
             "--logfile",
             os.path.join(os.path.abspath(self.data_dir), "redis.log"),
+            *self.extra_args,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout_s
@@ -132,6 +134,8 @@ class EmbeddedRedis:
             try:
                 client.ping()
                 return
+            except redis.exceptions.MasterDownError:
+                return  # a replica not in sync yet that serves nothing stale: it answers
             except redis.ConnectionError:
                 time.sleep(0.05)
         self.stop()

@@ -8,6 +8,13 @@ pool's status hash every second, so a watchdog can tell a stopped or hung
 pool from a busy one. It also checks that Redis still holds the run: if the
 server came back empty, the pool exits with code 3 (EXIT_DATA_LOST) and a
 message, rather than looping on missing streams.
+
+Told to stop (SIGTERM, SIGINT), a pool stops at once whatever Redis does
+(pipeline/stopping.py): its clients retry a failing command only for a short
+budget after the stop, and a pool whose main loop meets a Redis that is gone
+while stopping exits 0 with one line (its un-acknowledged entries stay pending
+and are read again after a restart). A stop during start-up (still connecting)
+exits at once.
 """
 
 from __future__ import annotations
@@ -26,8 +33,10 @@ import redis
 import torch
 
 from pipeline.config import load_config, redis_tls, redis_url, shard_urls
+from pipeline.durable import Durability, NotReplicated, attach
 from pipeline.redis_server import UnsafeRedis, check_no_eviction
 from pipeline.shards import Shards
+from pipeline.stopping import NOTHING_LOST, StopEvent, guard, watch
 from pipeline.streams import (
     DataLost,
     Names,
@@ -54,7 +63,7 @@ class Pool:
     role: str
     client: redis.Redis
     names: Names
-    stop: threading.Event
+    stop: StopEvent  # a threading.Event that remembers when it was set
     status: PoolStatus
     metrics: MetricsFile
     last_tick: float = field(default_factory=time.time)
@@ -88,6 +97,8 @@ def heartbeat(pool: Pool, every_s: float = 1.0) -> None:
             logging.shutdown()
             os._exit(EXIT_DATA_LOST)
         except Exception as e:  # a Redis outage: the client retries; say so and go on
+            if pool.stop.is_set():
+                return  # stopping: the main thread says what Redis did not take
             log.warning("heartbeat failed: %s", e)
         time.sleep(every_s)
 
@@ -113,11 +124,15 @@ def start_pool(
     }[role]
     torch.set_num_threads(threads)
     pin_cpus(role, cfg.pipeline.cpus)
-    stop = threading.Event()
+    stop = StopEvent()
+    starting = [True]  # a stop while still connecting: nothing to finish, leave now
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    client = _connect(cfg, redis_url(cfg, role))
-    extra = [_connect(cfg, u) for u in shard_urls(cfg, role)]
+        signal.signal(sig, stop_handler(stop, starting))
+    client = guard(_connect(cfg, redis_url(cfg, role)), stop)
+    extra = [guard(_connect(cfg, u), stop) for u in shard_urls(cfg, role)]
+    durability = Durability.from_config(cfg, stop)  # sentinel mode: WAIT behind work writes
+    for c in [client, *extra]:
+        attach(c, durability)
     names = Names(cfg.redis.prefix, cfg.run.name)
     check_permissions(client, names, role, redis_url(cfg, role))  # NOPERM: exit 4 now
     for url, shard in zip(shard_urls(cfg, role), extra, strict=True):
@@ -137,11 +152,36 @@ def start_pool(
         metrics=MetricsFile(os.path.join(run_dir, "metrics.jsonl")),
         shards=Shards.for_producer([client, *extra], args.name),
     )
+    _current_stop[:] = [stop]
+    starting[0] = False
+    # a hung server cannot hold the stop either: cut past the longest blocking read
+    watch(lambda: [client, *extra], stop, cfg.redis.block_ms / 1000)
     threading.Thread(target=heartbeat, args=(pool,), name="heartbeat", daemon=True).start()
     # ``describe(cfg)``: what this pool runs, on its first line (the trainer: its backend)
     detail = f": {describe(cfg)}" if describe is not None else ""
     logging.getLogger(role).info("%s started (pid %d)%s", args.name, os.getpid(), detail)
     return pool
+
+
+def stop_handler(stop: StopEvent, starting: list[bool]) -> Callable[[int, Any], None]:
+    """The pool's SIGTERM/SIGINT handler: set ``stop``, and while ``starting[0]`` (still
+    connecting) leave at once (:class:`StoppedAtStartup`). It sets ``stop`` once: a
+    second signal (a machine's shutdown SIGTERMs every process, and the launcher then
+    SIGTERMs its pools again) runs its handler in the same thread, between two bytecodes
+    of the first, which may be holding the Event's lock inside ``set()``: a second
+    ``set()`` there would wait for that lock forever (the likely cause of a preprocessor
+    that, once in about ten shutdown tests, logged nothing after its SIGTERM and lasted
+    until the launcher's SIGKILL; not seen since in 9 runs)."""
+    entered = [False]
+
+    def on_stop(signum: int, _frame: Any) -> None:
+        if not entered[0]:
+            entered[0] = True  # before set(): a signal from here on does not enter it
+            stop.set()
+        if starting[0]:
+            raise StoppedAtStartup(signal.Signals(signum).name)
+
+    return on_stop
 
 
 def _connect(cfg: Any, url: str) -> redis.Redis:
@@ -163,22 +203,50 @@ def pin_cpus(role: str, cpus: Any) -> None:
         logging.getLogger(role).info("pinned to CPUs %s", sorted(chosen))
 
 
+class StoppedAtStartup(BaseException):
+    """SIGTERM or SIGINT before the pool was connected: it exits at once (status 0).
+    A BaseException, so no ``except Exception`` on the way swallows it."""
+
+
+_current_stop: list[StopEvent] = []  # the process's pool (one per process), for run_main
+
+
 def run_main(main) -> None:
     """Entry point of a pool, each exit in one line: a lost run (empty Redis) exits with
-    EXIT_DATA_LOST; Redis unreachable at start-up with EXIT_SETUP (the launcher tries
+    EXIT_DATA_LOST; Redis unreachable at start-up, or a work write the replicas never
+    confirmed (pipeline.durable.NotReplicated), with EXIT_SETUP (the launcher tries
     again); Redis refusing the pool (credentials, a command the ACL denies, an evicting
-    server or one whose policy may not be read) with EXIT_REFUSED (the run stops)."""
+    server or one whose policy may not be read) with EXIT_REFUSED (the run stops). A
+    pool told to stop whose Redis (or anything else it uses: vLLM's engine core, which a
+    machine's shutdown stops too) fails it meanwhile exits 0 with one line."""
     try:
         main()
+    except StoppedAtStartup as e:
+        log.info("stopped (%s) while starting", e)
+        raise SystemExit(0) from None
     except DataLost as e:
         log.error("%s", e)
         raise SystemExit(EXIT_DATA_LOST) from None
     except (RedisRefused, UnsafeRedis) as e:
         log.error("%s", e)
         raise SystemExit(EXIT_REFUSED) from None
-    except RedisUnavailable as e:
+    except (RedisUnavailable, NotReplicated) as e:
         log.error("%s", e)
         raise SystemExit(EXIT_SETUP) from None
+    # last: the clauses above keep their exit codes (an except that re-raises ends the
+    # search, so a catch-all before them would take their exceptions past them)
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        if not (_current_stop and _current_stop[0].is_set()):
+            raise
+        why = " ".join(str(e).split())
+        log.warning("stopped; redis did not answer (%s): %s", why, NOTHING_LOST)
+        raise SystemExit(0) from None
+    except Exception as e:  # told to stop, what the pool used went first (vLLM's engine)
+        if not (_current_stop and _current_stop[0].is_set()):
+            raise
+        why = " ".join(str(e).split())[:300]
+        log.warning("stopped; while stopping: %s: %s (%s)", type(e).__name__, why, NOTHING_LOST)
+        raise SystemExit(0) from None
 
 
 def trainer_version(pool: Pool) -> int:

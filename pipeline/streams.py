@@ -9,7 +9,10 @@ every group has read and acknowledged.
 
 Counters that must not drift when a command is re-sent after a lost reply
 (``samples_produced``, ``samples_retired``) are updated by :class:`Lua` scripts
-that remember the last update applied (:func:`add_once`, :func:`retire_groups`).
+that remember the last update applied (:func:`add_once`, :func:`retire_groups`);
+a work entry published with a token (:func:`publish`) is XADDed once however often it
+is re-sent. In sentinel mode these writes and the consumers' XACKs count only once
+WAIT says enough replicas have them (pipeline/durable.py).
 
 Sharding (``redis.shards``): the work streams (``rollouts`` and ``batches``)
 may live on several independent Redis instances, each with its own consumer
@@ -20,7 +23,6 @@ and :class:`ShardedConsumer` reads them all behind the Consumer interface.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -30,6 +32,8 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from pipeline import durable
+from pipeline.durable import Lua
 from pipeline.messages import BadEntry, decode
 from pipeline.redis_tls import TLSFiles, explain, is_tls, settled
 
@@ -77,6 +81,14 @@ class Names:
         return self.stream("joins")
 
     @property
+    def rollouts_once(self) -> str:  # hash: XADD-once token -> entry id (pipeline/durable.py)
+        return durable.once_keys(self.rollouts)[0]
+
+    @property
+    def batches_once(self) -> str:
+        return durable.once_keys(self.batches)[0]
+
+    @property
     def stats(self) -> str:
         return self.stream("stats")
 
@@ -117,6 +129,10 @@ class Names:
     def sync_claims(self) -> str:  # hash: pipeline.mode=sync claims per actor
         return self.key("sync_claims")
 
+    @property
+    def faults_probe(self) -> str:  # pipeline.bench faults: a write timed across a failover
+        return self.key("faults_probe")
+
     def status(self, pool: str) -> str:  # hash: a pool's heartbeat and counters
         return self.key(f"status:{pool}")
 
@@ -153,7 +169,13 @@ def connect(
     Once connected, a command that meets a dropped connection (redis-server
     restarting) is retried with exponential backoff for about ``reconnect_s``
     seconds before the error reaches the caller.
+
+    ``redis+sentinel://`` URLs (redis.mode=sentinel; pipeline/sentinel.py) give a client
+    of the primary the sentinels name, found again on every reconnect, so it follows a
+    failover with the same reconnect budget.
     """
+    if _is_sentinel(url):
+        return _connect_sentinel(url, startup_s, reconnect_s, tls)
     tls, ssl_kwargs = _tls(url, tls)
     _probe(url, attempts, delay_s, startup_s, tls, ssl_kwargs)
     retry = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=max(1, int(reconnect_s / 2)))
@@ -165,6 +187,33 @@ def connect(
         retry=retry,
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         **ssl_kwargs,
+    )
+    client.ping()
+    return client
+
+
+def _is_sentinel(url: str) -> bool:
+    from pipeline.sentinel import is_sentinel
+
+    return is_sentinel(url)
+
+
+def _connect_sentinel(
+    url: str, startup_s: float, reconnect_s: float, tls: TLSFiles | None
+) -> redis.Redis:
+    """:func:`connect` for a ``redis+sentinel://`` URL (pipeline/sentinel.py)."""
+    from pipeline import sentinel
+
+    parsed = sentinel.parse(url)  # ValueError: the form to use
+    if tls is not None and (tls.ca or tls.cert):
+        raise ValueError(
+            f"TLS files ({tls.named('ca')}, ...) given for the sentinel URL {parsed.shown()}: "
+            "TLS with sentinels is not built yet; drop them"
+        )
+    sentinel.probe(parsed, startup_s)
+    retry = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=max(1, int(reconnect_s / 2)))
+    client = sentinel.sentinel_client(
+        parsed, retry, socket_timeout=30, socket_connect_timeout=5, health_check_interval=30
     )
     client.ping()
     return client
@@ -245,10 +294,18 @@ def _probe(
 
 # what each role writes, probed at start-up against its own keys: (command, Names property)
 ROLE_PROBES = {
-    "actor": (("XADD", "rollouts"), ("EVALSHA", "samples_produced")),
+    "actor": (
+        ("XADD", "rollouts"),
+        ("EVALSHA", "rollouts"),  # XADD-once (pipeline/durable.py): the stream and
+        ("EVALSHA", "rollouts_once"),  # its once keys, as a script's keys (RW)
+        ("EVALSHA", "samples_produced"),
+    ),
     "preprocessor": (
         ("XADD", "batches"),
+        ("EVALSHA", "batches"),
+        ("EVALSHA", "batches_once"),
         ("XACK", "rollouts"),
+        ("EVALSHA", "rollouts_once"),  # sentinel mode: an XACK's fence field
         ("XADD", "dead"),
         ("EVALSHA", "samples_retired"),
         ("EVALSHA", "retired_recent"),
@@ -256,6 +313,7 @@ ROLE_PROBES = {
     "trainer": (
         ("XADD", "weights"),
         ("XACK", "batches"),
+        ("EVALSHA", "batches_once"),  # sentinel mode: an XACK's fence field
         ("XADD", "dead"),
         ("EVALSHA", "samples_retired"),
     ),
@@ -281,7 +339,7 @@ def check_permissions(
     the command, the key and deploy/redis/users.acl instead of logging NOPERM later.
     ``shard``: an extra shard, which holds only the sharded work streams."""
     for command, stream in ROLE_PROBES.get(role, ()):
-        if shard and stream not in SHARDED:
+        if shard and stream.removesuffix("_once") not in SHARDED:
             continue
         key = getattr(names, stream)
         args = _PROBE_ARGS[command](key)
@@ -305,38 +363,39 @@ def _redact(url: str) -> str:
 
 
 def publish(
-    client: redis.Redis, stream: str, payload: bytes, maxlen: int | None = None, **fields: Any
+    client: redis.Redis,
+    stream: str,
+    payload: bytes,
+    maxlen: int | None = None,
+    token: str | None = None,
+    **fields: Any,
 ) -> str:
-    """XADD ``payload`` with readable plain ``fields`` beside it.
+    """XADD ``payload`` with readable plain ``fields`` beside it; returns the entry id.
 
+    ``token`` (work entries: a group's or a batch's id): XADD-once
+    (:func:`pipeline.durable.publish_once`): a re-send of the same token, a retry after
+    a lost reply included, returns the first entry's id and adds no copy; in sentinel
+    mode it returns once enough replicas have the entry (else NotReplicated).
     ``maxlen`` caps streams whose old entries nobody needs (weight announcements:
     a receiver only acts on the newest); work streams are trimmed by consumption.
     """
-    entry = {k: str(v) for k, v in fields.items()}
+    entry: dict[str, Any] = {k: str(v) for k, v in fields.items()}
     entry["data"] = payload
+    if token is not None:
+        if maxlen is not None:
+            raise ValueError("publish: a token (XADD-once) is for work streams, not maxlen")
+        return durable.publish_once(client, stream, token, entry)[0]
     return client.xadd(stream, entry, maxlen=maxlen, approximate=maxlen is not None).decode()
-
-
-class Lua:
-    """A Lua script run with EVALSHA, and EVAL when the server does not have it cached
-    (after a restart, or the first time). Unlike redis-py's ``register_script`` it never
-    sends SCRIPT LOAD, which deploy/redis/users.acl does not grant the pools (+eval and
-    +evalsha only: SCRIPT also flushes and kills)."""
-
-    def __init__(self, source: str):
-        self.source, self.sha = source, hashlib.sha1(source.encode()).hexdigest()
-
-    def __call__(self, client: redis.Redis, keys: list[str], args: list[Any]) -> Any:
-        try:
-            return client.evalsha(self.sha, len(keys), *keys, *args)
-        except redis.exceptions.NoScriptError:
-            return client.eval(self.source, len(keys), *keys, *args)
 
 
 # KEYS: a counter, a status hash; ARGV: guard field, token, amount, then (field, amount)
 # pairs added to the status hash. Applied once per token: the guard field remembers it.
+# A repeat re-sets the guard: it writes, so a WAIT behind it covers the first (durable.py).
 _ADD_ONCE = Lua("""
-if redis.call('HGET', KEYS[2], ARGV[1]) == ARGV[2] then return 0 end
+if redis.call('HGET', KEYS[2], ARGV[1]) == ARGV[2] then
+  redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+  return 0
+end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('INCRBY', KEYS[1], ARGV[3])
 for i = 4, #ARGV, 2 do redis.call('HINCRBY', KEYS[2], ARGV[i], ARGV[i + 1]) end
@@ -360,7 +419,7 @@ def add_once(
     args: list[Any] = [guard, token, n]
     for field, by in fields.items():
         args += [field, by]
-    return bool(_ADD_ONCE(client, [counter, status], args))
+    return bool(_ADD_ONCE(client, [counter, status], args, f"{counter} += {n} ({token})"))
 
 
 def count_produced(client: redis.Redis, names: Names, actor: str, group_id: str, n: int) -> bool:
@@ -381,7 +440,7 @@ for i = 3, #ARGV, 2 do
     total = total + tonumber(ARGV[i + 1])
   end
 end
-if total > 0 then redis.call('INCRBY', KEYS[1], total) end
+redis.call('INCRBY', KEYS[1], total)  -- also 0: every run writes (durable.py)
 redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -tonumber(ARGV[2]) - 1)
 return total
 """)
@@ -400,7 +459,8 @@ def retire_groups(client: redis.Redis, names: Names, groups: list[tuple[str, int
     args: list[Any] = [time.time(), RETIRED_RECENT_CAP]
     for group_id, n in groups:
         args += [group_id, n]
-    return int(_RETIRE_GROUPS(client, [names.samples_retired, names.retired_recent], args))
+    keys, what = [names.samples_retired, names.retired_recent], f"retiring {len(groups)} groups"
+    return int(_RETIRE_GROUPS(client, keys, args, what))
 
 
 def ensure_group(client: redis.Redis, stream: str, group: str, start: str = "0") -> None:
@@ -542,18 +602,13 @@ class Consumer:
         for plain in (b"group", b"batch"):  # readable ids, for a payload that does not decode
             if plain in fields:
                 entry[plain.decode()] = fields[plain]
-        self.dead_client.xadd(
-            self.names.dead,
-            entry,
-            maxlen=self.dead_maxlen,
-            approximate=True,
-        )
+        durable.xadd(self.dead_client, self.names.dead, entry, maxlen=self.dead_maxlen)
         self.ack([entry_id])
         self.dead_lettered += 1
 
     def ack(self, ids: list[str]) -> None:
-        if ids:
-            self.client.xack(self.stream, self.group, *ids)
+        if ids:  # with WAIT behind it in sentinel mode (pipeline/durable.py)
+            durable.xack(self.client, self.stream, self.group, ids)
 
     # ---- the position interface ShardedConsumer shares (one shard: plain entry ids)
     def client_for(self, entry_id: str) -> redis.Redis:

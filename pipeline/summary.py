@@ -25,6 +25,20 @@ status hash; versions are the trainer's optimizer steps)
 the outcome is ``failed: weights did not reach the actors: ...`` naming each
 one, and the launcher exits 1. The second rule is also checked live: the
 progress line (pipeline/progress.py) shows such an actor while it happens.
+
+When Redis cannot answer at the end (the whole machine shutting down, redis-server
+included), :func:`write_summary` writes the summary from what is on disk instead
+(:func:`build_disk_summary`: ``metrics.jsonl``, ``config.yaml``, ``checkpoints/``):
+the trainer's steps, samples, rewards and checkpoint position, the groups the
+actors published and where the records say they ended, restarts and the last
+evaluation. ``redis_unavailable`` lists, in words, each part only Redis holds and so
+left out (its fields are null or empty): the pools' statuses and counters, the
+in-flight entries, the dead letters, the newest published version and with it the
+check that the weights reached the actors; ``redis_error`` says why. A group the
+records do not place is then counted ``unaccounted`` (in a stream, dead-lettered or
+lost: only Redis can say), never ``lost``. Nothing in Redis is lost by this: the
+AOF holds every acknowledged write, and the next launch on the run directory (or
+``pipeline.inspect --run-dir``) reads it.
 """
 
 from __future__ import annotations
@@ -35,6 +49,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from pipeline.accounting import account, dead_letters, in_flight
 from pipeline.streams import Names
@@ -86,71 +102,94 @@ class Summary:
     weight_problems: list[str] = field(default_factory=list)  # weight_problems(), at the end
     # backend, zero_stage (deepspeed), world_size, dtype, device: trainer_setup()
     trainer_setup: dict[str, str | int] = field(default_factory=dict)
+    # Redis could not answer at the end: the parts it alone holds, left out (null or
+    # empty fields; build_disk_summary), and the error; empty when Redis answered
+    redis_unavailable: list[str] = field(default_factory=list)
+    redis_error: str = ""
 
     def render(self) -> str:
+        s = self
+        if self.redis_unavailable:  # a field Redis could not give is null: shown as "-"
+            s = Summary(
+                **{
+                    k: "-" if v is None and k in NULL_WITHOUT_REDIS else v
+                    for k, v in asdict(self).items()
+                }
+            )
         rows = [
-            ("outcome", self.outcome),
-            ("mode", self.mode),
-            ("actor engine", self.actor_engine),
-            ("trainer", " ".join(f"{k}={v}" for k, v in self.trainer_setup.items()) or "-"),
-            ("trainer steps", self.trainer_steps),
-            ("samples trained", self.samples_trained),
+            ("outcome", s.outcome),
+            ("mode", s.mode),
+            ("actor engine", s.actor_engine),
+            ("trainer", " ".join(f"{k}={v}" for k, v in s.trainer_setup.items()) or "-"),
+            ("trainer steps", s.trainer_steps),
+            ("samples trained", s.samples_trained),
             (
                 "pool restarts",
-                ", ".join(f"{k}={v}" for k, v in sorted(self.restarts.items())) or "none",
+                ", ".join(f"{k}={v}" for k, v in sorted(s.restarts.items())) or "none",
             ),
             (
                 "groups produced / trained / no-signal",
-                f"{self.groups_produced} / {self.groups_trained} / {self.groups_dropped_no_signal}",
+                f"{s.groups_produced} / {s.groups_trained} / {s.groups_dropped_no_signal}",
             ),
-            ("weight updates published", self.weight_updates_published),
+            ("weight updates published", s.weight_updates_published),
             (
                 "unreceived / publish failures / actors dropped",
-                f"{self.weight_versions_unreceived} / {self.weight_publish_failures} / "
-                f"{self.actors_dropped}",
+                f"{s.weight_versions_unreceived} / {s.weight_publish_failures} / "
+                f"{s.actors_dropped}",
             ),
-            ("last publish error", self.last_publish_error or "-"),
+            ("last publish error", s.last_publish_error or "-"),
             (
                 "weight updates applied (failed)",
                 ", ".join(
-                    f"{k}={v} ({self.weight_versions_failed.get(k, 0)})"
-                    for k, v in sorted(self.weight_updates_applied.items())
+                    f"{k}={v} ({s.weight_versions_failed.get(k, 0)})"
+                    for k, v in sorted(s.weight_updates_applied.items())
                 )
                 or "-",
             ),
-            ("weights not arriving", "; ".join(self.weight_problems) or "none"),
-            ("sequences spanning versions", self.sequences_spanning_versions),
-            ("stale samples dropped", self.stale_samples_dropped),
             (
-                f"reward first/last {self.reward_window_steps} steps",
-                f"{_fmt(self.reward_mean_first_window)} -> {_fmt(self.reward_mean_last_window)}",
+                "weights not arriving",
+                "-" if s.redis_unavailable else "; ".join(s.weight_problems) or "none",
             ),
-            ("held-out eval, last version", _eval_text(self.last_eval)),
+            ("sequences spanning versions", s.sequences_spanning_versions),
+            ("stale samples dropped", s.stale_samples_dropped),
+            (
+                f"reward first/last {s.reward_window_steps} steps",
+                f"{_fmt(s.reward_mean_first_window)} -> {_fmt(s.reward_mean_last_window)}",
+            ),
+            ("held-out eval, last version", _eval_text(s.last_eval)),
             (
                 "dead-lettered entries",
-                f"{self.dead_lettered}"
-                + (" (" if self.dead_lettered_by_role else "")
-                + ", ".join(f"{k} {v}" for k, v in sorted(self.dead_lettered_by_role.items()))
-                + (")" if self.dead_lettered_by_role else ""),
+                f"{s.dead_lettered}"
+                + (" (" if s.dead_lettered_by_role else "")
+                + ", ".join(f"{k} {v}" for k, v in sorted(s.dead_lettered_by_role.items()))
+                + (")" if s.dead_lettered_by_role else ""),
             ),
             (
                 "reward errors",
-                f"{self.reward_errors}"
-                + "".join(f", {k}={v}" for k, v in sorted(self.reward_error_reasons.items())),
+                f"{s.reward_errors}"
+                + "".join(f", {k}={v}" for k, v in sorted(s.reward_error_reasons.items())),
             ),
-            (
-                "groups trained/stale/no-signal/dead/in flight/lost",
-                " / ".join(
-                    str(self.accounting.get(f"groups_{k}", "-"))
-                    for k in ("trained", "stale", "no_signal", "dead_lettered")
-                    + ("in_flight_at_end", "lost")
-                ),
-            ),
-            ("groups with PRM-scored steps", self.prm_scored_groups),
-            ("wall seconds", f"{self.wall_seconds:.1f}"),
+            _account_row(s.accounting),
+            ("groups with PRM-scored steps", s.prm_scored_groups),
+            ("wall seconds", f"{s.wall_seconds:.1f}"),
         ]
+        if self.redis_unavailable:
+            why = f"redis did not answer ({self.redis_error}); not in this summary: "
+            rows.insert(1, ("from disk only", why + "; ".join(self.redis_unavailable)))
         width = max(len(k) for k, _ in rows)
         return "\n".join(["run summary"] + [f"  {k.ljust(width)}  {v}" for k, v in rows])
+
+
+def _account_row(terms: dict) -> tuple[str, str]:
+    """The account's row; from disk only, the groups the records do not place are
+    "unaccounted" (in a stream, dead-lettered or lost: only Redis can say)."""
+    if "groups_unaccounted" in terms:
+        keys = ("trained", "stale", "no_signal", "unaccounted")
+        label = "groups trained/stale/no-signal/unaccounted (no redis)"
+    else:
+        keys = ("trained", "stale", "no_signal", "dead_lettered", "in_flight_at_end", "lost")
+        label = "groups trained/stale/no-signal/dead/in flight/lost"
+    return label, " / ".join(str(terms.get(f"groups_{k}", "-")) for k in keys)
 
 
 def _fmt(x: float | None) -> str:
@@ -335,13 +374,7 @@ def build_summary(
         last_publish_error=trainer.get("last_publish_error", ""),
         reward_errors=errors,
         reward_error_reasons=reasons,
-        restarts=dict(
-            Counter(
-                r["target"]
-                for r in records
-                if r.get("pool") == "launcher" and r.get("event") == "restart"
-            )
-        ),
+        restarts=_restarts(records),
         accounting=terms,
         in_flight_group_ids=sorted(
             set(flight["rollouts_groups"])
@@ -353,10 +386,143 @@ def build_summary(
     )
 
 
+# What only Redis holds, in words (``redis_unavailable``), with the Summary fields it
+# fills: null (or empty) in a summary written from disk
+WITHOUT_REDIS: dict[str, tuple[str, ...]] = {
+    "pool statuses and counters (the trainer's, the preprocessors', the actors')": (
+        "pools",
+        "trainer_setup",
+        "prm_scored_groups",
+        "reward_errors",
+        "reward_error_reasons",
+    ),
+    "the weight publisher's and receivers' counters": (
+        "weight_updates_published",
+        "weight_versions_unreceived",
+        "weight_publish_failures",
+        "actors_dropped",
+        "last_publish_error",
+        "weight_updates_applied",
+        "weight_versions_offered",
+        "weight_versions_failed",
+    ),
+    "the newest published version, and so the check that the weights reached the actors": (
+        "newest_published_version",
+        "weight_problems",
+    ),
+    "the entries in flight (rollouts and batches not yet acknowledged)": (
+        "in_flight_group_ids",
+        "in_flight",
+    ),
+    "the dead letters": ("dead_lettered", "dead_lettered_by_role", "dead_letter_entries"),
+}
+NULL_WITHOUT_REDIS = {f for fields in WITHOUT_REDIS.values() for f in fields}
+
+
+def build_disk_summary(run_dir: str, outcome: str, wall_s: float, why: str) -> Summary:
+    """The summary from the run directory alone (``metrics.jsonl``, ``config.yaml``,
+    ``checkpoints/``) when Redis cannot answer (``why``): see the module doc. The
+    trainer's counters come from its surviving ``step`` records; the account places
+    each published group by the records only, the rest ``groups_unaccounted``."""
+    records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    steps = surviving_steps(records)
+    window = max(1, min(5, len(steps) // 2))
+    rewards = [r["reward_mean"] for r in steps]
+    terms = account(records, {}, [], _group_size(run_dir))
+    # nothing in flight or dead-lettered is known: a group the records do not place is
+    # unaccounted, not lost, and the lost ids are those unplaced
+    for key in ("groups_dead_lettered", "groups_in_flight_at_end", "dead_letters"):
+        terms.pop(key)
+    terms["groups_unaccounted"] = terms.pop("groups_lost")
+    terms["unaccounted_ids"] = terms.pop("lost_ids")
+    terms["samples_unaccounted"] = terms.pop("samples_lost")
+    terms.pop("groups_lost_ids")
+    evals = [r for r in records if r.get("event") == "eval"]
+    summary = Summary(
+        mode=_config_str(run_dir, "pipeline.mode", "async"),
+        actor_engine=_config_str(run_dir, "actor.engine", "hf"),
+        last_eval=max(evals, key=lambda r: r["version"], default={}),
+        outcome=outcome,
+        trainer_steps=max((int(r["step"]) for r in steps), default=0),
+        samples_trained=sum(int(r.get("samples", 0)) for r in steps),
+        sequences_spanning_versions=sum(int(r.get("spanning", 0)) for r in steps),
+        stale_samples_dropped=sum(int(r.get("stale", 0)) for r in steps),
+        reward_mean_first_window=_mean(rewards[:window]),
+        reward_mean_last_window=_mean(rewards[-window:]),
+        reward_window_steps=window,
+        groups_produced=terms["groups_produced"],
+        groups_trained=terms["groups_trained"],
+        groups_dropped_no_signal=terms["groups_no_signal"],
+        wall_seconds=round(wall_s, 2),
+        restarts=_restarts(records),
+        accounting=terms,
+        redis_unavailable=list(WITHOUT_REDIS),
+        redis_error=why,
+        # filled below: null, or empty where the field is a list or mapping
+        dead_lettered=None,
+        prm_scored_groups=None,
+        weight_updates_published=None,
+        weight_updates_applied={},
+    )
+    for name in NULL_WITHOUT_REDIS:
+        value = getattr(summary, name)
+        setattr(summary, name, type(value)() if isinstance(value, list | dict) else None)
+    return summary
+
+
+def _restarts(records: list[dict]) -> dict[str, int]:
+    return dict(
+        Counter(
+            r["target"]
+            for r in records
+            if r.get("pool") == "launcher" and r.get("event") == "restart"
+        )
+    )
+
+
+def silent(client: redis.Redis, timeout_s: float) -> str | None:
+    """None when ``client``'s server answers a PING within ``timeout_s`` (one try, on a
+    connection of its own with the client's address, credentials and TLS), else why."""
+    pool = client.connection_pool
+    kwargs = dict(pool.connection_kwargs)
+    kwargs.update(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    kwargs["retry"] = Retry(NoBackoff(), 0)
+    conn = pool.connection_class(**kwargs)
+    try:
+        conn.connect()
+        conn.send_command("PING")
+        conn.read_response()
+        return None
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+        return " ".join(str(e).split())[:300] or type(e).__name__
+    finally:
+        conn.disconnect()
+
+
 def write_summary(
-    run_dir: str, client: redis.Redis, names: Names, outcome: str, wall_s: float, shards=()
+    run_dir: str,
+    client: redis.Redis,
+    names: Names,
+    outcome: str,
+    wall_s: float,
+    shards=(),
+    probe_s: float = 3.0,
 ) -> Summary:
-    summary = build_summary(run_dir, client, names, outcome, wall_s, shards)
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+    """Write ``summary.json`` from Redis and the run directory; when Redis does not
+    answer (its client gives up after its own short retries), from the run directory
+    alone (:func:`build_disk_summary`, ``redis_unavailable`` naming what is missing).
+    Redis is asked first with a ``probe_s`` deadline: a server that is gone refuses at
+    once, and one that hangs is not waited for the client's 30 s socket deadline."""
+    why = silent(client, probe_s)
+    try:
+        if why is None:
+            summary = build_summary(run_dir, client, names, outcome, wall_s, shards)
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        why = " ".join(str(e).split())[:300] or type(e).__name__
+    if why is not None:
+        summary = build_disk_summary(run_dir, outcome, wall_s, why)
+    path = os.path.join(run_dir, "summary.json")
+    with open(path + ".tmp", "w") as f:
         json.dump(asdict(summary), f, indent=2)
+    os.replace(path + ".tmp", path)  # a stop mid-write leaves the previous one whole
     return summary

@@ -7,7 +7,9 @@ running under a restart policy, with a watchdog for silent hangs.
     writes  launcher events (exit, watchdog, restart, redis-restart) to metrics.jsonl
     acts    restarts a crashed pool (launch.restart_policy, launch.max_restarts),
             SIGKILLs a pool silent for launch.watchdog_s (then the policy applies),
-            restarts a dead embedded redis-server on its port and AOF,
+            restarts a dead embedded redis-server on its port and AOF (redis=ha: a
+            dead node only as the replica of the primary the sentinels name, never as
+            the primary it was: pipeline/redis_ha.py),
             stops the run when a pool exits with EXIT_DATA_LOST, EXIT_REFUSED (Redis
             refused it: ACL, credentials, eviction policy) or EXIT_MISMATCH (an actor
             cannot take the trainer's weights: transport or kind) or runs out of restarts
@@ -44,6 +46,7 @@ import subprocess
 import time
 from collections import Counter
 
+from pipeline.redis_ha import RedisHA
 from pipeline.redis_server import EmbeddedRedis
 from pipeline.runtime import EXIT_DATA_LOST, EXIT_MISMATCH, EXIT_REFUSED
 from pipeline.telemetry import MetricsFile
@@ -64,7 +67,7 @@ class Supervisor:
         run_dir: str,
         env: dict[str, str],
         cmds: dict[str, list[str]],
-        server: EmbeddedRedis | None = None,
+        server: EmbeddedRedis | RedisHA | None = None,
         groups: dict[str, list[str]] | None = None,
     ):
         self.cfg, self.run_dir, self.env, self.cmds, self.server = cfg, run_dir, env, cmds, server
@@ -201,6 +204,9 @@ class Supervisor:
                 kill_process_group(proc)
 
     def check_redis(self) -> None:
+        if isinstance(self.server, RedisHA):  # Sentinel promotes; see RedisHA.watch
+            self.server.watch(lambda line: print(f"\n{line}", flush=True), self.event)
+            return
         for k, server in enumerate([self.server, *self.shard_servers]):
             if server is None or server.proc is None or server.proc.poll() is None:
                 continue

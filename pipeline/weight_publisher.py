@@ -192,6 +192,9 @@ class WeightPublisher:
                     self._send(job, self.sender.members())
                 elif joined and self._latest is not None:
                     self._send(self._latest, joined)  # catch a (re)joined actor up at once
+            except (redis.ConnectionError, redis.TimeoutError) as e:  # after the retries
+                log.error("weight publisher step failed: redis did not answer (%s)", e)
+                self._error(f"publish step failed: {type(e).__name__}: {e}")
             except Exception as e:  # the trainer must go on; the failure is logged and counted
                 log.exception("weight publisher step failed")
                 self._error(f"publish step failed: {type(e).__name__}: {e}")

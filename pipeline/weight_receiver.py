@@ -163,7 +163,7 @@ class WeightReceiver:
                 self.failed += 1
                 self.fatal = one_line(e)
                 log.error("weights refused, the actor stops: %s", self.fatal)
-                self.on_error(self.fatal)
+                self._report(self.fatal)
                 self.on_fatal(self.fatal)
                 return
             except Exception as e:  # keep the current weights; rejoin and take the next
@@ -171,9 +171,12 @@ class WeightReceiver:
                     return
                 self.failed += 1
                 log.error("weight update failed, keeping the current weights: %s", one_line(e))
-                self.on_error(one_line(e))
+                self._report(one_line(e))
                 self.joined = False
-                self.transport.close()
+                try:
+                    self.transport.close()
+                except Exception as closing:  # a dead engine (vLLM's channel is an RPC)
+                    log.error("closing the weight channel failed: %s", one_line(closing))
                 time.sleep(0.5)
 
     def _receive_counted(self, ann: WeightAnnouncement) -> None:
@@ -187,6 +190,14 @@ class WeightReceiver:
             if not self._stop.is_set():
                 self._count("weight_versions_failed")
             raise
+
+    def _report(self, text: str) -> None:
+        """``on_error(text)`` (the actor's status hash); with Redis down (an outage, or a
+        machine shutting down) a line says so, and the thread goes on instead of dying."""
+        try:
+            self.on_error(text)
+        except redis.RedisError as e:
+            log.warning("could not record the error in the status hash: %s", e)
 
     def _count(self, field: str) -> None:
         try:

@@ -23,8 +23,8 @@ only after their batches are written. Groups dropped for no signal are recorded
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import uuid
 from collections import Counter
 
 import numpy as np
@@ -40,6 +40,7 @@ from pipeline.messages import (
 )
 from pipeline.runtime import Pool, start_pool
 from pipeline.shards import open_consumer
+from pipeline.stopping import final
 from pipeline.streams import DATA, Consumer, Names, publish, retire_groups
 from preprocessor.scorers import ScoredGroup, Scorer, build_scorers
 from preprocessor.shaping import pack, set_advantages
@@ -95,7 +96,7 @@ def to_batches(groups: list[RolloutGroup], budget: int) -> list[TrainBatch]:
             out.append(
                 TrainBatch(
                     schema=SCHEMA_VERSION,
-                    batch_id=uuid.uuid4().hex[:16],
+                    batch_id=batch_id(chosen),
                     group_ids=[g.group_id for g, _ in chosen],
                     prompt_ids=[g.prompt_ids for g, _ in chosen],
                     samples=[s for _, s in chosen],
@@ -105,6 +106,14 @@ def to_batches(groups: list[RolloutGroup], budget: int) -> list[TrainBatch]:
                 )
             )
     return out
+
+
+def batch_id(chosen: list) -> str:
+    """A batch's id from its (group, sample) pairs: the same samples packed again (a
+    re-read after a restart before the ack) give the same id, and publish's XADD-once
+    (the id is its token) adds no second copy."""
+    ids = "\n".join(f"{g.group_id}/{s.index}" for g, s in chosen)
+    return hashlib.sha1(ids.encode()).hexdigest()[:16]
 
 
 def score_groups(
@@ -142,6 +151,7 @@ def process(
             out or pool.client,
             pool.names.batches,
             encode(b),
+            token=b.batch_id,  # XADD-once: a re-send adds no copy (pipeline/durable.py)
             schema=SCHEMA_VERSION,
             batch=b.batch_id,
             samples=len(b.samples),
@@ -185,8 +195,17 @@ def main(argv: list[str] | None = None) -> None:
         pool.record(event="preprocessed", **counts)
         add_totals(pool, counts)
         pool.status.set(state="working")
-    pool.status.set(state="stopped")
-    totals = pool.client.hmget(pool.status.key, ["kept", "dropped", "batches"])
+    # stopping with redis gone: one short try each (pipeline/stopping.py); the rollouts
+    # this process read and did not acknowledge stay pending and are read again
+    final(pool.stop, "the preprocessor's stopped status", lambda: pool.status.set(state="stopped"))
+    totals = final(
+        pool.stop,
+        "a read of the run totals",
+        lambda: pool.client.hmget(pool.status.key, ["kept", "dropped", "batches"]),
+    )
+    if totals is None:
+        log.info("stopped (run totals not read: redis did not answer)")
+        return
     kept, dropped, batches = ((t or b"0").decode() for t in totals)
     log.info("stopped: kept %s, dropped %s, batches %s (run totals)", kept, dropped, batches)
 

@@ -279,9 +279,10 @@ class ReplyDropper:
 
 
 def test_a_resent_xadd_duplicates_the_entry_and_the_account_counts_it_once(tmp_path):
-    """connect()'s retry re-sends an XADD whose reply was lost: the rollouts stream
+    """connect()'s retry re-sends a plain XADD whose reply was lost: the rollouts stream
     then holds the group twice (the trainer's dedupe window trains it once:
-    tests/test_trainer.py), and the account counts the group once, not duplicated."""
+    tests/test_trainer.py), and the account counts the group once, not duplicated. The
+    pools publish with a token (XADD-once), which makes no copy: tests/test_durable.py."""
     server = EmbeddedRedis(str(tmp_path / "redis"))
     server.start()
     proxy = ReplyDropper(server.port)

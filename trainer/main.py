@@ -28,11 +28,12 @@ import uuid
 
 import torch
 
-from pipeline import lora
+from pipeline import durable, lora
 from pipeline.config import run_secret
 from pipeline.messages import TrainBatch, decode, encode
 from pipeline.runtime import Pool, model_path, start_pool
 from pipeline.shards import open_consumer
+from pipeline.stopping import final
 from pipeline.streams import Lua, add_once
 from pipeline.weight_publisher import WeightPublisher
 from trainer import checkpoint
@@ -121,7 +122,7 @@ class Trainer:
             # a trainer ran before: its steps after this version are undone
             pool.record(event="resume", version=self.state["version"])
         self._undo_retired(self.state["samples_retired"])
-        pool.client.set(pool.names.trainer_version, self.state["version"])
+        durable.set_value(pool.client, pool.names.trainer_version, self.state["version"])
         self.checkpoint_id = self.state["entry_id"]
         pool.status.set(**describe(cfg))  # backend, ZeRO stage, ranks, dtype: summary.json
         self.publisher = WeightPublisher(
@@ -147,7 +148,8 @@ class Trainer:
         """
         client, names = self.pool.client, self.pool.names
         keys = [names.samples_retired, names.status(self.pool.name)]
-        undone = int(_UNDO_RETIRED(client, keys, [RETIRED_FIELD, kept]))
+        what = "taking back the retirements of undone steps"
+        undone = int(_UNDO_RETIRED(client, keys, [RETIRED_FIELD, kept], what))
         if undone:
             log.info("%d retired samples of undone steps come again", undone)
 
@@ -239,7 +241,7 @@ class Trainer:
         s["recent_samples"] = recent | dict.fromkeys(data.sample_ids, s["version"])
         s["sequences_spanning_versions"] += metrics["spanning"]
         s["entry_id"] = self.consumer.position(s["entry_id"], data.entry_ids)
-        self.pool.client.set(self.pool.names.trainer_version, s["version"])
+        durable.set_value(self.pool.client, self.pool.names.trainer_version, s["version"])
         self.consumer.ack(data.entry_ids)
         dead = self.consumer.dead_lettered - self.dead_seen  # entries, like a preprocessor's
         add_once(  # once even when re-sent after a lost reply
@@ -289,11 +291,23 @@ class Trainer:
     def finish(self) -> None:
         cfg = self.pool.cfg.trainer
         done = self.state["version"] >= cfg.max_steps
+        state = "finished" if done else "stopped"
         if self.ranks.is_main:
-            self.publisher.close(timeout_s=cfg.transfer_timeout_s)
-            self.pool.status.set(state="finished" if done else "stopped")
-        else:
-            self.pool.status.set(state="finished" if done else "stopped")
+            # told to stop: the actors are stopping too, so the last version is not waited
+            # for past the stop's final-writes budget (pipeline/stopping.py)
+            timeout = (
+                cfg.transfer_timeout_s
+                if done
+                else min(cfg.transfer_timeout_s, self.pool.stop.left())
+            )
+            self.publisher.close(timeout_s=timeout)
+        # stopping with redis gone: one short try; the batches of the unfinished step were
+        # not acknowledged and are read again from the checkpoint's position
+        final(
+            self.pool.stop,
+            f"the trainer's {state} status",
+            lambda: self.pool.status.set(state=state),
+        )
         close(self.ranks)
         log.info("trainer rank %d done at version %d", self.ranks.rank, self.state["version"])
 

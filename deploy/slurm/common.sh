@@ -62,6 +62,7 @@ print(OmegaConf.select(load_config(os.environ["NONSTOP_CONFIG"]), sys.argv[1]))'
 # primary) and NONSTOP_REDIS_SHARD_URLS (shards 1.., comma-joined) and publish them in
 # $NONSTOP_RUN_DIR/redis/url and redis/shard_urls (mode 0600; url last: it signals the
 # per-pool jobs). Sets REDIS_PID (the srun).
+# redis.mode=sentinel: nonstop_start_redis_ha instead.
 nonstop_start_redis() {
   local shards k waited=0 shard_urls=""
   shards=$(nonstop_cfg redis.shards)
@@ -69,6 +70,10 @@ nonstop_start_redis() {
   rm -f "$NONSTOP_RUN_DIR"/redis/url "$NONSTOP_RUN_DIR"/redis/url.* "$NONSTOP_RUN_DIR/redis/shard_urls"
   NONSTOP_REDIS_PASSWORD=$("$NONSTOP_PYTHON" -c 'import secrets; print(secrets.token_hex(24))')
   export NONSTOP_REDIS_PASSWORD
+  if [ "$(nonstop_cfg redis.mode)" = sentinel ]; then
+    nonstop_start_redis_ha "$@"
+    return
+  fi
   srun "$@" --ntasks="$shards" --distribution=cyclic "$NONSTOP_DEPLOY/slurm/redis-shard.sh" &
   REDIS_PID=$!
   for k in $(seq 0 $((shards - 1))); do
@@ -105,12 +110,65 @@ PY
   echo "redis-server on ${NONSTOP_REDIS_URL##*@} ($shards instance(s); URLs in $NONSTOP_RUN_DIR/redis)"
 }
 
+# redis.mode=sentinel: a primary, NONSTOP_REDIS_REPLICAS (1) replicas and a sentinel per
+# task (at least 3 tasks) as one srun step (deploy/slurm/redis-ha.sh; srun options in
+# "$@"); waits until the sentinels name the primary and a replica is in sync, then
+# exports and publishes the redis+sentinel:// URL as nonstop_start_redis does.
+nonstop_start_redis_ha() {
+  local replicas=${NONSTOP_REDIS_REPLICAS:-1} tasks k waited=0 hosts=""
+  tasks=$((replicas + 1))
+  [ "$tasks" -ge 3 ] || tasks=3
+  NONSTOP_REDIS_SERVICE=$(nonstop_cfg redis.sentinel_service)
+  export NONSTOP_REDIS_SERVICE NONSTOP_REDIS_REPLICAS=$replicas
+  rm -f "$NONSTOP_RUN_DIR"/redis/node.* "$NONSTOP_RUN_DIR"/redis/sentinel.*
+  srun "$@" --ntasks="$tasks" --distribution=cyclic "$NONSTOP_DEPLOY/slurm/redis-ha.sh" &
+  REDIS_PID=$!
+  for k in $(seq 0 $((tasks - 1))); do
+    while [ ! -s "$NONSTOP_RUN_DIR/redis/sentinel.$k" ]; do
+      if ! kill -0 "$REDIS_PID" 2>/dev/null || [ "$waited" -ge "${NONSTOP_REDIS_WAIT_S:-120}" ]; then
+        echo "redis task $k did not start (redis.mode=sentinel needs $tasks tasks in the Redis" \
+          "group, on separate nodes: sbatch -N$tasks -n$tasks ...; see $NONSTOP_RUN_DIR/redis/*.log)" >&2
+        kill "$REDIS_PID" 2>/dev/null
+        return 1
+      fi
+      sleep 1
+      waited=$((waited + 1))
+    done
+    hosts="$hosts${hosts:+,}$(cat "$NONSTOP_RUN_DIR/redis/sentinel.$k")"
+  done
+  NONSTOP_REDIS_URL="redis+sentinel://:$NONSTOP_REDIS_PASSWORD@$hosts/$NONSTOP_REDIS_SERVICE/0"
+  NONSTOP_REDIS_SHARD_URLS=
+  export NONSTOP_REDIS_URL NONSTOP_REDIS_SHARD_URLS
+  # the sentinels name a primary that answers, with a replica in sync (bounded)
+  "$NONSTOP_PYTHON" - <<'PY' || { kill "$REDIS_PID" 2>/dev/null; return 1; }
+import os, sys, time
+from pipeline.config import load_config
+from pipeline.streams import Names, connect
+cfg = load_config(os.environ["NONSTOP_CONFIG"])
+client = connect(os.environ["NONSTOP_REDIS_URL"], startup_s=60)
+deadline = time.monotonic() + float(os.environ.get("NONSTOP_REDIS_WAIT_S", 120))
+while int(client.info("replication").get("min_slaves_good_slaves", 0)) < 1:
+    if time.monotonic() > deadline:
+        sys.exit("no replica in sync with the primary: see $NONSTOP_RUN_DIR/redis/node-*.log")
+    time.sleep(0.5)
+names = Names(cfg.redis.prefix, os.environ.get("NONSTOP_RUN") or cfg.run.name)
+client.delete(names.key("rendezvous"))  # no stale trainer address from a previous job
+PY
+  export NONSTOP_RUN_SECRET=${NONSTOP_RUN_SECRET:-$("$NONSTOP_PYTHON" -c 'import secrets; print(secrets.token_hex(16))')}
+  (umask 077 && echo "$NONSTOP_RUN_SECRET" >"$NONSTOP_RUN_DIR/redis/secret")
+  (umask 077 && echo "" >"$NONSTOP_RUN_DIR/redis/shard_urls")
+  (umask 077 && echo "$NONSTOP_REDIS_URL" >"$NONSTOP_RUN_DIR/redis/url.tmp")
+  mv "$NONSTOP_RUN_DIR/redis/url.tmp" "$NONSTOP_RUN_DIR/redis/url"
+  echo "redis primary + $replicas replica(s), $tasks sentinels ${hosts} (service $NONSTOP_REDIS_SERVICE)"
+}
+
 # Stop Redis (the step nonstop_start_redis started; $1: its het component's job id, or
 # this job's): SIGTERM to its tasks, which stop redis-server cleanly (AOF written).
 nonstop_stop_redis() {
   scancel --signal=TERM "${1:-$SLURM_JOB_ID}" 2>/dev/null || true
   wait "$REDIS_PID" 2>/dev/null || true
-  rm -f "$NONSTOP_RUN_DIR"/redis/url "$NONSTOP_RUN_DIR"/redis/url.*
+  rm -f "$NONSTOP_RUN_DIR"/redis/url "$NONSTOP_RUN_DIR"/redis/url.* "$NONSTOP_RUN_DIR"/redis/node.* \
+    "$NONSTOP_RUN_DIR"/redis/sentinel.*
 }
 
 # NONSTOP_REDIS_URL from the environment, or from the Redis job's file (waits for it).

@@ -14,6 +14,13 @@ then gone) and a new pid reports in its status hash; the redis-server comes
 back with a new pid and a new ``run_id``. ``--faults redis_sigkill,...`` runs
 only the named faults of the schedule, 20 s apart.
 
+``redis_primary_loss`` (``redis=ha`` runs only, ``--set redis=ha --faults
+redis_primary_loss``; not in the default schedule): SIGKILL the primary the sentinels
+name and delete its data directory, as if its machine were lost. It takes effect when
+the sentinels have promoted the replica (another server, new ``run_id``, answering as
+the primary); ``first_write_s`` is the time from the kill to the first write the new
+primary acknowledged (a key of the run's, ``<run>:faults_probe``).
+
 After the last fault and ``--tail-steps`` steps, the run is drained: the actors
 stop producing (the ``drain`` field of ``<run>:run``, actor/sync.py), the
 preprocessors and the trainer take what is in the streams and the pending lists,
@@ -40,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,7 +68,8 @@ DEFAULT_SCHEDULE = (
     "5:kill:actor-0,15:kill:preprocessor-0,25:kill:trainer,40:stop:preprocessor-0,"
     "60:restart:redis,80:kill:redis"
 )
-SIGNALS = {"kill": "sigkill", "stop": "sigstop", "restart": "restart"}
+SIGNALS = {"kill": "sigkill", "stop": "sigstop", "restart": "restart", "lose": "loss"}
+EXTRA_FAULTS = {"redis_primary_loss": ("lose", "redis_primary")}  # not in the default
 RECOVERY_TIMEOUT_S = 180.0
 DRAIN_TIMEOUT_S = 240.0  # for the preprocessors and the trainer to empty the streams
 QUIET_S = 5.0  # nothing in the streams moved this long: drained
@@ -156,8 +165,36 @@ def redis_identity(run_dir: str, client) -> dict:
     }
 
 
+def primary_identity(client) -> dict:
+    """The primary a sentinel client is connected to: pid, run_id, data directory."""
+    server = client.info("server")
+    return {
+        "pid": int(server["process_id"]),
+        "run_id": server["run_id"],
+        "port": int(server["tcp_port"]),
+        "dir": client.config_get("dir")["dir"],
+    }
+
+
+def lose_primary(fault: dict, run_dir: str, client, names: Names) -> None:
+    """SIGKILL the primary and delete its data directory; then time the first write
+    acknowledged after it (the client follows the failover through the sentinels)."""
+    mode = OmegaConf.load(os.path.join(run_dir, "config.yaml")).redis.mode
+    if mode != "sentinel":
+        raise SystemExit(f"redis_primary_loss needs a redis=ha run (redis.mode is {mode})")
+    before = primary_identity(client)
+    fault.update(pid=before["pid"], run_id=before["run_id"], port=before["port"])
+    os.kill(before["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    shutil.rmtree(before["dir"], ignore_errors=True)
+    client.set(names.faults_probe, str(time.time()))  # retried until a primary takes it
+    fault["first_write_s"] = round(time.monotonic() - killed, 2)
+
+
 def inject(fault: dict, run_dir: str, client, names: Names) -> None:
     """Apply one fault; record what it hit (pid, and the server's run_id for redis)."""
+    if fault["target"] == "redis_primary":
+        return lose_primary(fault, run_dir, client, names)
     if fault["target"] == "redis":
         before = redis_identity(run_dir, client)
         fault["pid"], fault["run_id"] = before["pid"], before["run_id"]
@@ -174,6 +211,15 @@ def took_effect(fault: dict, run_dir: str, client, names: Names) -> bool:
     """The hit process stopped or died, and a new one (new pid; new run_id for
     redis) reports; fills ``fault["effect"]`` with what was seen."""
     effect = fault.setdefault("effect", {})
+    if fault["target"] == "redis_primary":  # promoted: another server answers as primary
+        try:
+            now = primary_identity(client)
+        except redis.RedisError:
+            return False
+        effect.update(old_pid_state=pid_state(fault["pid"]), new_pid=now["pid"])
+        effect.update(new_run_id=now["run_id"], new_port=now["port"])
+        effect["first_write_s"] = fault["first_write_s"]
+        return now["port"] != fault["port"] and effect["old_pid_state"] in ("gone", "zombie")
     if fault["target"] == "redis":
         try:
             now = redis_identity(run_dir, client)
@@ -202,7 +248,7 @@ def recovered(fault: dict, client, names: Names, metrics: str) -> bool:
     t = fault["at"]
     if not any(r.get("event") == "step" and r["time"] > t for r in read_jsonl(metrics)):
         return False
-    if fault["target"] == "redis":
+    if fault["target"] in ("redis", "redis_primary"):
         return True
     st = read_statuses(client, names).get(fault["target"], {})
     return int(st.get("pid", 0)) != fault["pid"] and float(st.get("progress", 0)) > t
@@ -323,6 +369,12 @@ def account_run(run_dir: str, records: list[dict] | None = None) -> dict:
     if records is None:
         records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     summary = json.loads(Path(run_dir, "summary.json").read_text())
+    if summary.get("redis_unavailable"):  # written from disk: no streams, no dead letters
+        raise ValueError(
+            f"{run_dir}/summary.json was written without redis ({summary.get('redis_error')}), "
+            "so it holds no in-flight entries or dead letters to account with: launch the run "
+            "again on this run directory (or start its redis-server) and account that summary"
+        )
     cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
     flight = summary["in_flight"]
     terms = account(records, flight, summary["dead_letter_entries"], int(cfg.task.group_size))
@@ -431,7 +483,7 @@ def plan(schedule: str, only: str | None) -> list[tuple[float, str, str]]:
     if only is None:
         return items
     wanted = [n for n in only.split(",") if n]
-    known = {f"{t}_{SIGNALS[k]}": (k, t) for _, k, t in items}
+    known = {f"{t}_{SIGNALS[k]}": (k, t) for _, k, t in items} | EXTRA_FAULTS
     unknown = [n for n in wanted if n not in known]
     if unknown:
         raise SystemExit(

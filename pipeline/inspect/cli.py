@@ -11,6 +11,7 @@ import redis
 
 from pipeline.inspect.gather import snapshot
 from pipeline.inspect.render import render
+from pipeline.inspect.replication import replication_snapshot
 from pipeline.inspect.target import pick_run, resolve
 from pipeline.streams import Names, connect
 
@@ -25,7 +26,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--run-dir", help="a run directory (its redis/url or redis/port+auth, and config.yaml)"
     )
-    p.add_argument("--url", help="redis[s]://[:PASS@]host:port/db (default: $NONSTOP_REDIS_URL)")
+    p.add_argument(
+        "--url",
+        help="redis[s]://[:PASS@]host:port/db or redis+sentinel://[:PASS@]host:port,.../SERVICE"
+        " (default: $NONSTOP_REDIS_URL)",
+    )
     for what, help_ in (
         ("ca", "the CA that signs the server's certificate"),
         ("cert", "a client certificate"),
@@ -80,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             try:
                 snap = snapshot(client, names, args.stale_after, shards)
+                snap["replication"] = replication_snapshot(target.url, client)  # sentinel
                 text = json.dumps(snap) if args.json else render(snap, prev, target.url)
                 prev = snap
             except (redis.ConnectionError, redis.TimeoutError) as e:

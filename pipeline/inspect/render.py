@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from pipeline.inspect.gather import THROUGHPUT
+from pipeline.inspect.replication import render_replication
 from pipeline.streams import _redact
 
 
@@ -103,7 +104,7 @@ def _pool_rows(pools: dict, rates: dict) -> list[list[str]]:
 
 def render(snap: dict, prev: dict | None = None, url: str = "") -> str:
     """The terminal view of one snapshot (rates need the previous one)."""
-    lines = _header(snap, url) + [""]
+    lines = _header(snap, url) + render_replication(snap.get("replication")) + [""]
     streams = dict(snap["streams"])
     for shard in snap.get("shards") or []:  # redis.shards: each shard's part, labelled
         streams |= {f"{n}@shard{shard['shard']}": s for n, s in shard["streams"].items()}

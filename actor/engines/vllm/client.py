@@ -230,13 +230,26 @@ class VLLMEngine(VLLMWeights, Engine):
 
     # -- plumbing --------------------------------------------------------------------
     def _call(self, coro, timeout: float):
-        """Run ``coro`` on the engine loop; wait at most ``timeout`` seconds."""
+        """Run ``coro`` on the engine loop; wait at most ``timeout`` seconds, and no longer
+        once the engine is dead (``AsyncLLM.errored``: its engine core exited, e.g. a
+        machine shutting down SIGTERMed it too): a call into a dead engine core is never
+        answered, and waiting out ``rpc_timeout_s`` (120 s) held a stopping actor past
+        the launcher's grace (seen: ``take()``'s poll and the receiver's disconnect)."""
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return future.result(timeout=max(timeout, 0.001))
-        except FutureTimeout:
-            future.cancel()
-            raise TimeoutError(f"the vLLM engine did not answer within {timeout:.1f} s") from None
+        deadline = time.monotonic() + max(timeout, 0.001)
+        while True:
+            try:
+                return future.result(timeout=min(0.5, max(deadline - time.monotonic(), 0.001)))
+            except FutureTimeout:
+                llm = getattr(self, "llm", None)  # None while the engine starts
+                if llm is not None and llm.errored:
+                    future.cancel()
+                    raise RuntimeError("the vLLM engine died; the call was abandoned") from None
+                if time.monotonic() >= deadline:
+                    future.cancel()
+                    raise TimeoutError(
+                        f"the vLLM engine did not answer within {timeout:.1f} s"
+                    ) from None
 
     def rpc(self, method: str, *args, timeout: float | None = None):
         """``collective_rpc`` into the worker extension with a deadline; the workers'

@@ -1,0 +1,287 @@
+"""Redis Sentinel for ``redis.mode=sentinel``: the URL form, the client that follows a
+failover, and the start-up probe that says in one line what is wrong.
+
+URL (it travels in ``redis.url`` / ``NONSTOP_REDIS_URL`` like a ``redis://`` one)::
+
+    redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]
+
+``HOST:PORT`` are the sentinels (26379 when the port is left out), ``SERVICE`` the name
+they monitor the primary under (``redis.sentinel_service``), ``DB`` the database (0).
+The same user and password authenticate on the nodes (the primary and its replicas) and
+on the sentinels (``requirepass``, or the same ACL user defined there: deploy/redis/
+sentinel.conf). TLS to sentinels (``rediss+sentinel://``) is not built yet.
+
+The client (:func:`sentinel_client`) asks the sentinels for the primary whenever it
+(re)connects, so after a failover the same client object carries on with the promoted
+replica: a command that meets the dropped connection, a primary the sentinels see down
+(redis-py's MasterNotFoundError), an old primary now read-only (READONLY) or a primary
+that refuses writes for want of replicas (NOREPLICAS, ``min-replicas-to-write``: the
+write was not applied) is retried by :func:`pipeline.streams.connect`'s reconnect
+budget (``redis.reconnect_s``) before the error reaches the caller.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from urllib.parse import unquote
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from redis.sentinel import Sentinel, SentinelManagedConnection
+
+SCHEME = "redis+sentinel"
+DEFAULT_PORT = 26379
+FORM = "redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]"
+
+
+def is_sentinel(url: str | None) -> bool:
+    """Whether ``url`` names sentinels (``redis+sentinel://`` or ``rediss+sentinel://``)."""
+    return bool(url) and url.split("://", 1)[0].lower().endswith("+sentinel")
+
+
+@dataclass
+class SentinelURL:
+    sentinels: list[tuple[str, int]]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+    def shown(self) -> str:
+        """The URL with the password hidden."""
+        hosts = ",".join(f"{h}:{p}" for h, p in self.sentinels)
+        who = "***@" if self.password else (f"{self.username}@" if self.username else "")
+        return f"{SCHEME}://{who}{hosts}/{self.service}/{self.db}"
+
+    def hosts(self) -> str:
+        return ", ".join(f"{h}:{p}" for h, p in self.sentinels)
+
+
+def format_url(
+    sentinels: list[tuple[str, int]],
+    service: str,
+    password: str = "",
+    username: str = "",
+    db: int = 0,
+) -> str:
+    """The URL :func:`parse` reads (the launcher's ``redis=ha`` hands it to the pools)."""
+    cred = f"{username}:{password}@" if password or username else ""
+    hosts = ",".join(f"{h}:{p}" for h, p in sentinels)
+    return f"{SCHEME}://{cred}{hosts}/{service}/{db}"
+
+
+def parse(url: str) -> SentinelURL:
+    """Read a sentinel URL; ValueError naming what is wrong and the form to use."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in (SCHEME, "rediss+sentinel"):
+        raise ValueError(f"not a sentinel URL: use {FORM}")
+    if scheme.lower() == "rediss+sentinel":
+        raise ValueError(
+            "rediss+sentinel:// (TLS to sentinels and nodes) is not built yet: use "
+            f"{FORM} on a trusted network, or redis.mode=single with rediss://"
+        )
+    username = password = None
+    if "@" in rest:
+        cred, rest = rest.rsplit("@", 1)
+        user, has_pw, pw = cred.partition(":")
+        username, password = unquote(user) or None, unquote(pw) if has_pw else None
+    hosts, _, path = rest.partition("/")
+    parts = [p for p in path.split("/") if p] if path else []
+    if not hosts or not parts or len(parts) > 2:
+        raise ValueError(
+            f"bad sentinel URL {_shown(url)}: give the sentinels and the service, {FORM}"
+        )
+    sentinels = []
+    for item in hosts.split(","):
+        host, colon, port = item.strip().rpartition(":")
+        if not colon:
+            host, port = item.strip(), str(DEFAULT_PORT)
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"bad sentinel address {item!r} in {_shown(url)}: write HOST:PORT ({FORM})"
+            )
+        sentinels.append((host.strip("[]"), int(port)))
+    db = parts[1] if len(parts) == 2 else "0"
+    if not db.isdigit():
+        raise ValueError(f"bad database {db!r} in {_shown(url)}: a number ({FORM})")
+    return SentinelURL(sentinels, unquote(parts[0]), int(db), username, password)
+
+
+def _shown(url: str) -> str:
+    if "@" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+    return url
+
+
+class NotEnoughReplicas(redis.ConnectionError):
+    """The primary refused a write (NOREPLICAS: fewer replicas in sync than its
+    ``min-replicas-to-write``); the write was not applied, so it is retried like a
+    dropped connection until the reconnect budget is spent, then reaches the caller."""
+
+
+class NodeConnection(SentinelManagedConnection):
+    """A connection to the primary the sentinels name.
+
+    - Every (re)connect asks the sentinels: redis-py 8.1's ``send_packed_command``
+      reconnects a dropped connection to its previous address without asking them
+      (``connect_check_health``), so a command retried after the primary died went back
+      to the dead port, and, once that node was restarted as a replica, to a replica.
+    - MASTERDOWN (a replica whose link is down: we reached a replica, not the primary)
+      drops the connection like READONLY does, as a ConnectionError the retry covers.
+    - NOREPLICAS becomes :class:`NotEnoughReplicas`, which the retry covers too.
+    """
+
+    def send_packed_command(self, command, check_health=True):
+        if not self._sock:  # a command's retry: one try at the primary named now; a
+            # failure (none named yet: MasterNotFoundError) is the command retry's to
+            # count, so the reconnect budget is not spent once per retry
+            self._connect_retry()
+        return super().send_packed_command(command, check_health)
+
+    def read_response(self, *args, **kwargs):
+        try:
+            return super().read_response(*args, **kwargs)
+        except redis.exceptions.MasterDownError as e:
+            self.disconnect()
+            raise redis.ConnectionError(
+                f"{self.host}:{self.port} is a replica out of sync ({e}), not the primary"
+            ) from None
+        except redis.ResponseError as e:
+            if str(e).startswith("NOREPLICAS"):
+                raise NotEnoughReplicas(
+                    f"the redis primary {self.host}:{self.port} refuses writes: {e} "
+                    "(min-replicas-to-write): start or reconnect a replica, or check its "
+                    "replication link (INFO replication on the primary)"
+                ) from None
+            raise
+
+
+def _sentinel_kwargs(parsed: SentinelURL, timeout_s: float) -> dict:
+    return {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "username": parsed.username,
+        "password": parsed.password,
+        "retry": Retry(NoBackoff(), 0),
+    }
+
+
+def sentinel_client(parsed: SentinelURL, retry: Retry, **node_kwargs) -> redis.Redis:
+    """A client of ``parsed.service``'s primary, found through the sentinels each time it
+    (re)connects; ``retry`` and ``node_kwargs`` (socket deadlines, health checks) apply
+    to the node connections, a 2 s deadline to each sentinel query."""
+    manager = Sentinel(parsed.sentinels, sentinel_kwargs=_sentinel_kwargs(parsed, 2.0))
+    return manager.master_for(
+        parsed.service,
+        connection_class=NodeConnection,
+        username=parsed.username,
+        password=parsed.password,
+        db=parsed.db,
+        retry=retry,
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        **node_kwargs,
+    )
+
+
+def probe(parsed: SentinelURL, startup_s: float, delay_s: float = 0.25) -> tuple[str, int]:
+    """Ask the sentinels for the primary and PING it, within ``startup_s``; return its
+    address. Raises (pipeline.streams) RedisRefused when a sentinel or the primary refuses
+    the credentials or no answering sentinel knows the service (waiting will not fix
+    those), RedisUnavailable when no sentinel answers or the primary does not."""
+    from pipeline.streams import RedisRefused, RedisUnavailable
+
+    deadline, why, i = time.monotonic() + startup_s, "", 0
+    while True:
+        left = max(0.2, min(2.0, deadline - time.monotonic()))
+        answers, errors = ask_sentinels(parsed, left)
+        refused = [e for e in errors.values() if isinstance(e, redis.AuthenticationError)]
+        if refused and not any(answers.values()):
+            raise RedisRefused(
+                f"the sentinels of {parsed.shown()} refused the credentials ({refused[0]}): "
+                "the user and password in the URL must be valid on the sentinels too "
+                "(requirepass or an ACL user in sentinel.conf, deploy/redis/sentinel.conf)"
+            )
+        if answers and not any(answers.values()):
+            raise RedisRefused(
+                f"the sentinels at {', '.join(answers)} do not know the service "
+                f"{parsed.service!r} ({parsed.shown()}): check the name after the hosts "
+                "(redis.sentinel_service, `sentinel monitor NAME` in sentinel.conf)"
+            )
+        address = next((a for a in answers.values() if a), None)
+        if address is not None:
+            why = _ping_primary(parsed, address, left)
+            if why is None:
+                return address
+        else:
+            why = "; ".join(f"{k}: {e}" for k, e in errors.items())
+        if time.monotonic() + delay_s >= deadline:
+            break
+        time.sleep(min(delay_s * 2**i, 2.0))
+        i += 1
+    if address is None:
+        raise RedisUnavailable(
+            f"none of the sentinels of {parsed.shown()} answered within {startup_s:.0f} s "
+            f"({why}): check that redis-sentinel runs at {parsed.hosts()}, the hosts and "
+            "ports in the URL (redis.url or NONSTOP_REDIS_URL) and any firewall between, "
+            f"and try `redis-cli -h HOST -p PORT sentinel get-master-addr-by-name "
+            f"{parsed.service}`"
+        )
+    raise RedisUnavailable(
+        f"the sentinels of {parsed.shown()} name {address[0]}:{address[1]} as the primary "
+        f"of {parsed.service!r}, but it did not answer within {startup_s:.0f} s ({why}): "
+        "check that redis-server runs there and that this host can reach it (the sentinels "
+        "announce the address the nodes were given, `replica-announce-ip`)"
+    )
+
+
+def ask_sentinels(
+    parsed: SentinelURL, timeout_s: float
+) -> tuple[dict[str, tuple[str, int] | None], dict[str, Exception]]:
+    """SENTINEL GET-MASTER-ADDR-BY-NAME at every sentinel: (answers by "host:port": the
+    primary's address or None for an unknown service, errors by "host:port")."""
+    answers: dict[str, tuple[str, int] | None] = {}
+    errors: dict[str, Exception] = {}
+    for host, port in parsed.sentinels:
+        name = f"{host}:{port}"
+        client = redis.Redis(host, port, **_sentinel_kwargs(parsed, timeout_s))
+        try:
+            reply = client.execute_command("SENTINEL GET-MASTER-ADDR-BY-NAME", parsed.service)
+            answers[name] = (reply[0].decode(), int(reply[1])) if reply else None
+        except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as e:
+            errors[name] = e
+        finally:
+            client.close()
+    return answers, errors
+
+
+def _ping_primary(parsed: SentinelURL, address: tuple[str, int], timeout_s: float) -> str | None:
+    """None when the primary answers PING as this user; else why not. Refused
+    credentials raise RedisRefused."""
+    from pipeline.streams import RedisRefused
+
+    node = redis.Redis(
+        address[0],
+        address[1],
+        db=parsed.db,
+        username=parsed.username,
+        password=parsed.password,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
+    )
+    try:
+        node.ping()
+        return None
+    except redis.AuthenticationError as e:
+        raise RedisRefused(
+            f"the redis primary {address[0]}:{address[1]} (found through {parsed.shown()}) "
+            f"refused the credentials ({e}): check the user and password in the URL against "
+            "the nodes' ACL (deploy/redis/users.acl)"
+        ) from None
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        return str(e)
+    finally:
+        node.close()
