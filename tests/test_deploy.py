@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.slurm_builders import sbatch, slurm_env, tail_of, wait_done
+
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 UNITS = sorted(p.name for p in (DEPLOY / "systemd").iterdir())
@@ -342,83 +344,6 @@ def test_the_units_commands_run_a_whole_pipeline(tmp_path, fake_venv):
 # ------------------------------------------------------------------ Slurm (slow)
 
 
-def _slurm_env(conf: Path, run_dir: Path, cache: Path, **extra) -> dict[str, str]:
-    return dict(
-        os.environ,
-        SLURM_CONF=str(conf),
-        NONSTOP_RUN_DIR=str(run_dir),
-        NONSTOP_PYTHON=sys.executable,
-        NONSTOP_CACHE=str(cache),
-        HF_HUB_OFFLINE="1",
-        **extra,
-    )
-
-
-def _sbatch(env: dict, script: str, out: Path, *args: str) -> str:
-    proc = subprocess.run(
-        ["sbatch", "--parsable", f"--output={out}", *args, f"deploy/slurm/{script}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout.strip().split(";")[0]
-
-
-def _job_state(env: dict, job: str) -> tuple[str, str]:
-    out = subprocess.run(
-        ["scontrol", "show", "job", job], env=env, capture_output=True, text=True, timeout=30
-    ).stdout
-    state = re.search(r"JobState=(\S+)", out)
-    code = re.search(r"ExitCode=(\S+)", out)
-    return (state.group(1) if state else "GONE"), (code.group(1) if code else "?")
-
-
-def _wait_done(env: dict, job: str, timeout: float, log: Path) -> tuple[str, str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state, code = _job_state(env, job)
-        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
-            return state, code
-        time.sleep(1)
-    pytest.fail(f"job {job} still {state} after {timeout}s:\n{_tail(log)}")
-
-
-def _tail(path: Path, n: int = 40) -> str:
-    return "\n".join(path.read_text().splitlines()[-n:]) if path.exists() else f"(no {path})"
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    """A real single-host Slurm: slurmctld and six slurmd (n1..n6) on localhost."""
-    if os.geteuid() != 0:
-        pytest.skip("the single-host Slurm needs root (slurmd launches jobs as their user)")
-    if not (shutil.which("slurmctld") and shutil.which("slurmd") and shutil.which("munged")):
-        setup = subprocess.run(
-            ["make", "-s", "slurm-setup"], cwd=ROOT, capture_output=True, text=True, timeout=600
-        )
-        if setup.returncode != 0:
-            pytest.skip(f"could not install slurm-wlm and munge: {setup.stderr[-500:]}")
-    state = tmp_path_factory.mktemp("slurm")
-    script = DEPLOY / "slurm" / "local-cluster.sh"
-    up = subprocess.run(
-        [script, "start", str(state), "6"], capture_output=True, text=True, timeout=120
-    )
-    if up.returncode != 0:
-        logs = "".join(_tail(p, 10) for p in (state / "log").glob("*.log"))
-        subprocess.run([script, "stop", str(state)], timeout=60)
-        pytest.fail(f"single-host Slurm did not start: {up.stderr}\n{logs}")
-    try:
-        yield state / "slurm.conf"
-    finally:
-        env = dict(os.environ, SLURM_CONF=str(state / "slurm.conf"))
-        subprocess.run(["scancel", "--user", "root"], env=env, timeout=30)
-        time.sleep(1)
-        subprocess.run([script, "stop", str(state)], timeout=60)
-
-
 # run.sbatch's four groups resized on the command line: Redis on two nodes (one
 # instance each), the preprocessor, the trainer's two ranks on two nodes, two actors
 HET_GROUPS = ["-N2", "-n2", "-c1", ":", "-N1", "-n1", "-c2", ":", "-N2", "-n2", "-c2", ":"]
@@ -439,11 +364,11 @@ def test_slurm_heterogeneous_job_runs_the_whole_pipeline(slurm, tmp_path):
     trainer ranks (trainer.world_size=2) on two nodes each."""
     run_dir = tmp_path / "run"
     compose = "+exp=tiny trainer.max_steps=6 redis.shards=2 trainer.world_size=2"
-    env = _slurm_env(slurm, run_dir, tmp_path / "cache", NONSTOP_COMPOSE=compose)
+    env = slurm_env(slurm, run_dir, tmp_path / "cache", NONSTOP_COMPOSE=compose)
     log = tmp_path / "run.out"
-    job = _sbatch(env, "run.sbatch", log, *HET_GROUPS)
-    state, code = _wait_done(env, job, 300, log)
-    assert (state, code) == ("COMPLETED", "0:0"), _tail(log)
+    job = sbatch(env, "run.sbatch", log, *HET_GROUPS)
+    state, code = wait_done(env, job, 300, log)
+    assert (state, code) == ("COMPLETED", "0:0"), tail_of(log)
     text = log.read_text()
     assert "redis-server on" in text and "run summary" in text
     groups = dict(re.findall(r"(\w+)=(\S+)", re.search(r"nodes: (.*)", text).group(1)))
@@ -492,15 +417,15 @@ def test_slurm_per_pool_jobs_find_each_other(slurm, tmp_path):
         timeout=60,
     )
     (run_dir / "config.yaml").write_text(compose.stdout)
-    env = _slurm_env(slurm, run_dir, tmp_path / "cache")
+    env = slurm_env(slurm, run_dir, tmp_path / "cache")
     # pools first, Redis last: they wait for its URL in the run directory
-    actor = _sbatch(env, "actor.sbatch", tmp_path / "actor.out")
-    prep = _sbatch(env, "preprocessor.sbatch", tmp_path / "prep.out")
-    trainer = _sbatch(env, "trainer.sbatch", tmp_path / "trainer.out")
-    redis_job = _sbatch(env, "redis.sbatch", tmp_path / "redis.out")
+    actor = sbatch(env, "actor.sbatch", tmp_path / "actor.out")
+    prep = sbatch(env, "preprocessor.sbatch", tmp_path / "prep.out")
+    trainer = sbatch(env, "trainer.sbatch", tmp_path / "trainer.out")
+    redis_job = sbatch(env, "redis.sbatch", tmp_path / "redis.out")
     try:
-        state, code = _wait_done(env, trainer, 240, tmp_path / "trainer.out")
-        assert (state, code) == ("COMPLETED", "0:0"), _tail(tmp_path / "trainer.out")
+        state, code = wait_done(env, trainer, 240, tmp_path / "trainer.out")
+        assert (state, code) == ("COMPLETED", "0:0"), tail_of(tmp_path / "trainer.out")
         inspect = subprocess.run(
             [sys.executable, "-m", "pipeline.inspect", "--run-dir", str(run_dir), "--json"],
             cwd=ROOT,
@@ -516,8 +441,8 @@ def test_slurm_per_pool_jobs_find_each_other(slurm, tmp_path):
     finally:
         subprocess.run(["scancel", actor, prep], env=env, timeout=30)
     for job, out in ((actor, "actor.out"), (prep, "prep.out")):
-        _wait_done(env, job, 90, tmp_path / out)
+        wait_done(env, job, 90, tmp_path / out)
         assert "stopped:" in (tmp_path / out).read_text()  # scancel: SIGTERM, clean stop
     subprocess.run(["scancel", redis_job], env=env, timeout=30)
-    _wait_done(env, redis_job, 90, tmp_path / "redis.out")
+    wait_done(env, redis_job, 90, tmp_path / "redis.out")
     assert list((run_dir / "redis" / "appendonlydir").iterdir())

@@ -274,7 +274,7 @@ def test_a_publish_whose_reply_is_lost_is_resent_without_a_copy(pair, replicas):
     """connect()'s retry re-sends an XADD whose reply was lost (the primary died between
     applying and replying): with a token the re-send returns the first entry's id, and
     the stream holds the group once (a plain XADD holds it twice: tests/test_faults.py)."""
-    from tests.test_faults import ReplyDropper
+    from tests.fault_runs import ReplyDropper
 
     primary, _ = pair
     proxy = ReplyDropper(primary.port)
@@ -299,7 +299,7 @@ def test_an_actor_without_its_once_keys_is_refused_at_start_up(tmp_path):
     """XADD-once runs a script whose keys are the stream and its once keys: a user
     missing them is named at start-up (check_permissions), not with NOPERM mid-run."""
     from pipeline.streams import RedisUnavailable, check_permissions
-    from tests.test_redis_errors import acl_server
+    from tests.redis_builders import acl_server
 
     urls = acl_server(tmp_path, drop=" %RW~nonstop:*:rollouts:once*")
     try:
@@ -359,7 +359,7 @@ def test_a_preprocessor_restarted_before_its_ack_publishes_no_second_batch(rclie
     from pipeline.config import Config
     from pipeline.messages import RolloutGroup, encode
     from preprocessor.main import process, usable
-    from tests.test_preprocessor import group
+    from tests.message_builders import group
 
     cfg = OmegaConf.structured(Config)
     pool = SimpleNamespace(cfg=cfg, client=rclient, names=NAMES, record=lambda **_: None)

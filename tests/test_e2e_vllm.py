@@ -28,17 +28,9 @@ import pytest
 
 from pipeline.telemetry import read_jsonl
 from tests.launching import launch_tiny, marked_processes, run_leftovers, run_tiny, wait_until
+from tests.vllm_builders import ENV, VLLM
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-VLLM = (  # a small, quick engine: no torch.compile, few sequences, a short context
-    "actor.engine=vllm",
-    "actor.vllm.enforce_eager=true",
-    "actor.vllm.max_model_len=512",
-    "actor.vllm.in_flight=8",
-    "actor.vllm.max_num_seqs=8",
-)
-ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 @pytest.fixture(scope="module")

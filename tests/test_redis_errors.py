@@ -25,6 +25,7 @@ from pipeline.redis_server import EmbeddedRedis, free_port
 from pipeline.streams import Consumer, Names, RedisUnavailable, connect, publish
 from pipeline.summary import build_summary
 from tests.launching import ROOT
+from tests.redis_builders import acl_server
 from tests.trainer_builders import batch, run_step, sample
 
 SECRET = "hunter2-not-shown"
@@ -182,27 +183,6 @@ def test_summary_counts_the_trainers_dead_letters_beside_the_preprocessors(
 
 
 # ---- a Redis user without a command its pool needs stops the pool at start-up
-
-
-def acl_server(tmp_path, drop: str = "") -> dict[str, str]:
-    """A redis-server loading deploy/redis/users.acl (``drop`` removed from the actor's
-    line, e.g. " +xadd"); URLs per role. The caller stops ``urls['proc']``."""
-    lines = (ROOT / "deploy" / "redis" / "users.acl").read_text().splitlines()
-    lines = [ln.replace(drop, "") if drop and ln.startswith("user actor ") else ln for ln in lines]
-    acl = "\n".join(lines) + "\n"
-    for role in ("actor", "preprocessor", "trainer", "operator"):
-        acl = acl.replace(f"CHANGE-ME-{role}", f"pw-{role}")
-    (tmp_path / "users.acl").write_text(acl)
-    port = free_port()
-    cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-    cmd += ["--appendonly", "no", "--dir", str(tmp_path), "--aclfile", str(tmp_path / "users.acl")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    urls = {r: f"redis://{r}:pw-{r}@127.0.0.1:{port}/0" for r in ROLES}
-    connect(urls["operator"], startup_s=10.0).close()
-    return {"proc": proc, **urls}
-
-
-ROLES = ("actor", "preprocessor", "trainer", "operator")
 
 
 def test_the_shipped_acl_passes_every_roles_probe_and_the_probe_writes_nothing(tmp_path):

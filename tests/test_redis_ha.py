@@ -25,7 +25,6 @@ from pipeline.redis_server import free_port
 from pipeline.sentinel import NotEnoughReplicas, parse
 from pipeline.streams import RedisRefused, RedisUnavailable, connect
 from tests.launching import ROOT, run_tiny
-from tests.test_deploy import slurm  # noqa: F401 - the single-host Slurm fixture
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
 
@@ -226,7 +225,7 @@ def test_primary_loss_mid_run_loses_and_duplicates_nothing(tmp_path):
     """(e) pipeline.bench faults redis_primary_loss on a redis=ha run: SIGKILL the primary
     and delete its data directory mid-run; the sentinels promote the replica, every pool
     carries on without a restart, and the account finds 0 groups lost, 0 duplicated."""
-    from tests.test_faults import check_account, run_faults_bench
+    from tests.fault_runs import check_account, run_faults_bench
 
     proc, result, run_dir = run_faults_bench(
         tmp_path, "--faults", "redis_primary_loss", "--set", "redis=ha"
@@ -345,7 +344,7 @@ def test_slurm_redis_job_in_sentinel_mode_survives_losing_the_primary(slurm, tmp
     SIGKILL the primary and delete its data: the replica is promoted, the client carries
     on, the dead node's task restarts it as the new primary's replica, and the stopped job
     records which node is primary for the next one."""
-    from tests.test_deploy import _sbatch, _slurm_env, _tail, _wait_done
+    from tests.slurm_builders import sbatch, slurm_env, tail_of, wait_done
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -358,11 +357,11 @@ def test_slurm_redis_job_in_sentinel_mode_survives_losing_the_primary(slurm, tmp
         timeout=60,
     )
     (run_dir / "config.yaml").write_text(compose.stdout)
-    env = _slurm_env(slurm, run_dir, tmp_path / "cache")
+    env = slurm_env(slurm, run_dir, tmp_path / "cache")
     out = tmp_path / "redis.out"
-    job = _sbatch(env, "redis.sbatch", out, "-N3", "-n3")
+    job = sbatch(env, "redis.sbatch", out, "-N3", "-n3")
     try:
-        _wait(lambda: (run_dir / "redis" / "url").exists(), 120, lambda: _tail(out))
+        _wait(lambda: (run_dir / "redis" / "url").exists(), 120, lambda: tail_of(out))
         url = (run_dir / "redis" / "url").read_text().strip()
         assert url.startswith("redis+sentinel://") and len(parse(url).sentinels) == 3
         client = connect(url, reconnect_s=60)
@@ -377,11 +376,11 @@ def test_slurm_redis_job_in_sentinel_mode_survives_losing_the_primary(slurm, tmp
         print(f"\nslurm: kill to first write on the new primary {time.monotonic() - killed:.1f} s")
         assert client.connection_pool.get_master_address() != old
         assert client.get("k") == b"before"
-        _wait(lambda: _in_sync(client), 60, lambda: _tail(out))  # the old node, a replica now
+        _wait(lambda: _in_sync(client), 60, lambda: tail_of(out))  # the old node, a replica now
     finally:
         subprocess.run(["scancel", "--signal=TERM", job], env=env, timeout=30)
-        _wait_done(env, job, 90, out)
-    assert "restarting redis node" in out.read_text(), _tail(out)
+        wait_done(env, job, 90, out)
+    assert "restarting redis node" in out.read_text(), tail_of(out)
     assert (run_dir / "redis" / "primary_node").read_text().strip() == "1"
 
 

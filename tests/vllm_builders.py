@@ -192,3 +192,15 @@ def install(engine: VLLMEngine, version: int, tensors: dict[str, torch.Tensor]) 
     )
     engine.stage(ann, TensorSource(flat), time.monotonic() + 120)
     engine.swap(version)
+
+
+VLLM = (  # a small, quick engine: no torch.compile, few sequences, a short context
+    "actor.engine=vllm",
+    "actor.vllm.enforce_eager=true",
+    "actor.vllm.max_model_len=512",
+    "actor.vllm.in_flight=8",
+    "actor.vllm.max_num_seqs=8",
+)
+
+
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
