@@ -55,6 +55,23 @@ from pipeline.config import load_config
 print(OmegaConf.select(load_config(os.environ["NONSTOP_CONFIG"]), sys.argv[1]))' "$1"
 }
 
+# Wait until FILE ($1) is not empty while the Redis srun step (REDIS_PID) lives, within
+# NONSTOP_REDIS_WAIT_S (120) seconds in all (NONSTOP_WAITED counts them over the calls
+# of one start); else print the rest of the arguments as one line, stop the step, fail.
+nonstop_wait_file() {
+  local file=$1
+  shift
+  while [ ! -s "$file" ]; do
+    if ! kill -0 "$REDIS_PID" 2>/dev/null || [ "$NONSTOP_WAITED" -ge "${NONSTOP_REDIS_WAIT_S:-120}" ]; then
+      echo "$*" >&2
+      kill "$REDIS_PID" 2>/dev/null
+      return 1
+    fi
+    sleep 1
+    NONSTOP_WAITED=$((NONSTOP_WAITED + 1))
+  done
+}
+
 # Start the run's redis.shards redis-servers as one srun step in the background (srun
 # options in "$@", e.g. --het-group=0; its tasks are spread over the step's nodes, one
 # redis-server each: deploy/slurm/redis-shard.sh, AOF in $NONSTOP_RUN_DIR/redis and
@@ -64,7 +81,8 @@ print(OmegaConf.select(load_config(os.environ["NONSTOP_CONFIG"]), sys.argv[1]))'
 # per-pool jobs). Sets REDIS_PID (the srun).
 # redis.mode=sentinel: nonstop_start_redis_ha instead.
 nonstop_start_redis() {
-  local shards k waited=0 shard_urls=""
+  local shards k shard_urls=""
+  NONSTOP_WAITED=0
   shards=$(nonstop_cfg redis.shards)
   mkdir -p "$NONSTOP_RUN_DIR/redis"
   rm -f "$NONSTOP_RUN_DIR"/redis/url "$NONSTOP_RUN_DIR"/redis/url.* "$NONSTOP_RUN_DIR/redis/shard_urls"
@@ -77,16 +95,9 @@ nonstop_start_redis() {
   srun "$@" --ntasks="$shards" --distribution=cyclic "$NONSTOP_DEPLOY/slurm/redis-shard.sh" &
   REDIS_PID=$!
   for k in $(seq 0 $((shards - 1))); do
-    while [ ! -s "$NONSTOP_RUN_DIR/redis/url.$k" ]; do
-      if ! kill -0 "$REDIS_PID" 2>/dev/null || [ "$waited" -ge "${NONSTOP_REDIS_WAIT_S:-120}" ]; then
-        echo "redis shard $k did not start (redis.shards=$shards needs $shards tasks in the Redis" \
-          "group: sbatch -n$shards ...; see $NONSTOP_RUN_DIR/redis*/redis.log)" >&2
-        kill "$REDIS_PID" 2>/dev/null
-        return 1
-      fi
-      sleep 1
-      waited=$((waited + 1))
-    done
+    nonstop_wait_file "$NONSTOP_RUN_DIR/redis/url.$k" "redis shard $k did not start" \
+      "(redis.shards=$shards needs $shards tasks in the Redis group: sbatch -n$shards ...;" \
+      "see $NONSTOP_RUN_DIR/redis*/redis.log)" || return 1
     [ "$k" -eq 0 ] || shard_urls="$shard_urls${shard_urls:+,}$(cat "$NONSTOP_RUN_DIR/redis/url.$k")"
   done
   NONSTOP_REDIS_URL=$(cat "$NONSTOP_RUN_DIR/redis/url.0")
@@ -115,7 +126,8 @@ PY
 # "$@"); waits until the sentinels name the primary and a replica is in sync, then
 # exports and publishes the redis+sentinel:// URL as nonstop_start_redis does.
 nonstop_start_redis_ha() {
-  local replicas=${NONSTOP_REDIS_REPLICAS:-1} tasks k waited=0 hosts=""
+  local replicas=${NONSTOP_REDIS_REPLICAS:-1} tasks k hosts=""
+  NONSTOP_WAITED=0
   tasks=$((replicas + 1))
   [ "$tasks" -ge 3 ] || tasks=3
   NONSTOP_REDIS_SERVICE=$(nonstop_cfg redis.sentinel_service)
@@ -124,16 +136,9 @@ nonstop_start_redis_ha() {
   srun "$@" --ntasks="$tasks" --distribution=cyclic "$NONSTOP_DEPLOY/slurm/redis-ha.sh" &
   REDIS_PID=$!
   for k in $(seq 0 $((tasks - 1))); do
-    while [ ! -s "$NONSTOP_RUN_DIR/redis/sentinel.$k" ]; do
-      if ! kill -0 "$REDIS_PID" 2>/dev/null || [ "$waited" -ge "${NONSTOP_REDIS_WAIT_S:-120}" ]; then
-        echo "redis task $k did not start (redis.mode=sentinel needs $tasks tasks in the Redis" \
-          "group, on separate nodes: sbatch -N$tasks -n$tasks ...; see $NONSTOP_RUN_DIR/redis/*.log)" >&2
-        kill "$REDIS_PID" 2>/dev/null
-        return 1
-      fi
-      sleep 1
-      waited=$((waited + 1))
-    done
+    nonstop_wait_file "$NONSTOP_RUN_DIR/redis/sentinel.$k" "redis task $k did not start" \
+      "(redis.mode=sentinel needs $tasks tasks in the Redis group, on separate nodes:" \
+      "sbatch -N$tasks -n$tasks ...; see $NONSTOP_RUN_DIR/redis/*.log)" || return 1
     hosts="$hosts${hosts:+,}$(cat "$NONSTOP_RUN_DIR/redis/sentinel.$k")"
   done
   NONSTOP_REDIS_URL="redis+sentinel://:$NONSTOP_REDIS_PASSWORD@$hosts/$NONSTOP_REDIS_SERVICE/0"
