@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -114,14 +115,35 @@ def shut_down_mid_run(tmp_path, run_dir: Path, *overrides: str, env_extra=None) 
     assert "did not stop in" not in out, out  # nothing waited for the launcher's SIGKILL
     assert run_leftovers(run_dir) == []
     for log in (run_dir / "logs").glob("*.log"):  # the pools said it in a line, no trace
-        # (vLLM's own processes log theirs with a "(EngineCore pid=...)" prefix: not ours)
-        ours = [
-            line
-            for line in log.read_text(errors="replace").splitlines()
-            if line.startswith(("Traceback", "Exception in thread"))
-        ]
+        ours = pool_tracebacks(log.read_text(errors="replace").splitlines())
         assert not ours, (log, ours)
     return out
+
+
+def pool_tracebacks(lines: list[str]) -> list[str]:
+    """The tracebacks a pool printed itself, each with the lines after it. Not ours:
+    vLLM's own processes, which share the actor's log, log theirs with a
+    ``(EngineCore pid=...)`` prefix, and a multiprocessing child that dies of the same
+    SIGTERM (vLLM's EngineCore) prints ``Process EngineCore:`` and then its traceback."""
+    found = []
+    for i, line in enumerate(lines):
+        if not line.startswith(("Traceback", "Exception in thread")):
+            continue
+        child = i > 0 and re.fullmatch(r"Process (?!MainProcess)[\w.-]+:", lines[i - 1])
+        if not child:
+            found.append("\n".join(lines[i : i + 12]))
+    return found
+
+
+def test_a_pools_own_traceback_is_found_and_a_vllm_childs_is_not():
+    child = ["Process EngineCore:", "Traceback (most recent call last):", '  File "x"']
+    prefixed = ["(EngineCore pid=1) ERROR [core.py:1] Traceback (most recent call last):"]
+    ours = ["2026 actor-0 INFO started", "Traceback (most recent call last):", "  ..."]
+    thread = ["Exception in thread weight-receiver:", "Traceback (most recent call last):"]
+    assert pool_tracebacks(child + prefixed) == []
+    assert len(pool_tracebacks(child + ours)) == 1
+    assert len(pool_tracebacks(thread)) == 2
+    assert len(pool_tracebacks(["Process MainProcess:", *ours[1:]])) == 1
 
 
 @pytest.mark.slow
