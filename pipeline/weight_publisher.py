@@ -43,6 +43,7 @@ import torch
 
 from pipeline.messages import SCHEMA_VERSION, BucketSpec, WeightAnnouncement, encode
 from pipeline.streams import Names, publish
+from pipeline.telemetry import read_statuses
 from pipeline.torch_logs import accept_failed
 from pipeline.transfer import Sender, make_sender
 from pipeline.weights import bucket_layout, checksum, flatten, join_mac, named_tensors
@@ -164,15 +165,15 @@ class WeightPublisher:
     def _actors_alive(self) -> bool:
         """Some actor's status hash beat within ALIVE_S (and it has not stopped)."""
         try:
-            for key in self.client.scan_iter(match=self.names.status("*"), count=100):
-                role, beat, state = self.client.hmget(key, "role", "heartbeat", "state")
-                if role != b"actor" or state == b"stopped" or beat is None:
-                    continue
-                if time.time() - float(beat) < ALIVE_S:
-                    return True
+            statuses = read_statuses(self.client, self.names)
         except redis.RedisError:
             return False  # no Redis: nothing to wait for
-        return False
+        return any(
+            st.get("role") == "actor"
+            and st.get("state") != "stopped"
+            and time.time() - float(st.get("heartbeat", 0)) < ALIVE_S
+            for st in statuses.values()
+        )
 
     # -- the thread -------------------------------------------------------------
     def _run(self) -> None:
