@@ -30,7 +30,7 @@ from collections.abc import Callable
 import redis
 
 from pipeline.redis_server import EmbeddedRedis, free_port
-from pipeline.sentinel import format_url
+from pipeline.sentinel import SentinelURL, failover_gap, format_url
 from pipeline.streams import RedisUnavailable
 
 QUORUM = 2
@@ -174,19 +174,9 @@ class RedisHA:
         want = len(self.nodes) - 1
         if len(online) < want:
             return f"{len(online)} of {want} replicas in sync with the primary"
-        for k, port in enumerate(self.sentinel_ports):
-            try:
-                m = self.sentinel_client(port).sentinel_master(self.service)
-            except redis.RedisError as e:
-                return f"sentinel {k} (port {port}) does not answer ({e})"
-            if m.get("port") != self.primary.port:
-                return f"sentinel {k} names port {m.get('port')} as the primary"
-            if m.get("num-slaves", 0) < want:
-                return f"sentinel {k} sees {m.get('num-slaves')} of {want} replicas"
-            others = len(self.sentinel_ports) - 1
-            if m.get("num-other-sentinels", 0) < others:
-                return f"sentinel {k} sees {m.get('num-other-sentinels')} of {others} others"
-        return None
+        hosts = [("127.0.0.1", port) for port in self.sentinel_ports]
+        parsed = SentinelURL(hosts, self.service, password=self.password)
+        return failover_gap(parsed, want, primary_port=self.primary.port)
 
     def node_client(self, node: EmbeddedRedis, timeout_s: float = 2.0) -> redis.Redis:
         return node.client(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)

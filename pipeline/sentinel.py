@@ -257,6 +257,34 @@ def ask_sentinels(
     return answers, errors
 
 
+def failover_gap(
+    parsed: SentinelURL, replicas: int, primary_port: int | None = None, timeout_s: float = 2.0
+) -> str | None:
+    """None when every sentinel of ``parsed`` could fail the primary over now (it answers,
+    names the primary - on ``primary_port`` if given -, knows ``replicas`` replicas and
+    every other sentinel), else what is missing (one phrase). A sentinel learns of a
+    replica from the primary's INFO, every 10 s: a primary lost before that leaves the
+    sentinel elected to fail it over with no replica to promote
+    (``-failover-abort-no-good-slave``), and the next try comes two failover-timeouts
+    later."""
+    for k, (host, port) in enumerate(parsed.sentinels):
+        client = redis.Redis(host, port, **_sentinel_kwargs(parsed, timeout_s))
+        try:
+            m = client.sentinel_master(parsed.service)
+        except redis.RedisError as e:
+            return f"sentinel {k} ({host}:{port}) does not answer ({e})"
+        finally:
+            client.close()
+        if primary_port is not None and m.get("port") != primary_port:
+            return f"sentinel {k} names port {m.get('port')} as the primary"
+        if m.get("num-slaves", 0) < replicas:
+            return f"sentinel {k} sees {m.get('num-slaves')} of {replicas} replicas"
+        others = len(parsed.sentinels) - 1
+        if m.get("num-other-sentinels", 0) < others:
+            return f"sentinel {k} sees {m.get('num-other-sentinels')} of {others} others"
+    return None
+
+
 def _ping_primary(parsed: SentinelURL, address: tuple[str, int], timeout_s: float) -> str | None:
     """None when the primary answers PING as this user; else why not. Refused
     credentials raise RedisRefused."""

@@ -377,6 +377,12 @@ def test_slurm_redis_job_in_sentinel_mode_survives_losing_the_primary(slurm, tmp
         assert client.connection_pool.get_master_address() != old
         assert client.get("k") == b"before"
         _wait(lambda: _in_sync(client), 60, lambda: tail_of(out))  # the old node, a replica now
+        node_file = run_dir / "redis" / "primary_node"  # recorded while running, not at the stop
+        _wait(
+            lambda: node_file.exists() and node_file.read_text().strip() == "1",
+            30,
+            lambda: tail_of(out),
+        )
     finally:
         subprocess.run(["scancel", "--signal=TERM", job], env=env, timeout=30)
         wait_done(env, job, 90, out)

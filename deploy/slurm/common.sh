@@ -107,6 +107,7 @@ nonstop_start_redis() {
   "$NONSTOP_PYTHON" - <<'PY' || { kill "$REDIS_PID" 2>/dev/null; return 1; }
 import os
 from pipeline.config import load_config
+from pipeline.sentinel import failover_gap, parse
 from pipeline.streams import Names, connect
 cfg = load_config(os.environ["NONSTOP_CONFIG"])
 names = Names(cfg.redis.prefix, os.environ.get("NONSTOP_RUN") or cfg.run.name)
@@ -123,7 +124,8 @@ PY
 
 # redis.mode=sentinel: a primary, NONSTOP_REDIS_REPLICAS (1) replicas and a sentinel per
 # task (at least 3 tasks) as one srun step (deploy/slurm/redis-ha.sh; srun options in
-# "$@"); waits until the sentinels name the primary and a replica is in sync, then
+# "$@"); waits until the sentinels name the primary, a replica is in sync and every
+# sentinel knows the replicas and the other sentinels (could fail over now), then
 # exports and publishes the redis+sentinel:// URL as nonstop_start_redis does.
 nonstop_start_redis_ha() {
   local replicas=${NONSTOP_REDIS_REPLICAS:-1} tasks k hosts=""
@@ -148,6 +150,7 @@ nonstop_start_redis_ha() {
   "$NONSTOP_PYTHON" - <<'PY' || { kill "$REDIS_PID" 2>/dev/null; return 1; }
 import os, sys, time
 from pipeline.config import load_config
+from pipeline.sentinel import failover_gap, parse
 from pipeline.streams import Names, connect
 cfg = load_config(os.environ["NONSTOP_CONFIG"])
 client = connect(os.environ["NONSTOP_REDIS_URL"], startup_s=60)
@@ -155,6 +158,13 @@ deadline = time.monotonic() + float(os.environ.get("NONSTOP_REDIS_WAIT_S", 120))
 while int(client.info("replication").get("min_slaves_good_slaves", 0)) < 1:
     if time.monotonic() > deadline:
         sys.exit("no replica in sync with the primary: see $NONSTOP_RUN_DIR/redis/node-*.log")
+    time.sleep(0.5)
+# every sentinel knows the replicas and the other sentinels: one that learns of a replica
+# only at the primary's next INFO (10 s) could not fail a primary lost before then over
+replicas, url = int(os.environ["NONSTOP_REDIS_REPLICAS"]), parse(os.environ["NONSTOP_REDIS_URL"])
+while (gap := failover_gap(url, replicas)) is not None:
+    if time.monotonic() > deadline:
+        sys.exit(f"the sentinels could not fail over yet: {gap}; see $NONSTOP_RUN_DIR/redis/sentinel-*.log")
     time.sleep(0.5)
 names = Names(cfg.redis.prefix, os.environ.get("NONSTOP_RUN") or cfg.run.name)
 client.delete(names.key("rendezvous"))  # no stale trainer address from a previous job

@@ -9,9 +9,12 @@
 # Addresses go to $NONSTOP_RUN_DIR/redis/node.K and sentinel.K. A node that dies is not
 # restarted as it was: once the sentinels name another primary, it restarts as that
 # primary's replica (its data directory recreated if it was lost), so the new primary
-# again has the replica its min-replicas-to-write needs. SIGTERM stops both cleanly; the
-# node that is primary then writes its index to redis/primary_node, so a resubmitted job
-# starts from the newest data.
+# again has the replica its min-replicas-to-write needs. The task whose node is the
+# primary (named so by the sentinels and master by its own ROLE) keeps its index in
+# redis/primary_node, checked every second, so a resubmitted job starts from the newest
+# data. Not only at the stop: Slurm's SIGTERM reaches every process of the step at once,
+# the sentinels included, so at the stop nobody may be left to ask. SIGTERM stops both
+# cleanly.
 set -euo pipefail
 source "$NONSTOP_DEPLOY/slurm/common.sh"
 : "${NONSTOP_REDIS_PASSWORD:?set by nonstop_start_redis (common.sh)}"
@@ -25,11 +28,9 @@ runtime=$(mktemp -d "${TMPDIR:-/tmp}/nonstop-redis-ha.XXXXXX")
 export REDISCLI_AUTH=$NONSTOP_REDIS_PASSWORD  # redis-cli's password, off the command line
 url="redis+sentinel://:$NONSTOP_REDIS_PASSWORD@$addr:0/$service/0"  # the password for the scripts
 node_pid= sentinel_pid= stopping=
-stop() {  # the node the sentinels name as primary records it for the next job
+stop() {
   stopping=1
-  if [ -n "$node_pid" ] && [ "$(named_primary)" = "$addr:${node_port:-}" ]; then
-    publish "$rd/primary_node" "$k"
-  fi
+  record_primary || true  # a last look, if the sentinel still answers
   # shellcheck disable=SC2046  # every background job: the node and sentinel of any restart
   kill -TERM $sentinel_pid $node_pid $(jobs -p) 2>/dev/null || true
   wait 2>/dev/null || true
@@ -95,7 +96,15 @@ named_primary() {  # HOST:PORT the local sentinel names as the primary
   redis-cli -h "$addr" -p "$sentinel_port" --raw sentinel get-master-addr-by-name "$service" \
     2>/dev/null | paste -sd: -
 }
+record_primary() {  # this task's node is the primary: its index, for the next job
+  local role
+  [ -n "$node_pid" ] && [ "$(named_primary)" = "$addr:${node_port:-}" ] || return 0
+  role=$(redis-cli -h "$addr" -p "$node_port" --raw role 2>/dev/null) || return 0
+  [ "${role%%$'\n'*}" = master ] || return 0
+  [ "$(cat "$rd/primary_node" 2>/dev/null)" = "$k" ] || publish "$rd/primary_node" "$k"
+}
 while [ -z "$stopping" ]; do
+  record_primary
   if [ -n "$node_pid" ] && ! kill -0 "$node_pid" 2>/dev/null && [ -z "$stopping" ]; then
     wait "$node_pid" 2>/dev/null || true
     echo "redis node $k ($addr:$node_port) died; waiting for the sentinels to name a primary"
