@@ -1,11 +1,31 @@
-"""The one wire schema: msgspec Structs, versioned, with typed decoders.
+"""The one wire schema: who sends what, as msgspec Structs, versioned, with typed decoders.
+
+Every message a pool sends another through Redis is defined here, grouped by
+direction. Each entry of a stream carries one encoded Struct in its ``data`` field
+beside a few plain, readable fields (pipeline/streams.py ``publish``)::
+
+    direction                stream          Structs                        read by
+    actor -> preprocessor    <run>:rollouts  RolloutGroup of Samples        preprocessors
+    preprocessor -> trainer  <run>:batches   TrainBatch of Samples          trainer rank 0
+    trainer -> actor         <run>:weights   WeightAnnouncement             every actor
+                                             (of BucketSpec, ParamSpec)
+    control and status       <run>:dead      the refused entry's payload    summary, inspect
+                             <run>:stats     StatsEvent                     (no writer yet)
+
+Not Structs, so not here: an actor's request to join the weight-transfer group
+(``<run>:joins``, plain signed fields: pipeline/weight_receiver.py), the weight
+buckets themselves (raw tensors over the transfer process group, laid out as the
+announcement's BucketSpecs say), and the pools' status hashes (pipeline/telemetry.py).
 
 Token ids, log-probs and per-token policy versions travel as packed
 little-endian arrays (``bytes``), never as lists, and never through pickle.
 Per-token versions are run-length encoded as (version, count) int32 pairs.
 A payload that does not decode, carries an unknown field or another schema
-version raises :class:`BadEntry` with the reason, so consumers can move it to
-the dead-letter stream and go on.
+version raises :class:`BadEntry` with the reason; one that decodes but whose
+per-token arrays disagree fails its type's ``check()`` (:meth:`RolloutGroup.check`,
+:meth:`TrainBatch.check`) with a BadEntry naming the sample, the field and what it
+must hold. Either way the consumer moves the entry to the dead-letter stream and
+goes on.
 """
 
 from __future__ import annotations
@@ -19,6 +39,9 @@ MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
 
 class BadEntry(ValueError):
     """A stream entry that cannot be used; the message says why."""
+
+
+# ---------------------------------------------------------------- packed arrays
 
 
 def pack_i32(values) -> bytes:
@@ -83,6 +106,14 @@ def unpack_mask(ids: bytes, counts: bytes, n_tokens: int) -> list[np.ndarray] | 
     return np.split(flat, np.cumsum(per_token)[:-1])
 
 
+# ---------------------------------------------------------------- actor -> preprocessor
+# Stream <run>:rollouts, one RolloutGroup per entry (XADD-once on its group id; with
+# redis.shards > 1 on each shard in turn). Written by each actor; read by the
+# preprocessors (consumer group "preprocessor"), which call RolloutGroup.check() and
+# dead-letter a group that fails it. Its Samples travel on to the trainer inside
+# TrainBatches, with the preprocessor's fields set.
+
+
 class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
     """One completion of a prompt, as the actor produced it.
 
@@ -119,6 +150,33 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defa
         """Per token, the kept vocabulary ids; None when no mask was recorded."""
         return unpack_mask(self.mask_ids, self.mask_counts, len(self.tokens()))
 
+    def check(self, where: str) -> np.ndarray:
+        """The per-token invariants: at least one completion token, and one log-prob,
+        one policy version, one kept-id set (when a sampling mask is recorded) and one
+        ``ref_logprobs`` / ``token_advantages`` value (when set) per token. Raise
+        BadEntry starting with ``where`` (e.g. "sample <group>/<index>") that names the
+        field; return the completion tokens."""
+        try:
+            tokens = self.tokens()
+            lengths = {"logprobs": len(unpack_f32(self.logprobs))}
+            lengths["versions"] = len(self.token_versions())
+            if self.ref_logprobs:
+                lengths["ref_logprobs"] = len(unpack_f32(self.ref_logprobs))
+            if self.token_advantages:
+                lengths["token_advantages"] = len(unpack_f32(self.token_advantages))
+            self.sampling_mask()
+        except ValueError as e:
+            raise BadEntry(f"{where}: {e}") from None
+        if len(tokens) == 0:
+            raise BadEntry(f"{where} has no completion tokens (completion_ids is empty)")
+        for name, length in lengths.items():
+            if length != len(tokens):
+                raise BadEntry(
+                    f"{where} has {len(tokens)} tokens but {length} {name}: its writer must "
+                    f"give {name} one value per completion token"
+                )
+        return tokens
+
 
 class RolloutGroup(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """G completions of one prompt: the unit of the ``rollouts`` stream."""
@@ -134,6 +192,25 @@ class RolloutGroup(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     top_k: int = 0
     created: float = 0.0
 
+    def check(self) -> None:
+        """Raise BadEntry naming the first sample (and field) that breaks the per-token
+        invariants (:meth:`Sample.check`), or a group with no samples."""
+        if not self.samples:
+            raise BadEntry(f"rollout group {self.group_id} has no samples: an actor sends G > 0")
+        try:
+            unpack_i32(self.prompt_ids)
+        except BadEntry as e:
+            raise BadEntry(f"rollout group {self.group_id} prompt_ids: {e}") from None
+        for s in self.samples:
+            s.check(f"sample {self.group_id}/{s.index}")
+
+
+# ---------------------------------------------------------------- preprocessor -> trainer
+# Stream <run>:batches, one TrainBatch per entry (XADD-once on its batch id), written
+# to the shard its rollouts came from. Written by the preprocessors; read by the
+# trainer's rank 0 (consumer group "trainer", trainer/batches.py), which calls
+# TrainBatch.check() and dead-letters a batch that fails it.
+
 
 class TrainBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A token-budget micro-batch: the unit of the ``batches`` stream."""
@@ -146,6 +223,48 @@ class TrainBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     temperature: float
     top_p: float = 1.0
     top_k: int = 0
+
+    def check(self, vocab_size: int) -> None:
+        """Raise BadEntry naming the first inconsistency: lists of different lengths,
+        a sample that breaks the per-token invariants (:meth:`Sample.check`),
+        ``ref_logprobs`` on some samples only, or a token id outside ``vocab_size``."""
+        n = len(self.samples)
+        if n == 0:
+            raise BadEntry("batch has no samples")
+        if len(self.group_ids) != n or len(self.prompt_ids) != n:
+            raise BadEntry(
+                f"batch has {n} samples but {len(self.group_ids)} group ids and "
+                f"{len(self.prompt_ids)} prompts: group_ids and prompt_ids need one per sample"
+            )
+        has_ref = bool(self.samples[0].ref_logprobs)
+        rows = zip(self.group_ids, self.prompt_ids, self.samples, strict=True)
+        for group_id, prompt_ids, s in rows:
+            where = f"sample {group_id}/{s.index}"
+            tokens = s.check(where)
+            try:
+                prompt = unpack_i32(prompt_ids)
+            except BadEntry as e:
+                raise BadEntry(f"{where} prompt_ids: {e}") from None
+            if bool(s.ref_logprobs) != has_ref:
+                raise BadEntry(
+                    f"{where}: ref_logprobs on some samples of the batch only "
+                    "(the reference scorer sets them on every sample or none)"
+                )
+            both = np.concatenate([prompt, tokens])
+            if both.size and (both.min() < 0 or both.max() >= vocab_size):
+                raise BadEntry(
+                    f"{where} has token ids outside the vocabulary (0..{vocab_size - 1}) "
+                    "in prompt_ids or completion_ids: the actors and the trainer must load "
+                    "the same model.path"
+                )
+
+
+# ---------------------------------------------------------------- trainer -> actor
+# Stream <run>:weights, one WeightAnnouncement per published version, written by the
+# trainer's weight publisher (pipeline/weight_publisher.py) and read (XREAD, no
+# consumer group: every actor reads every entry) by each actor's weight receiver
+# (pipeline/weight_receiver.py). The buckets it describes follow over the transfer
+# process group, not through Redis.
 
 
 class ParamSpec(msgspec.Struct, forbid_unknown_fields=True):
@@ -172,12 +291,24 @@ class WeightAnnouncement(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     kind: str = "full"  # "full": every weight; "lora": a LoRA adapter only (model.lora)
 
 
+# ---------------------------------------------------------------- control and status
+# <run>:dead holds, per refused entry, its source stream, id, consumer, the reason
+# and the entry's payload as it came (plain fields: pipeline/streams.py
+# Consumer.dead_letter); the group accounting (pipeline/accounting.py) reads it for
+# the summary and pipeline.inspect.
+# <run>:stats is reserved for StatsEvent; no pool writes it yet (metrics go to
+# metrics.jsonl and the status hashes).
+
+
 class StatsEvent(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     schema: int
     role: str
     name: str
     time: float
     values: dict[str, float]
+
+
+# ---------------------------------------------------------------- encoding
 
 
 _ENCODER = msgspec.msgpack.Encoder()

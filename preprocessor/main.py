@@ -35,7 +35,6 @@ from pipeline.messages import (
     RolloutGroup,
     TrainBatch,
     encode,
-    unpack_f32,
     unpack_i32,
 )
 from pipeline.runtime import Pool, start_pool
@@ -49,24 +48,14 @@ log = logging.getLogger("preprocessor")
 GROUP = Names.ROLLOUTS_GROUP
 
 
-def check_group(group: RolloutGroup) -> None:
-    """Raise BadEntry when a sample's per-token arrays disagree with its token count."""
-    if not group.samples:
-        raise BadEntry("rollout group has no samples")
-    for s in group.samples:
-        n = len(s.tokens())
-        if n == 0 or len(unpack_f32(s.logprobs)) != n or len(s.token_versions()) != n:
-            raise BadEntry(f"sample {s.index}: token, log-prob and version counts differ")
-        s.sampling_mask()  # raises BadEntry when inconsistent
-
-
 def usable(pool: Pool, consumer: Consumer, entries: list[tuple[str, RolloutGroup]]) -> list:
-    """The entries whose groups pass check_group; the others go to the dead-letter stream
-    and are retired (the actor counted them produced; undecodable entries it did not)."""
+    """The entries whose groups pass RolloutGroup.check (the per-token invariants,
+    pipeline/messages.py); the others go to the dead-letter stream with the reason and
+    are retired (the actor counted them produced; undecodable entries it did not)."""
     good = []
     for entry_id, group in entries:
         try:
-            check_group(group)
+            group.check()
         except BadEntry as e:
             retire_groups(pool.client, pool.names, [(group.group_id, len(group.samples))])
             consumer.dead_letter(entry_id, {DATA: encode(group)}, str(e))

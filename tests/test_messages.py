@@ -345,6 +345,76 @@ def test_rle_never_silently_wraps_large_versions(versions):
     assert rle_decode(data).tolist() == versions
 
 
+# ---------------------------------------------------------------- per-token invariants
+# RolloutGroup.check (the preprocessor's) and TrainBatch.check (the trainer's): an entry
+# that decodes but whose arrays disagree is refused with the sample and the field named
+
+
+def consistent_batch() -> TrainBatch:
+    batch = make_batch()
+    batch.group_ids.append("actor-1:3")  # make_batch's lists differ in length on purpose
+    for s in batch.samples:  # and it sets ref_logprobs on one sample only
+        s.ref_logprobs = pack_f32([-0.5] * 5)
+    return batch
+
+
+def test_consistent_group_and_batch_pass_their_checks():
+    make_group().check()
+    consistent_batch().check(vocab_size=200)
+
+
+@pytest.mark.parametrize(
+    "field, value, reason",
+    [
+        ("logprobs", pack_f32([-1.0]), "actor-0:17/2 has 5 tokens but 1 logprobs"),
+        ("versions", rle_encode([3, 3]), "actor-0:17/2 has 5 tokens but 2 versions"),
+        ("completion_ids", b"", "actor-0:17/2 has no completion tokens"),
+        ("completion_ids", b"\x01\x02", "actor-0:17/2: int32 array has 2 bytes"),
+        ("mask_counts", pack_i32([1]), "actor-0:17/2: sampling mask"),
+        ("token_advantages", pack_f32([0.5] * 4), "5 tokens but 4 token_advantages"),
+    ],
+)
+def test_a_group_whose_per_token_arrays_disagree_fails_its_check(field, value, reason):
+    group = make_group()
+    setattr(group.samples[2], field, value)
+    with pytest.raises(BadEntry, match=reason):
+        group.check()
+
+
+def test_a_group_without_samples_or_with_a_truncated_prompt_fails_its_check():
+    group = make_group()
+    group.prompt_ids = b"\x01"
+    with pytest.raises(BadEntry, match="actor-0:17 prompt_ids: int32 array"):
+        group.check()
+    group.samples = []
+    with pytest.raises(BadEntry, match="actor-0:17 has no samples"):
+        group.check()
+
+
+@pytest.mark.parametrize(
+    "spoil, reason",
+    [
+        (lambda b: b.samples.clear(), "batch has no samples"),
+        (lambda b: b.group_ids.pop(), "3 samples but 2 group ids and 3 prompts"),
+        (
+            lambda b: setattr(b.samples[2], "ref_logprobs", pack_f32([-1.0] * 3)),
+            "actor-1:3/2 has 5 tokens but 3 ref_logprobs",
+        ),
+        (
+            lambda b: setattr(b.samples[1], "ref_logprobs", b""),
+            "actor-1:3/1: ref_logprobs on some samples of the batch only",
+        ),
+        (lambda b: b.prompt_ids.__setitem__(0, pack_i32([200])), "outside the vocabulary"),
+        (lambda b: b.prompt_ids.__setitem__(0, b"\x00"), "actor-0:17/0 prompt_ids: int32"),
+    ],
+)
+def test_a_batch_that_disagrees_with_itself_fails_its_check(spoil, reason):
+    batch = consistent_batch()
+    spoil(batch)
+    with pytest.raises(BadEntry, match=reason):
+        batch.check(vocab_size=200)
+
+
 # ---------------------------------------------------------------- fuzzing
 
 

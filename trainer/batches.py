@@ -6,11 +6,23 @@
     writes  <run>:dead (entries whose per-sample arrays disagree), status hash
     blocks  on XREADGROUP (redis.block_ms per read) until a step's worth of samples
 
-A sample (group id, index) already trained inside the dedupe window, or
-earlier in this step, is a duplicate (a batch delivered again after a
-restart) and is dropped uncounted; one whose oldest token is more than
-``trainer.max_lag`` versions old is rejected as stale. ``retired`` counts
-each sample that left the pipeline here (trained, stale, dead-lettered) once.
+The path of one entry, all of it in :func:`collect` (entries are read one at a
+time)::
+
+    TrainBatch.check(vocab_size)       fails -> <run>:dead with the reason, acknowledged
+        |                                       now; its samples dead and retired
+        v passes: the entry id joins the step (acknowledged after the step)
+    admit, per sample:
+        trained inside the dedupe window, or earlier in this step -> duplicate, dropped
+                                                                     uncounted
+        oldest token more than trainer.max_lag versions old       -> stale: retired, dropped
+        else                                                      -> fresh: retired, kept
+        |
+        v the fresh samples, if any: one batch of the step
+
+until ``trainer.samples_per_step`` fresh samples. ``retired`` counts each sample
+that left the pipeline here (trained, stale, dead-lettered) once; a duplicate (a
+batch delivered again after a restart) was retired when first seen.
 """
 
 from __future__ import annotations
@@ -21,7 +33,6 @@ from dataclasses import dataclass, field
 
 from pipeline.messages import BadEntry, TrainBatch, encode
 from pipeline.streams import DATA, Consumer
-from trainer.collate import check_batch
 
 
 @dataclass
@@ -42,20 +53,11 @@ def sample_ids(batch: TrainBatch) -> list[str]:
     return [f"{g}/{s.index}" for g, s in zip(batch.group_ids, batch.samples, strict=True)]
 
 
-def keep_only(batch: TrainBatch, keep: list[int]) -> TrainBatch | None:
-    if not keep:
-        return None
-    if len(keep) < len(batch.samples):
-        batch.samples = [batch.samples[i] for i in keep]
-        batch.group_ids = [batch.group_ids[i] for i in keep]
-        batch.prompt_ids = [batch.prompt_ids[i] for i in keep]
-    return batch
-
-
 def admit(
     data: StepData, batch: TrainBatch, version: int, max_lag: int, seen: dict[str, int]
 ) -> TrainBatch | None:
-    """Drop duplicates and samples older than ``max_lag`` versions; record both."""
+    """The batch cut to its fresh samples (None when none is): duplicates are dropped
+    uncounted, samples older than ``max_lag`` versions dropped as stale; both recorded."""
     ids, keep = sample_ids(batch), []
     for i, s in enumerate(batch.samples):
         if ids[i] in seen or ids[i] in data.sample_ids:
@@ -68,14 +70,13 @@ def admit(
         else:
             keep.append(i)
             data.sample_ids.add(ids[i])
-    return keep_only(batch, keep)
-
-
-def reject(consumer: Consumer, data: StepData, entry_id: str, batch: TrainBatch, why: str):
-    """Dead-letter an entry that decodes but cannot be trained on."""
-    consumer.dead_letter(entry_id, {DATA: encode(batch)}, why)
-    data.dead += len(batch.samples)
-    data.retired += len(batch.samples)
+    if not keep:
+        return None
+    if len(keep) < len(batch.samples):
+        batch.samples = [batch.samples[i] for i in keep]
+        batch.group_ids = [batch.group_ids[i] for i in keep]
+        batch.prompt_ids = [batch.prompt_ids[i] for i in keep]
+    return batch
 
 
 def collect(
@@ -99,15 +100,17 @@ def collect(
         # even when a backlog waits (else async steps would grow with the backlog)
         for entry_id, batch in consumer.read(count=1):
             try:
-                check_batch(batch, vocab_size)
-            except BadEntry as e:
-                reject(consumer, data, entry_id, batch, str(e))
+                batch.check(vocab_size)  # the per-token invariants (pipeline/messages.py)
+            except BadEntry as e:  # decodes but cannot be trained on: acknowledged now
+                consumer.dead_letter(entry_id, {DATA: encode(batch)}, str(e))
+                data.dead += len(batch.samples)
+                data.retired += len(batch.samples)
                 continue
-            data.entry_ids.append(entry_id)
-            batch = admit(data, batch, version, cfg.max_lag, seen)
-            if batch is not None:
-                data.batches.append(batch)
-                data.samples += len(batch.samples)
+            data.entry_ids.append(entry_id)  # acknowledged after the step (trainer/main.py)
+            fresh = admit(data, batch, version, cfg.max_lag, seen)
+            if fresh is not None:
+                data.batches.append(fresh)
+                data.samples += len(fresh.samples)
         # what the unfinished step holds: fresh samples, and stale ones its record will
         # drop (the faults bench checks them against the trainer's pending list)
         pool.status.set(

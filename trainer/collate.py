@@ -1,9 +1,10 @@
 """Batch entries to tensors: one TrainBatch becomes one padded micro-batch.
 
 Everything is assembled in numpy (one concatenation per field, no Python loop
-over tensor elements) and moved to the trainer's device once.
-:func:`check_batch` rejects an entry whose per-sample arrays disagree, so the
-trainer dead-letters it instead of crashing on it at every restart.
+over tensor elements) and moved to the trainer's device once. A batch reaches
+here only after ``TrainBatch.check`` (pipeline/messages.py) passed in
+trainer/batches.py: one whose per-sample arrays disagree is dead-lettered there
+instead of crashing the trainer at every restart.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.messages import BadEntry, TrainBatch, unpack_f32, unpack_i32
+from pipeline.messages import TrainBatch, unpack_f32, unpack_i32
 
 
 @dataclass
@@ -30,44 +31,6 @@ class MicroBatch:
     top_k: int
     tokens: int  # completion tokens
     weight: float = 1.0  # 0.0: a padding pass that keeps the ranks in step
-
-
-def check_batch(batch: TrainBatch, vocab_size: int) -> None:
-    """Raise BadEntry naming the first inconsistency in a decoded batch."""
-    n = len(batch.samples)
-    if n == 0:
-        raise BadEntry("batch has no samples")
-    if len(batch.group_ids) != n or len(batch.prompt_ids) != n:
-        raise BadEntry(
-            f"batch has {n} samples but {len(batch.group_ids)} group ids and "
-            f"{len(batch.prompt_ids)} prompts"
-        )
-    has_ref = bool(batch.samples[0].ref_logprobs)
-    for i, s in enumerate(batch.samples):
-        where = f"sample {batch.group_ids[i]}/{s.index}"
-        try:
-            tokens, prompt = s.tokens(), unpack_i32(batch.prompt_ids[i])
-            lengths = {
-                "logprobs": len(unpack_f32(s.logprobs)),
-                "versions": len(s.token_versions()),
-            }
-            if s.ref_logprobs:
-                lengths["ref_logprobs"] = len(unpack_f32(s.ref_logprobs))
-            if s.token_advantages:
-                lengths["token_advantages"] = len(unpack_f32(s.token_advantages))
-            s.sampling_mask()
-        except (ValueError, AssertionError) as e:
-            raise BadEntry(f"{where}: {e}") from None
-        if len(tokens) == 0:
-            raise BadEntry(f"{where} has no completion tokens")
-        for name, length in lengths.items():
-            if length != len(tokens):
-                raise BadEntry(f"{where} has {len(tokens)} tokens but {length} {name}")
-        if bool(s.ref_logprobs) != has_ref:
-            raise BadEntry(f"{where}: ref_logprobs on some samples of the batch only")
-        both = np.concatenate([prompt, tokens])
-        if both.size and (both.min() < 0 or both.max() >= vocab_size):
-            raise BadEntry(f"{where} has token ids outside the vocabulary (0..{vocab_size - 1})")
 
 
 def _scatter(values: list[np.ndarray], comp: np.ndarray) -> np.ndarray:
