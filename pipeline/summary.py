@@ -39,6 +39,10 @@ records do not place is then counted ``unaccounted`` (in a stream, dead-lettered
 lost: only Redis can say), never ``lost``. Nothing in Redis is lost by this: the
 AOF holds every acknowledged write, and the next launch on the run directory (or
 ``pipeline.inspect --run-dir``) reads it.
+
+The :class:`Summary`'s fields, the parts only Redis fills (``WITHOUT_REDIS``) and the
+text the launcher prints are in pipeline/summary_fields.py; this module reads the run
+into them and writes ``summary.json``.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import redis
 from redis.backoff import NoBackoff
@@ -54,159 +58,14 @@ from redis.retry import Retry
 
 from pipeline.accounting import account, dead_letters, in_flight
 from pipeline.streams import Names
+from pipeline.summary_fields import NULL_WITHOUT_REDIS, WITHOUT_REDIS, Summary
 from pipeline.telemetry import read_jsonl, read_statuses, surviving_steps
 
 REWARD_ERROR_PREFIX = "reward_errors."  # an actor's per-reason reward-error counters
 
 
-@dataclass
-class Summary:
-    outcome: str
-    trainer_steps: int
-    samples_trained: int
-    weight_updates_published: int
-    weight_updates_applied: dict[str, int]
-    sequences_spanning_versions: int
-    stale_samples_dropped: int
-    reward_mean_first_window: float | None
-    reward_mean_last_window: float | None
-    reward_window_steps: int
-    groups_produced: int
-    groups_trained: int
-    groups_dropped_no_signal: int
-    dead_lettered: int  # entries, every pool's (preprocessors and trainer)
-    prm_scored_groups: int  # groups in which the step-reward scorer scored a step
-    wall_seconds: float
-    # the weight publisher's fields of the trainer's status (pipeline/weight_publisher.py)
-    weight_versions_unreceived: int = 0  # versions no actor received whole
-    weight_publish_failures: int = 0
-    actors_dropped: int = 0
-    last_publish_error: str = ""
-    reward_errors: int = 0  # rewards that raised (scored 0.0), summed over actors
-    reward_error_reasons: dict[str, int] = field(default_factory=dict)
-    restarts: dict[str, int] = field(default_factory=dict)
-    # where every produced group ended (pipeline/accounting.py)
-    accounting: dict = field(default_factory=dict)
-    in_flight_group_ids: list[str] = field(default_factory=list)  # rollouts and batches
-    in_flight: dict[str, list[str]] = field(default_factory=dict)  # per stream
-    dead_letter_entries: list[dict] = field(default_factory=list)
-    pools: dict[str, dict[str, str]] = field(default_factory=dict)
-    mode: str = "async"  # pipeline.mode: async (pipelined) or sync (phases alternate)
-    actor_engine: str = "hf"  # actor.engine as resolved for the run (hf or vllm)
-    last_eval: dict = field(default_factory=dict)  # the evaluator's last ``eval`` record
-    dead_lettered_by_role: dict[str, int] = field(default_factory=dict)
-    # per actor: versions announced to it, and those it failed to apply (weight_receiver)
-    weight_versions_offered: dict[str, int] = field(default_factory=dict)
-    weight_versions_failed: dict[str, int] = field(default_factory=dict)
-    newest_published_version: int | None = None
-    weight_problems: list[str] = field(default_factory=list)  # weight_problems(), at the end
-    # backend, zero_stage (deepspeed), world_size, dtype, device: trainer_setup()
-    trainer_setup: dict[str, str | int] = field(default_factory=dict)
-    # Redis could not answer at the end: the parts it alone holds, left out (null or
-    # empty fields; build_disk_summary), and the error; empty when Redis answered
-    redis_unavailable: list[str] = field(default_factory=list)
-    redis_error: str = ""
-
-    def render(self) -> str:
-        s = self
-        if self.redis_unavailable:  # a field Redis could not give is null: shown as "-"
-            s = Summary(
-                **{
-                    k: "-" if v is None and k in NULL_WITHOUT_REDIS else v
-                    for k, v in asdict(self).items()
-                }
-            )
-        rows = [
-            ("outcome", s.outcome),
-            ("mode", s.mode),
-            ("actor engine", s.actor_engine),
-            ("trainer", " ".join(f"{k}={v}" for k, v in s.trainer_setup.items()) or "-"),
-            ("trainer steps", s.trainer_steps),
-            ("samples trained", s.samples_trained),
-            (
-                "pool restarts",
-                ", ".join(f"{k}={v}" for k, v in sorted(s.restarts.items())) or "none",
-            ),
-            (
-                "groups produced / trained / no-signal",
-                f"{s.groups_produced} / {s.groups_trained} / {s.groups_dropped_no_signal}",
-            ),
-            ("weight updates published", s.weight_updates_published),
-            (
-                "unreceived / publish failures / actors dropped",
-                f"{s.weight_versions_unreceived} / {s.weight_publish_failures} / "
-                f"{s.actors_dropped}",
-            ),
-            ("last publish error", s.last_publish_error or "-"),
-            (
-                "weight updates applied (failed)",
-                ", ".join(
-                    f"{k}={v} ({s.weight_versions_failed.get(k, 0)})"
-                    for k, v in sorted(s.weight_updates_applied.items())
-                )
-                or "-",
-            ),
-            (
-                "weights not arriving",
-                "-" if s.redis_unavailable else "; ".join(s.weight_problems) or "none",
-            ),
-            ("sequences spanning versions", s.sequences_spanning_versions),
-            ("stale samples dropped", s.stale_samples_dropped),
-            (
-                f"reward first/last {s.reward_window_steps} steps",
-                f"{_fmt(s.reward_mean_first_window)} -> {_fmt(s.reward_mean_last_window)}",
-            ),
-            ("held-out eval, last version", _eval_text(s.last_eval)),
-            (
-                "dead-lettered entries",
-                f"{s.dead_lettered}"
-                + (" (" if s.dead_lettered_by_role else "")
-                + ", ".join(f"{k} {v}" for k, v in sorted(s.dead_lettered_by_role.items()))
-                + (")" if s.dead_lettered_by_role else ""),
-            ),
-            (
-                "reward errors",
-                f"{s.reward_errors}"
-                + "".join(f", {k}={v}" for k, v in sorted(s.reward_error_reasons.items())),
-            ),
-            _account_row(s.accounting),
-            ("groups with PRM-scored steps", s.prm_scored_groups),
-            ("wall seconds", f"{s.wall_seconds:.1f}"),
-        ]
-        if self.redis_unavailable:
-            why = f"redis did not answer ({self.redis_error}); not in this summary: "
-            rows.insert(1, ("from disk only", why + "; ".join(self.redis_unavailable)))
-        width = max(len(k) for k, _ in rows)
-        return "\n".join(["run summary"] + [f"  {k.ljust(width)}  {v}" for k, v in rows])
-
-
-def _account_row(terms: dict) -> tuple[str, str]:
-    """The account's row; from disk only, the groups the records do not place are
-    "unaccounted" (in a stream, dead-lettered or lost: only Redis can say)."""
-    if "groups_unaccounted" in terms:
-        keys = ("trained", "stale", "no_signal", "unaccounted")
-        label = "groups trained/stale/no-signal/unaccounted (no redis)"
-    else:
-        keys = ("trained", "stale", "no_signal", "dead_lettered", "in_flight_at_end", "lost")
-        label = "groups trained/stale/no-signal/dead/in flight/lost"
-    return label, " / ".join(str(terms.get(f"groups_{k}", "-")) for k in keys)
-
-
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f}"
-
-
 def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
-
-
-def _eval_text(r: dict) -> str:
-    if not r:
-        return "-"
-    return (
-        f"v{r['version']}: greedy accuracy {r['greedy_accuracy']:.3f}, "
-        f"mean reward {r['mean_reward']:.3f}, pass@{r['k']} {r['pass_at_k']:.3f}"
-    )
 
 
 def _config_str(run_dir: str, key: str, default: str) -> str:
@@ -315,15 +174,39 @@ def newest_published(client: redis.Redis, names: Names) -> int | None:
     return int(value) if value is not None else None
 
 
+def from_run_dir(run_dir: str, records: list[dict], terms: dict) -> dict:
+    """The Summary fields both summaries (with Redis and without) take from the run
+    directory: the config's mode and engine, the last evaluation, the reward over the
+    first and last steps that survive in ``records``, the launcher's restarts, and the
+    group account ``terms`` (pipeline/accounting.py)."""
+    steps = surviving_steps(records)
+    window = max(1, min(5, len(steps) // 2))
+    rewards = [r["reward_mean"] for r in steps]
+    evals = [r for r in records if r.get("event") == "eval"]
+    restarts = Counter(
+        r["target"] for r in records if r.get("pool") == "launcher" and r.get("event") == "restart"
+    )
+    return dict(
+        mode=_config_str(run_dir, "pipeline.mode", "async"),
+        actor_engine=_config_str(run_dir, "actor.engine", "hf"),
+        last_eval=max(evals, key=lambda r: r["version"], default={}),
+        reward_mean_first_window=_mean(rewards[:window]),
+        reward_mean_last_window=_mean(rewards[-window:]),
+        reward_window_steps=window,
+        restarts=dict(restarts),
+        groups_produced=terms["groups_produced"],
+        groups_trained=terms["groups_trained"],
+        groups_dropped_no_signal=terms["groups_no_signal"],
+        accounting=terms,
+    )
+
+
 def build_summary(
     run_dir: str, client: redis.Redis, names: Names, outcome: str, wall_s: float, shards=()
 ) -> Summary:
     """``shards``: the clients of redis.shards 1.. (their rollouts and batches in flight)."""
     statuses = read_statuses(client, names)
     records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    steps = surviving_steps(records)
-    window = max(1, min(5, len(steps) // 2))
-    rewards = [r["reward_mean"] for r in steps]
     trainer = statuses.get("trainer", {})
     by_role = lambda role: {k: v for k, v in statuses.items() if v.get("role") == role}  # noqa: E731
     actors, preps = by_role("actor"), by_role("preprocessor")
@@ -331,16 +214,13 @@ def build_summary(
     dead = dead_letters(client, names)
     terms = account(records, flight, dead, _group_size(run_dir))
     errors, reasons = reward_errors(statuses)
-    evals = [r for r in records if r.get("event") == "eval"]
     published_v = newest_published(client, names)
     problems = weight_problems(statuses, published_v)
     if outcome == "finished" and problems:
         outcome = "failed: weights did not reach the actors: " + "; ".join(problems)
     return Summary(
-        mode=_config_str(run_dir, "pipeline.mode", "async"),
-        actor_engine=_config_str(run_dir, "actor.engine", "hf"),
+        **from_run_dir(run_dir, records, terms),
         trainer_setup=trainer_setup(trainer),
-        last_eval=max(evals, key=lambda r: r["version"], default={}),
         outcome=outcome,
         weight_versions_offered={
             k: int(v.get("weight_versions_offered", 0)) for k, v in actors.items()
@@ -358,12 +238,6 @@ def build_summary(
         },
         sequences_spanning_versions=int(trainer.get("sequences_spanning_versions", 0)),
         stale_samples_dropped=int(trainer.get("stale_samples_dropped", 0)),
-        reward_mean_first_window=_mean(rewards[:window]),
-        reward_mean_last_window=_mean(rewards[-window:]),
-        reward_window_steps=window,
-        groups_produced=terms["groups_produced"],
-        groups_trained=terms["groups_trained"],
-        groups_dropped_no_signal=terms["groups_no_signal"],
         dead_lettered=sum(dead_lettered_by_role(statuses, dead).values()),
         dead_lettered_by_role=dead_lettered_by_role(statuses, dead),
         prm_scored_groups=sum(int(v.get("prm_scored_groups", 0)) for v in preps.values()),
@@ -374,8 +248,6 @@ def build_summary(
         last_publish_error=trainer.get("last_publish_error", ""),
         reward_errors=errors,
         reward_error_reasons=reasons,
-        restarts=_restarts(records),
-        accounting=terms,
         in_flight_group_ids=sorted(
             set(flight["rollouts_groups"])
             | {s.rsplit("/", 1)[0] for s in flight["batches_samples"]}
@@ -386,39 +258,6 @@ def build_summary(
     )
 
 
-# What only Redis holds, in words (``redis_unavailable``), with the Summary fields it
-# fills: null (or empty) in a summary written from disk
-WITHOUT_REDIS: dict[str, tuple[str, ...]] = {
-    "pool statuses and counters (the trainer's, the preprocessors', the actors')": (
-        "pools",
-        "trainer_setup",
-        "prm_scored_groups",
-        "reward_errors",
-        "reward_error_reasons",
-    ),
-    "the weight publisher's and receivers' counters": (
-        "weight_updates_published",
-        "weight_versions_unreceived",
-        "weight_publish_failures",
-        "actors_dropped",
-        "last_publish_error",
-        "weight_updates_applied",
-        "weight_versions_offered",
-        "weight_versions_failed",
-    ),
-    "the newest published version, and so the check that the weights reached the actors": (
-        "newest_published_version",
-        "weight_problems",
-    ),
-    "the entries in flight (rollouts and batches not yet acknowledged)": (
-        "in_flight_group_ids",
-        "in_flight",
-    ),
-    "the dead letters": ("dead_lettered", "dead_lettered_by_role", "dead_letter_entries"),
-}
-NULL_WITHOUT_REDIS = {f for fields in WITHOUT_REDIS.values() for f in fields}
-
-
 def build_disk_summary(run_dir: str, outcome: str, wall_s: float, why: str) -> Summary:
     """The summary from the run directory alone (``metrics.jsonl``, ``config.yaml``,
     ``checkpoints/``) when Redis cannot answer (``why``): see the module doc. The
@@ -426,8 +265,6 @@ def build_disk_summary(run_dir: str, outcome: str, wall_s: float, why: str) -> S
     each published group by the records only, the rest ``groups_unaccounted``."""
     records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     steps = surviving_steps(records)
-    window = max(1, min(5, len(steps) // 2))
-    rewards = [r["reward_mean"] for r in steps]
     terms = account(records, {}, [], _group_size(run_dir))
     # nothing in flight or dead-lettered is known: a group the records do not place is
     # unaccounted, not lost, and the lost ids are those unplaced
@@ -437,25 +274,14 @@ def build_disk_summary(run_dir: str, outcome: str, wall_s: float, why: str) -> S
     terms["unaccounted_ids"] = terms.pop("lost_ids")
     terms["samples_unaccounted"] = terms.pop("samples_lost")
     terms.pop("groups_lost_ids")
-    evals = [r for r in records if r.get("event") == "eval"]
     summary = Summary(
-        mode=_config_str(run_dir, "pipeline.mode", "async"),
-        actor_engine=_config_str(run_dir, "actor.engine", "hf"),
-        last_eval=max(evals, key=lambda r: r["version"], default={}),
+        **from_run_dir(run_dir, records, terms),
         outcome=outcome,
         trainer_steps=max((int(r["step"]) for r in steps), default=0),
         samples_trained=sum(int(r.get("samples", 0)) for r in steps),
         sequences_spanning_versions=sum(int(r.get("spanning", 0)) for r in steps),
         stale_samples_dropped=sum(int(r.get("stale", 0)) for r in steps),
-        reward_mean_first_window=_mean(rewards[:window]),
-        reward_mean_last_window=_mean(rewards[-window:]),
-        reward_window_steps=window,
-        groups_produced=terms["groups_produced"],
-        groups_trained=terms["groups_trained"],
-        groups_dropped_no_signal=terms["groups_no_signal"],
         wall_seconds=round(wall_s, 2),
-        restarts=_restarts(records),
-        accounting=terms,
         redis_unavailable=list(WITHOUT_REDIS),
         redis_error=why,
         # filled below: null, or empty where the field is a list or mapping
@@ -468,16 +294,6 @@ def build_disk_summary(run_dir: str, outcome: str, wall_s: float, why: str) -> S
         value = getattr(summary, name)
         setattr(summary, name, type(value)() if isinstance(value, list | dict) else None)
     return summary
-
-
-def _restarts(records: list[dict]) -> dict[str, int]:
-    return dict(
-        Counter(
-            r["target"]
-            for r in records
-            if r.get("pool") == "launcher" and r.get("event") == "restart"
-        )
-    )
 
 
 def silent(client: redis.Redis, timeout_s: float) -> str | None:

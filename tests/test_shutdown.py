@@ -36,7 +36,8 @@ from pipeline.redis_server import EmbeddedRedis
 from pipeline.runtime import StoppedAtStartup, stop_handler
 from pipeline.stopping import FINAL_WRITES_S, StopAwareRetry, StopEvent, final, guard, watch
 from pipeline.streams import Consumer, Names, connect, publish
-from pipeline.summary import WITHOUT_REDIS, write_summary
+from pipeline.summary import write_summary
+from pipeline.summary_fields import WITHOUT_REDIS
 from tests.launching import launch_tiny, run_leftovers, run_tiny, wait_for_step
 
 # every process gone within this after the SIGTERM: typically 3-4 s here, but 6.7, 7.5

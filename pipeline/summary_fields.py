@@ -1,0 +1,192 @@
+"""The run summary's fields (``summary.json``), what only Redis fills, and the text the
+launcher prints.
+
+pipeline/summary.py reads the run (the pools' status hashes and the streams in Redis,
+``metrics.jsonl``, ``config.yaml`` and ``checkpoints/`` on disk) into a
+:class:`Summary`; this module holds its fields and renders it. A summary
+written without Redis leaves the fields of :data:`WITHOUT_REDIS` null or empty,
+and its rendering shows them as "-".
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Summary:
+    outcome: str
+    trainer_steps: int
+    samples_trained: int
+    weight_updates_published: int
+    weight_updates_applied: dict[str, int]
+    sequences_spanning_versions: int
+    stale_samples_dropped: int
+    reward_mean_first_window: float | None
+    reward_mean_last_window: float | None
+    reward_window_steps: int
+    groups_produced: int
+    groups_trained: int
+    groups_dropped_no_signal: int
+    dead_lettered: int  # entries, every pool's (preprocessors and trainer)
+    prm_scored_groups: int  # groups in which the step-reward scorer scored a step
+    wall_seconds: float
+    # the weight publisher's fields of the trainer's status (pipeline/weight_publisher.py)
+    weight_versions_unreceived: int = 0  # versions no actor received whole
+    weight_publish_failures: int = 0
+    actors_dropped: int = 0
+    last_publish_error: str = ""
+    reward_errors: int = 0  # rewards that raised (scored 0.0), summed over actors
+    reward_error_reasons: dict[str, int] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)
+    # where every produced group ended (pipeline/accounting.py)
+    accounting: dict = field(default_factory=dict)
+    in_flight_group_ids: list[str] = field(default_factory=list)  # rollouts and batches
+    in_flight: dict[str, list[str]] = field(default_factory=dict)  # per stream
+    dead_letter_entries: list[dict] = field(default_factory=list)
+    pools: dict[str, dict[str, str]] = field(default_factory=dict)
+    mode: str = "async"  # pipeline.mode: async (pipelined) or sync (phases alternate)
+    actor_engine: str = "hf"  # actor.engine as resolved for the run (hf or vllm)
+    last_eval: dict = field(default_factory=dict)  # the evaluator's last ``eval`` record
+    dead_lettered_by_role: dict[str, int] = field(default_factory=dict)
+    # per actor: versions announced to it, and those it failed to apply (weight_receiver)
+    weight_versions_offered: dict[str, int] = field(default_factory=dict)
+    weight_versions_failed: dict[str, int] = field(default_factory=dict)
+    newest_published_version: int | None = None
+    weight_problems: list[str] = field(default_factory=list)  # summary.weight_problems, at the end
+    # backend, zero_stage (deepspeed), world_size, dtype, device: summary.trainer_setup
+    trainer_setup: dict[str, str | int] = field(default_factory=dict)
+    # Redis could not answer at the end: the parts it alone holds, left out (null or
+    # empty fields; summary.build_disk_summary), and the error; empty when Redis answered
+    redis_unavailable: list[str] = field(default_factory=list)
+    redis_error: str = ""
+
+    def render(self) -> str:
+        s = self
+        if self.redis_unavailable:  # a field Redis could not give is null: shown as "-"
+            s = Summary(
+                **{
+                    k: "-" if v is None and k in NULL_WITHOUT_REDIS else v
+                    for k, v in asdict(self).items()
+                }
+            )
+        rows = [
+            ("outcome", s.outcome),
+            ("mode", s.mode),
+            ("actor engine", s.actor_engine),
+            ("trainer", " ".join(f"{k}={v}" for k, v in s.trainer_setup.items()) or "-"),
+            ("trainer steps", s.trainer_steps),
+            ("samples trained", s.samples_trained),
+            (
+                "pool restarts",
+                ", ".join(f"{k}={v}" for k, v in sorted(s.restarts.items())) or "none",
+            ),
+            (
+                "groups produced / trained / no-signal",
+                f"{s.groups_produced} / {s.groups_trained} / {s.groups_dropped_no_signal}",
+            ),
+            ("weight updates published", s.weight_updates_published),
+            (
+                "unreceived / publish failures / actors dropped",
+                f"{s.weight_versions_unreceived} / {s.weight_publish_failures} / "
+                f"{s.actors_dropped}",
+            ),
+            ("last publish error", s.last_publish_error or "-"),
+            (
+                "weight updates applied (failed)",
+                ", ".join(
+                    f"{k}={v} ({s.weight_versions_failed.get(k, 0)})"
+                    for k, v in sorted(s.weight_updates_applied.items())
+                )
+                or "-",
+            ),
+            (
+                "weights not arriving",
+                "-" if s.redis_unavailable else "; ".join(s.weight_problems) or "none",
+            ),
+            ("sequences spanning versions", s.sequences_spanning_versions),
+            ("stale samples dropped", s.stale_samples_dropped),
+            (
+                f"reward first/last {s.reward_window_steps} steps",
+                f"{_fmt(s.reward_mean_first_window)} -> {_fmt(s.reward_mean_last_window)}",
+            ),
+            ("held-out eval, last version", _eval_text(s.last_eval)),
+            (
+                "dead-lettered entries",
+                f"{s.dead_lettered}"
+                + (" (" if s.dead_lettered_by_role else "")
+                + ", ".join(f"{k} {v}" for k, v in sorted(s.dead_lettered_by_role.items()))
+                + (")" if s.dead_lettered_by_role else ""),
+            ),
+            (
+                "reward errors",
+                f"{s.reward_errors}"
+                + "".join(f", {k}={v}" for k, v in sorted(s.reward_error_reasons.items())),
+            ),
+            _account_row(s.accounting),
+            ("groups with PRM-scored steps", s.prm_scored_groups),
+            ("wall seconds", f"{s.wall_seconds:.1f}"),
+        ]
+        if self.redis_unavailable:
+            why = f"redis did not answer ({self.redis_error}); not in this summary: "
+            rows.insert(1, ("from disk only", why + "; ".join(self.redis_unavailable)))
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(["run summary"] + [f"  {k.ljust(width)}  {v}" for k, v in rows])
+
+
+def _account_row(terms: dict) -> tuple[str, str]:
+    """The account's row; from disk only, the groups the records do not place are
+    "unaccounted" (in a stream, dead-lettered or lost: only Redis can say)."""
+    if "groups_unaccounted" in terms:
+        keys = ("trained", "stale", "no_signal", "unaccounted")
+        label = "groups trained/stale/no-signal/unaccounted (no redis)"
+    else:
+        keys = ("trained", "stale", "no_signal", "dead_lettered", "in_flight_at_end", "lost")
+        label = "groups trained/stale/no-signal/dead/in flight/lost"
+    return label, " / ".join(str(terms.get(f"groups_{k}", "-")) for k in keys)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _eval_text(r: dict) -> str:
+    if not r:
+        return "-"
+    return (
+        f"v{r['version']}: greedy accuracy {r['greedy_accuracy']:.3f}, "
+        f"mean reward {r['mean_reward']:.3f}, pass@{r['k']} {r['pass_at_k']:.3f}"
+    )
+
+
+# What only Redis holds, in words (``redis_unavailable``), with the Summary fields it
+# fills: null (or empty) in a summary written from disk
+WITHOUT_REDIS: dict[str, tuple[str, ...]] = {
+    "pool statuses and counters (the trainer's, the preprocessors', the actors')": (
+        "pools",
+        "trainer_setup",
+        "prm_scored_groups",
+        "reward_errors",
+        "reward_error_reasons",
+    ),
+    "the weight publisher's and receivers' counters": (
+        "weight_updates_published",
+        "weight_versions_unreceived",
+        "weight_publish_failures",
+        "actors_dropped",
+        "last_publish_error",
+        "weight_updates_applied",
+        "weight_versions_offered",
+        "weight_versions_failed",
+    ),
+    "the newest published version, and so the check that the weights reached the actors": (
+        "newest_published_version",
+        "weight_problems",
+    ),
+    "the entries in flight (rollouts and batches not yet acknowledged)": (
+        "in_flight_group_ids",
+        "in_flight",
+    ),
+    "the dead letters": ("dead_lettered", "dead_lettered_by_role", "dead_letter_entries"),
+}
+NULL_WITHOUT_REDIS = {f for fields in WITHOUT_REDIS.values() for f in fields}
