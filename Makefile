@@ -56,9 +56,11 @@ BENCH ?= weights scorers faults
 bench: setup
 	@for b in $(BENCH); do $(PY) -m pipeline.bench $$b --out outputs/bench/$$b.json || exit 1; done
 
+# ruff, and the floors: pyproject.toml's import-linter contracts (tests/test_layout.py too)
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
 
 format: setup
 	$(VENV)/bin/ruff format .

@@ -30,7 +30,6 @@ import numpy as np
 
 from actor.engines import Completion, Engine, make_engine
 from actor.sync import Turns
-from actor.task import DEFAULT_SYSTEM_PROMPT, RewardErrors, build_prompt_ids, make_task, score
 from pipeline.config import run_secret
 from pipeline.messages import (
     SCHEMA_VERSION,
@@ -41,6 +40,7 @@ from pipeline.messages import (
 from pipeline.runtime import EXIT_MISMATCH, Pool, model_path, start_pool, trainer_version
 from pipeline.stopping import final
 from pipeline.streams import count_produced, publish
+from pipeline.tasks import DEFAULT_SYSTEM_PROMPT, RewardErrors, build_prompt_ids, make_task, score
 from pipeline.telemetry import Window
 from pipeline.weight_receiver import WeightReceiver
 

@@ -35,8 +35,8 @@ import logging
 import time
 
 from actor.sync import draining
-from actor.task import DEFAULT_SYSTEM_PROMPT, RewardErrors, build_prompt_ids
 from pipeline.runtime import Pool, trainer_version
+from pipeline.tasks import DEFAULT_SYSTEM_PROMPT, RewardErrors, build_prompt_ids
 from pipeline.telemetry import Window
 
 log = logging.getLogger("actor")

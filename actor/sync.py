@@ -39,10 +39,9 @@ import logging
 import time
 
 from pipeline.runtime import Pool
-from pipeline.streams import Lua
+from pipeline.streams import DRAIN_FIELD, Lua
 
 log = logging.getLogger("actor")
-DRAIN_FIELD = "drain"  # in <run>:run: set, no actor starts a new group
 
 
 def draining(pool: Pool) -> bool:

@@ -5,7 +5,7 @@
     reads   a checkpoint folder (checkpoints/step-NNNNNN, or any HF model folder), or a
             run directory (its config.yaml and its latest checkpoint); the problems:
             eval.path, else task.path when task.kind=file, else the arithmetic task's
-            held-out split (problems training never draws, actor/task.py)
+            held-out split (problems training never draws, pipeline/tasks.py)
     writes  a table on stdout; JSON to --out (default RUN_DIR/eval/step-NNNNNN.json
             when the run directory is known, else nothing)
     blocks  never on other pools: it loads its own copy of the weights
@@ -13,7 +13,7 @@
 Per problem: one greedy completion (greedy accuracy) and ``eval.samples`` sampled
 completions at ``eval.temperature`` (mean reward; pass@k with k = eval.samples: the share
 of problems with at least one correct sample among the k). Rewards are the task's own
-(``actor.task.reward``). The same :func:`evaluate` serves the periodic evaluator pool
+(``pipeline.tasks.reward``). The same :func:`evaluate` serves the periodic evaluator pool
 (pipeline/evaluator.py).
 """
 
@@ -31,7 +31,9 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from actor.task import (
+from pipeline import checkpoint
+from pipeline.config import Config, load_config, validate
+from pipeline.tasks import (
     DEFAULT_SYSTEM_PROMPT,
     ArithmeticTask,
     Problem,
@@ -39,7 +41,6 @@ from actor.task import (
     load_problems,
     reward,
 )
-from pipeline.config import Config, load_config, validate
 
 
 @dataclass
@@ -86,8 +87,6 @@ def resolve(target: str, overrides: list[str]) -> tuple[Any, str, str | None]:
     if not os.path.isdir(path):
         raise ValueError(f"{target} is not a directory: pass a run directory or a checkpoint")
     if os.path.exists(os.path.join(path, "config.yaml")):  # a run directory
-        from trainer import checkpoint  # the checkpoint layout has one owner
-
         ckpt = checkpoint.latest(os.path.join(path, "checkpoints"))
         if ckpt is None:
             raise ValueError(
@@ -109,11 +108,9 @@ def resolve(target: str, overrides: list[str]) -> tuple[Any, str, str | None]:
 
 
 def checkpoint_version(path: str) -> int | None:
-    state = os.path.join(path, "trainer_state.json")
-    if not os.path.exists(state):
+    if not os.path.exists(os.path.join(path, checkpoint.STATE_FILE)):
         return None
-    with open(state) as f:
-        return int(json.load(f)["version"])
+    return int(checkpoint.load_state(path)["version"])
 
 
 def eval_problems(cfg: Any) -> tuple[list[Problem], str]:

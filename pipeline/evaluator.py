@@ -29,6 +29,7 @@ import os
 import time
 from typing import Any
 
+from pipeline import checkpoint
 from pipeline.eval import checkpoint_version, eval_problems, evaluate
 from pipeline.models import load_model
 from pipeline.runtime import Pool, run_main, start_pool
@@ -76,7 +77,7 @@ def evaluate_once(pool: Pool, path: str, version: int, problems: list) -> dict |
     cfg, t0 = pool.cfg, time.monotonic()
     try:
         model, tokenizer = load_model(path, cfg.model.dtype)
-        written = os.path.getmtime(os.path.join(path, "trainer_state.json"))
+        written = os.path.getmtime(os.path.join(path, checkpoint.STATE_FILE))
     except (OSError, ValueError) as e:
         log.warning("checkpoint %s could not be loaded (%s); waiting for the next", path, e)
         return None

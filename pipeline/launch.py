@@ -31,7 +31,6 @@ import hydra
 import redis
 from omegaconf import OmegaConf
 
-from actor.sync import DRAIN_FIELD
 from pipeline.config import (
     check_embedded_tls,
     expand_shorthands,
@@ -47,7 +46,7 @@ from pipeline.redis_ha import start_local_ha
 from pipeline.redis_server import EmbeddedRedis, check_no_eviction
 from pipeline.redis_tls import ENV as TLS_ENV
 from pipeline.redis_tls import TLSFiles, make_run_certs
-from pipeline.streams import Names, RedisUnavailable, connect, mark_run
+from pipeline.streams import DRAIN_FIELD, Names, RedisUnavailable, connect, mark_run
 from pipeline.summary import newest_published, status_version, write_summary
 from pipeline.supervisor import Supervisor
 from pipeline.telemetry import read_statuses
@@ -214,7 +213,7 @@ def run(cfg) -> int:
         check_no_eviction(shard)
         mark_run(shard, names, run_dir=run_dir)
     client.delete(names.rendezvous)  # a previous trainer's address is stale now
-    if client.hget(names.run_marker, DRAIN_FIELD) is not None:  # drained (actor/sync.py)
+    if client.hget(names.run_marker, DRAIN_FIELD) is not None:  # drained (actor/sync.py, draining)
         client.hdel(names.run_marker, DRAIN_FIELD)  # and launched again: it produces again
     cmds = pool_commands(cfg, config_path)
     sup = Supervisor(cfg, run_dir, env, cmds, server, groups={"trainer": trainer_names(cfg)})

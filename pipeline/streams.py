@@ -35,6 +35,7 @@ from redis.retry import Retry
 from pipeline import durable
 from pipeline.durable import Lua
 from pipeline.messages import BadEntry, decode
+from pipeline.redis_errors import RedisRefused, RedisUnavailable
 from pipeline.redis_tls import TLSFiles, explain, is_tls, settled
 
 log = logging.getLogger(__name__)
@@ -135,18 +136,6 @@ class Names:
 
     def status(self, pool: str) -> str:  # hash: a pool's heartbeat and counters
         return self.key(f"status:{pool}")
-
-
-class RedisUnavailable(ConnectionError):
-    """Redis cannot be used at start-up (unreachable, or refuses the credentials);
-    the message is one line for the operator. Pools and the launcher exit 2 on it."""
-
-
-class RedisRefused(RedisUnavailable):
-    """Redis answers but refuses this user (credentials, a command the ACL denies), or
-    the two ends disagree on TLS (pipeline/redis_tls.py): waiting will not fix it. Pools
-    exit 4 on it (EXIT_REFUSED), so the launcher stops the run at once instead of
-    restarting them."""
 
 
 def connect(
@@ -473,6 +462,9 @@ def ensure_group(client: redis.Redis, stream: str, group: str, start: str = "0")
 
 class DataLost(RuntimeError):
     """The run's Redis came back empty: streams and groups are gone."""
+
+
+DRAIN_FIELD = "drain"  # in the run marker: set, no actor starts a new group (actor/sync.py)
 
 
 def run_marker(names: Names) -> str:

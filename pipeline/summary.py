@@ -56,6 +56,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from pipeline import checkpoint
 from pipeline.accounting import account, dead_letters, in_flight
 from pipeline.streams import Names
 from pipeline.summary_fields import NULL_WITHOUT_REDIS, WITHOUT_REDIS, Summary
@@ -80,8 +81,6 @@ def trainer_resume_position(run_dir: str) -> str | None:
     """Where a restarted trainer of the run in ``run_dir`` would read from: its latest
     checkpoint's position, the stream's start without one; None when trainer.resume is
     off (a restart then reads only new entries)."""
-    from trainer import checkpoint
-
     if _config_str(run_dir, "trainer.resume", "True") == "False":
         return None
     latest = checkpoint.latest(os.path.join(run_dir, "checkpoints"))

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from actor.task import ArithmeticTask, reward
 from pipeline.models import TINY_MODEL, load_model, materialize_model
+from pipeline.tasks import ArithmeticTask, reward
 from pipeline.telemetry import read_jsonl
 from tests.launching import ROOT, run_tiny
 

@@ -18,14 +18,14 @@ import redis
 from omegaconf import OmegaConf
 
 from actor.stream import Room
-from actor.sync import DRAIN_FIELD, Turns
+from actor.sync import Turns
 from pipeline.accounting import account, in_flight
 from pipeline.bench.faults import DEFAULT_SCHEDULE, left_in_flight, plan
 from pipeline.config import Config, validate
 from pipeline.messages import SCHEMA_VERSION, RolloutGroup, encode
 from pipeline.redis_server import EmbeddedRedis
 from pipeline.runtime import Pool
-from pipeline.streams import Names, connect, count_produced, publish, wait_until
+from pipeline.streams import DRAIN_FIELD, Names, connect, count_produced, publish, wait_until
 from pipeline.telemetry import MetricsFile, PoolStatus
 from tests.fault_runs import ReplyDropper, check_account, run_faults_bench
 

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from actor.task import (
+from pipeline.models import TINY_MODEL, load_model, materialize_model
+from pipeline.tasks import (
     ArithmeticTask,
     FileTask,
     Problem,
@@ -14,7 +15,6 @@ from actor.task import (
     reward,
     score,
 )
-from pipeline.models import TINY_MODEL, load_model, materialize_model
 
 
 @pytest.mark.parametrize("difficulty", [1, 2, 3, 4, 5])
@@ -84,7 +84,7 @@ def test_score_names_the_error_when_checking_raises(monkeypatch):
 
 def test_reward_errors_are_counted_per_reason_and_logged_rate_limited(caplog):
     errors = RewardErrors(log_every_s=3600)
-    with caplog.at_level("WARNING", logger="actor.task"):
+    with caplog.at_level("WARNING", logger="pipeline.tasks"):
         for _ in range(3):
             errors.add("RecursionError", "so 12", "12")
         errors.add("TimeoutError", "so 12", "12")
@@ -93,7 +93,7 @@ def test_reward_errors_are_counted_per_reason_and_logged_rate_limited(caplog):
     assert len(lines) == 2  # one line per reason within the interval, not one per error
     assert "RecursionError" in lines[0] and "TimeoutError" in lines[1]
     errors.log_every_s = 0.0
-    with caplog.at_level("WARNING", logger="actor.task"):
+    with caplog.at_level("WARNING", logger="pipeline.tasks"):
         errors.add("RecursionError", "x", "12")
     assert "RecursionError 3 time(s)" in caplog.records[-1].getMessage()  # the 2 unlogged + 1
 

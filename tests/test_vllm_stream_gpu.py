@@ -25,12 +25,12 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E
 
 from actor import stream  # noqa: E402
 from actor.engines.vllm.client import VLLMEngine  # noqa: E402
-from actor.task import RewardErrors, make_task  # noqa: E402
 from pipeline.config import Config  # noqa: E402
 from pipeline.messages import RolloutGroup, decode, rle_decode  # noqa: E402
 from pipeline.models import materialize_model  # noqa: E402
 from pipeline.runtime import Pool  # noqa: E402
 from pipeline.streams import Names  # noqa: E402
+from pipeline.tasks import RewardErrors, make_task  # noqa: E402
 from pipeline.telemetry import MetricsFile, PoolStatus, Window  # noqa: E402
 from tests.vllm_builders import GPU_CFG, install  # noqa: E402
 

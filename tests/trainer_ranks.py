@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from pipeline import checkpoint as layout
 from pipeline.config import Config
 from pipeline.messages import (
     SCHEMA_VERSION,
@@ -129,9 +130,9 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", 1))
     cfg = config(args.backend, args.stage, world, args.dtype)
     ranks = init_ranks(world, "cpu", 60.0, need_dist=args.backend == "deepspeed")
-    resume = checkpoint.latest(args.ckpt) if args.resume else None
+    resume = layout.latest(args.ckpt) if args.resume else None
     backend = make_backend(cfg, ranks, args.model_dir, resume)
-    start = checkpoint.load_state(resume)["version"] if resume else 0
+    start = layout.load_state(resume)["version"] if resume else 0
     result: dict = {"loss": [], "grad_norm": [], "start": start}
     for step in range(start, args.steps):
         batches = synthetic_batches(step)

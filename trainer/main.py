@@ -28,6 +28,7 @@ import uuid
 
 import torch
 
+from pipeline import checkpoint as layout  # where checkpoints are (trainer.checkpoint saves)
 from pipeline import durable, lora
 from pipeline.config import run_secret
 from pipeline.messages import TrainBatch, decode, encode
@@ -77,7 +78,7 @@ class Trainer:
         )
         t.device = resolve_device(t.device, self.ranks.local_rank)
         self.ckpt_root = os.path.join(cfg.run_dir or ".", "checkpoints")
-        resume_from = checkpoint.latest(self.ckpt_root) if t.resume else None
+        resume_from = layout.latest(self.ckpt_root) if t.resume else None
         self.backend = make_backend(cfg, self.ranks, model_path(cfg), resume_from)
         self.pad_id = self.backend.tokenizer.pad_token_id
         self.state = {
@@ -91,7 +92,7 @@ class Trainer:
             "recent_samples": {},  # sample id -> version that trained it (dedupe window)
         }
         if resume_from:
-            self.state |= checkpoint.load_state(resume_from)
+            self.state |= layout.load_state(resume_from)
         self.consumer = self.publisher = None
         if self.ranks.is_main:
             self._start_main(resume_from)

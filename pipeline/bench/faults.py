@@ -58,10 +58,9 @@ from pathlib import Path
 import redis
 from omegaconf import OmegaConf
 
-from actor.sync import DRAIN_FIELD
 from pipeline.accounting import account, in_flight, problems
 from pipeline.bench.common import device_name, print_table, write_json
-from pipeline.streams import Names, connect, wait_until
+from pipeline.streams import DRAIN_FIELD, Names, connect, wait_until
 from pipeline.telemetry import read_jsonl, read_statuses, surviving_steps
 
 DEFAULT_SCHEDULE = (

@@ -198,7 +198,7 @@ def model_folder(spec: str, tmp: str) -> str:
 def math_prompts(tokenizer, n: int, group_size: int, seed: int = 0) -> list[list[int]]:
     """``n`` prompts: n / group_size math problems (the default task), each repeated
     group_size times as the actor submits a group."""
-    from actor.task import DEFAULT_SYSTEM_PROMPT, ArithmeticTask, build_prompt_ids
+    from pipeline.tasks import DEFAULT_SYSTEM_PROMPT, ArithmeticTask, build_prompt_ids
 
     if n % group_size:
         raise ValueError(f"--prompts {n} is not a multiple of --group-size {group_size}")

@@ -25,7 +25,7 @@ import torch
 from pipeline import lora
 from pipeline.config import pool_dtype
 from pipeline.models import DTYPES, load_model
-from trainer.backends import OptimizerLR
+from trainer.backends.base import OptimizerLR
 from trainer.ranks import Ranks
 
 TAG = "deepspeed"

@@ -22,7 +22,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from pipeline import lora
 from pipeline.config import pool_dtype
 from pipeline.models import DTYPES, load_model
-from trainer.backends import OptimizerLR
+from trainer.backends.base import OptimizerLR
 from trainer.ranks import Ranks
 
 OPTIMIZER_FILE = "optimizer.pt"

@@ -80,7 +80,7 @@ class ArithmeticTask:
 
     1: a + b, single digits.    2: a + b or a - b, single digits, result >= 0.
     3: a * b, 2..9 times 2..19.  4: a +/- b, two digits.  5: a +/- b +/- c, two digits.
-    Levels are ordered by SmolLM2-135M-Instruct's measured accuracy (see actor/measure_task).
+    Levels are ordered by SmolLM2-135M-Instruct's measured accuracy (see pipeline/measure_task.py).
     """
 
     def __init__(

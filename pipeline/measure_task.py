@@ -1,6 +1,6 @@
 """Measure a model's starting accuracy on the arithmetic task, per difficulty.
 
-    python -m actor.measure_task --difficulty 1 2 3 --n 64
+    python -m pipeline.measure_task --difficulty 1 2 3 --n 64
 
 Samples one completion per held-out problem (batched, left padding, temperature sampling
 without top-k/top-p truncation, fp32) and scores it with the task's reward. A good RL
@@ -14,7 +14,8 @@ import time
 
 import torch
 
-from actor.task import (
+from pipeline.models import DEFAULT_MODEL, load_model, materialize_model
+from pipeline.tasks import (
     DEFAULT_DIFFICULTY,
     DEFAULT_SYSTEM_PROMPT,
     QUESTION_TEMPLATE,
@@ -22,7 +23,6 @@ from actor.task import (
     build_prompt_ids,
     reward,
 )
-from pipeline.models import DEFAULT_MODEL, load_model, materialize_model
 
 
 def parse_args() -> argparse.Namespace:
