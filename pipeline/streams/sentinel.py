@@ -31,6 +31,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
+from pipeline.streams.errors import RedisRefused, RedisUnavailable
+
 SCHEME = "redis+sentinel"
 DEFAULT_PORT = 26379
 FORM = "redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]"
@@ -188,11 +190,9 @@ def sentinel_client(parsed: SentinelURL, retry: Retry, **node_kwargs) -> redis.R
 
 def probe(parsed: SentinelURL, startup_s: float, delay_s: float = 0.25) -> tuple[str, int]:
     """Ask the sentinels for the primary and PING it, within ``startup_s``; return its
-    address. Raises (pipeline.streams) RedisRefused when a sentinel or the primary refuses
+    address. Raises (errors.py) RedisRefused when a sentinel or the primary refuses
     the credentials or no answering sentinel knows the service (waiting will not fix
     those), RedisUnavailable when no sentinel answers or the primary does not."""
-    from pipeline.streams import RedisRefused, RedisUnavailable
-
     deadline, why, i = time.monotonic() + startup_s, "", 0
     while True:
         left = max(0.2, min(2.0, deadline - time.monotonic()))
@@ -288,8 +288,6 @@ def failover_gap(
 def _ping_primary(parsed: SentinelURL, address: tuple[str, int], timeout_s: float) -> str | None:
     """None when the primary answers PING as this user; else why not. Refused
     credentials raise RedisRefused."""
-    from pipeline.streams import RedisRefused
-
     node = redis.Redis(
         address[0],
         address[1],
