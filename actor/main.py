@@ -144,10 +144,10 @@ def publish_group(
     per_sample = [s.token_versions() for s in group.samples]
     versions = np.concatenate(per_sample)
     publish(
-        pool.shards.next(),  # redis.shards: the next shard in turn (pipeline/shards.py)
+        pool.shards.next(),  # redis.shards: the next shard in turn (pipeline/streams/shards.py)
         pool.names.rollouts,
         encode(group),
-        token=group.group_id,  # XADD-once: a re-send adds no copy (pipeline/durable.py)
+        token=group.group_id,  # XADD-once: a re-send adds no copy (pipeline/streams/durable.py)
         schema=SCHEMA_VERSION,
         group=group.group_id,
         actor=pool.name,

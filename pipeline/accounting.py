@@ -24,7 +24,7 @@ stream holds that no actor recorded as published is a **phantom**; a sample with
 two final outcomes (trained, stale, no signal, dead-lettered) is **conflicting**,
 except one: a copy of a trained sample that reaches the trainer again in a later step
 (an entry re-read after a restart, packed into a batch with another id; a work-stream
-XADD retried after its reply was lost makes no copy: XADD-once, pipeline/durable.py)
+XADD retried after its reply was lost makes no copy: XADD-once, pipeline/streams/durable.py)
 is dropped as a duplicate while the trainer's dedupe window still holds its id, and
 after that as stale (trainer/batches.py): "trained at
 step k, stale at a step after k" is that second copy turned away, **redelivered**
@@ -43,8 +43,8 @@ from typing import Any
 import redis
 
 from pipeline.messages import BadEntry, RolloutGroup, TrainBatch, decode
-from pipeline.shards import parse_position
 from pipeline.streams import Names
+from pipeline.streams.shards import parse_position
 from pipeline.telemetry import surviving_steps
 
 PREPROCESSOR_GROUP = Names.ROLLOUTS_GROUP

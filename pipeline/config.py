@@ -53,7 +53,7 @@ class RedisConfig:
     # acknowledged XADD/XACK/INCRBY survives a SIGKILL; everysec: faster, a hard
     # kill can lose up to the last second of writes (pipeline/redis_server.py)
     embedded_appendfsync: str = "always"
-    # sharded work streams (pipeline/shards.py): rollouts and batches over this many
+    # sharded work streams (pipeline/streams/shards.py): rollouts and batches over this many
     # Redis instances; the embedded launcher starts them all, an external redis.url
     # needs shards - 1 more URLs in shard_urls (or NONSTOP_REDIS_SHARD_URLS, comma-joined)
     shards: int = 1
@@ -727,7 +727,7 @@ def min_replicas_acked(cfg: Any) -> int:
 
 
 def validate_shards(cfg: Any) -> None:
-    """``redis.shards`` and ``redis.shard_urls`` (pipeline/shards.py)."""
+    """``redis.shards`` and ``redis.shard_urls`` (pipeline/streams/shards.py)."""
     n, urls = _get(cfg, "redis.shards"), list(_get(cfg, "redis.shard_urls") or [])
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"redis.shards={n!r} must be an integer >= 1 (1: no sharding)")

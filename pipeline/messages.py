@@ -2,7 +2,7 @@
 
 Every message a pool sends another through Redis is defined here, grouped by
 direction. Each entry of a stream carries one encoded Struct in its ``data`` field
-beside a few plain, readable fields (pipeline/streams.py ``publish``)::
+beside a few plain, readable fields (pipeline/streams/durable.py ``publish``)::
 
     direction                stream          Structs                        read by
     actor -> preprocessor    <run>:rollouts  RolloutGroup of Samples        preprocessors
@@ -293,7 +293,7 @@ class WeightAnnouncement(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
 
 # ---------------------------------------------------------------- control and status
 # <run>:dead holds, per refused entry, its source stream, id, consumer, the reason
-# and the entry's payload as it came (plain fields: pipeline/streams.py
+# and the entry's payload as it came (plain fields: pipeline/streams/consumer.py
 # Consumer.dead_letter); the group accounting (pipeline/accounting.py) reads it for
 # the summary and pipeline.inspect.
 # <run>:stats is reserved for StatsEvent; no pool writes it yet (metrics go to

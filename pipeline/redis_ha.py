@@ -9,7 +9,7 @@ refuses writes unless a replica is in sync (``min-replicas-to-write 1``,
 own ``sentinel.conf``, which they rewrite) monitor the primary as
 ``redis.sentinel_service`` with quorum 2, authenticate to the nodes (``auth-pass``) and
 to each other (``sentinel-pass``) and require the same password of their clients
-(``requirepass``). The pools get the ``redis+sentinel://`` URL (pipeline/sentinel.py).
+(``requirepass``). The pools get the ``redis+sentinel://`` URL (pipeline/streams/sentinel.py).
 
 A dead node is never restarted as it was (:meth:`RedisHA.watch`, called by the
 supervisor): a primary that came back on its port with an empty or older data set would
@@ -30,8 +30,8 @@ from collections.abc import Callable
 import redis
 
 from pipeline.redis_server import EmbeddedRedis, free_port
-from pipeline.sentinel import SentinelURL, failover_gap, format_url
 from pipeline.streams import RedisUnavailable
+from pipeline.streams.sentinel import SentinelURL, failover_gap, format_url
 
 QUORUM = 2
 DOWN_AFTER_MS = 1000  # a primary silent this long is subjectively down

@@ -33,9 +33,7 @@ import redis
 import torch
 
 from pipeline.config import load_config, redis_tls, redis_url, shard_urls
-from pipeline.durable import Durability, NotReplicated, attach
 from pipeline.redis_server import UnsafeRedis, check_no_eviction
-from pipeline.shards import Shards
 from pipeline.stopping import NOTHING_LOST, StopEvent, guard, watch
 from pipeline.streams import (
     DataLost,
@@ -47,6 +45,8 @@ from pipeline.streams import (
     connect,
     mark_run,
 )
+from pipeline.streams.durable import Durability, NotReplicated, attach
+from pipeline.streams.shards import Shards
 from pipeline.telemetry import MetricsFile, PoolStatus
 
 log = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ _current_stop: list[StopEvent] = []  # the process's pool (one per process), for
 def run_main(main) -> None:
     """Entry point of a pool, each exit in one line: a lost run (empty Redis) exits with
     EXIT_DATA_LOST; Redis unreachable at start-up, or a work write the replicas never
-    confirmed (pipeline.durable.NotReplicated), with EXIT_SETUP (the launcher tries
+    confirmed (pipeline.streams.durable.NotReplicated), with EXIT_SETUP (the launcher tries
     again); Redis refusing the pool (credentials, a command the ACL denies, an evicting
     server or one whose policy may not be read) with EXIT_REFUSED (the run stops). A
     pool told to stop whose Redis (or anything else it uses: vLLM's engine core, which a

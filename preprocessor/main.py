@@ -38,9 +38,9 @@ from pipeline.messages import (
     unpack_i32,
 )
 from pipeline.runtime import Pool, start_pool
-from pipeline.shards import open_consumer
 from pipeline.stopping import final
 from pipeline.streams import DATA, Consumer, Names, publish, retire_groups
+from pipeline.streams.shards import open_consumer
 from preprocessor.scorers import ScoredGroup, Scorer, build_scorers
 from preprocessor.shaping import pack, set_advantages
 
@@ -140,7 +140,7 @@ def process(
             out or pool.client,
             pool.names.batches,
             encode(b),
-            token=b.batch_id,  # XADD-once: a re-send adds no copy (pipeline/durable.py)
+            token=b.batch_id,  # XADD-once: a re-send adds no copy (pipeline/streams/durable.py)
             schema=SCHEMA_VERSION,
             batch=b.batch_id,
             samples=len(b.samples),

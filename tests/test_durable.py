@@ -1,4 +1,4 @@
-"""Durable writes (pipeline/durable.py) against real redis-servers on loopback: XADD-once,
+"""Durable writes (pipeline/streams/durable.py) against real redis-servers on loopback: XADD-once,
 a primary with a replica attached (WAIT), the replica stopped (NotReplicated, then a
 retry that adds no copy), and single mode sending no WAIT at all."""
 
@@ -14,8 +14,6 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from pipeline import durable
-from pipeline.durable import Durability, NotReplicated, attach, once_keys, publish_once
 from pipeline.redis_server import EmbeddedRedis
 from pipeline.streams import (
     Consumer,
@@ -23,9 +21,11 @@ from pipeline.streams import (
     add_once,
     connect,
     count_produced,
+    durable,
     publish,
     retire_groups,
 )
+from pipeline.streams.durable import Durability, NotReplicated, attach, once_keys, publish_once
 
 NAMES = Names("nsrl-test", "durable")
 

@@ -1,5 +1,5 @@
 """redis.mode=sentinel on real redis-servers on loopback (pipeline/redis_ha.py,
-pipeline/sentinel.py): a primary, a replica and three sentinels; the client found
+pipeline/streams/sentinel.py): a primary, a replica and three sentinels; the client found
 through the sentinels follows a failover (SIGKILL of the primary and its data directory
 deleted) with no restart; the primary refuses writes without a replica; bad sentinel
 URLs fail in one line; the tiny pipeline runs end to end on redis=ha."""
@@ -22,8 +22,8 @@ from omegaconf import OmegaConf
 from pipeline.config import Config, min_replicas_acked, validate
 from pipeline.redis_ha import RedisHA
 from pipeline.redis_server import free_port
-from pipeline.sentinel import NotEnoughReplicas, parse
 from pipeline.streams import RedisRefused, RedisUnavailable, connect
+from pipeline.streams.sentinel import NotEnoughReplicas, parse
 from tests.launching import ROOT, run_tiny
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")

@@ -20,8 +20,8 @@ from pipeline.messages import (
     rle_encode,
 )
 from pipeline.redis_server import EmbeddedRedis
-from pipeline.shards import ShardedConsumer, Shards, open_consumer
 from pipeline.streams import Consumer, Names, connect, publish
+from pipeline.streams.shards import ShardedConsumer, Shards, open_consumer
 from tests.launching import run_tiny
 
 

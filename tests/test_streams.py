@@ -463,7 +463,7 @@ def test_a_user_that_may_not_read_the_policy_is_refused_not_skipped(rclient, red
 
 
 def test_stream_and_key_names_are_defined_in_one_place():
-    """No module but pipeline/streams.py spells a run's stream or key name: they use
+    """No module but pipeline/streams/names.py spells a run's stream or key name: they use
     the properties of Names (a renamed stream changes in one place)."""
     import re
 
@@ -474,7 +474,7 @@ def test_stream_and_key_names_are_defined_in_one_place():
             for name in files:
                 path = os.path.join(folder, name)
                 if not name.endswith(".py") or path.endswith(
-                    os.path.join("pipeline", "streams.py")
+                    os.path.join("pipeline", "streams", "names.py")
                 ):
                     continue
                 with open(path) as f:

@@ -29,13 +29,13 @@ import uuid
 import torch
 
 from pipeline import checkpoint as layout  # where checkpoints are (trainer.checkpoint saves)
-from pipeline import durable, lora
+from pipeline import lora
 from pipeline.config import run_secret
 from pipeline.messages import TrainBatch, decode, encode
 from pipeline.runtime import Pool, model_path, start_pool
-from pipeline.shards import open_consumer
 from pipeline.stopping import final
-from pipeline.streams import Lua, add_once
+from pipeline.streams import Lua, add_once, durable
+from pipeline.streams.shards import open_consumer
 from pipeline.weight_publisher import WeightPublisher
 from trainer import checkpoint
 from trainer.backends import describe, describe_line, make_backend

@@ -107,8 +107,8 @@ nonstop_start_redis() {
   "$NONSTOP_PYTHON" - <<'PY' || { kill "$REDIS_PID" 2>/dev/null; return 1; }
 import os
 from pipeline.config import load_config
-from pipeline.sentinel import failover_gap, parse
 from pipeline.streams import Names, connect
+from pipeline.streams.sentinel import failover_gap, parse
 cfg = load_config(os.environ["NONSTOP_CONFIG"])
 names = Names(cfg.redis.prefix, os.environ.get("NONSTOP_RUN") or cfg.run.name)
 connect(os.environ["NONSTOP_REDIS_URL"]).delete(names.key("rendezvous"))
@@ -150,8 +150,8 @@ nonstop_start_redis_ha() {
   "$NONSTOP_PYTHON" - <<'PY' || { kill "$REDIS_PID" 2>/dev/null; return 1; }
 import os, sys, time
 from pipeline.config import load_config
-from pipeline.sentinel import failover_gap, parse
 from pipeline.streams import Names, connect
+from pipeline.streams.sentinel import failover_gap, parse
 cfg = load_config(os.environ["NONSTOP_CONFIG"])
 client = connect(os.environ["NONSTOP_REDIS_URL"], startup_s=60)
 deadline = time.monotonic() + float(os.environ.get("NONSTOP_REDIS_WAIT_S", 120))

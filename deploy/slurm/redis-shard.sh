@@ -1,7 +1,7 @@
 #!/bin/bash
 # One redis-server of the run, as task $SLURM_PROCID of the Redis step that
 # nonstop_start_redis (common.sh) runs: shard 0 is the primary (redis.url), shards 1..
-# hold their part of the rollouts and batches streams (redis.shards, pipeline/shards.py).
+# hold their part of the rollouts and batches streams (redis.shards, pipeline/streams/shards.py).
 # On this task's node: a free port, the job's password (NONSTOP_REDIS_PASSWORD), TLS only
 # when NONSTOP_REDIS_TLS_SERVER_CERT is set (with _SERVER_KEY and _CA: rediss:// URLs), the AOF
 # in $NONSTOP_RUN_DIR/redis (shard 0) or $NONSTOP_RUN_DIR/redis-shardK (a resubmitted job

@@ -102,8 +102,8 @@ def run_actor(argv: list[str]) -> None:
     (wall clock, the same for every actor); after each level, rewrite ``--out``."""
     from pipeline.config import load_config, redis_url, shard_urls
     from pipeline.messages import SCHEMA_VERSION, RolloutGroup, encode, pack_i32
-    from pipeline.shards import Shards
     from pipeline.streams import Names, connect, count_produced, publish
+    from pipeline.streams.shards import Shards
 
     p = argparse.ArgumentParser(prog="scale actor")
     for a in ("--config", "--name", "--out", "--rates"):
@@ -167,7 +167,7 @@ def run_trainer(argv: list[str]) -> None:
     """The real intake (collect over open_consumer), ACK, samples_retired, trim; no model."""
     from pipeline.messages import TrainBatch
     from pipeline.runtime import start_pool
-    from pipeline.shards import open_consumer
+    from pipeline.streams.shards import open_consumer
     from trainer.batches import collect
 
     pool = start_pool("trainer", argv)

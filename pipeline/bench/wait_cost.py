@@ -5,7 +5,7 @@ each waits for its reply) into a real redis-server that has one replica attached
 three modes, interleaved round by round (the order rotates each round)::
 
     xadd       a plain XADD (what publish did before XADD-once)
-    once       XADD-once (pipeline/durable.py), single mode: no WAIT
+    once       XADD-once (pipeline/streams/durable.py), single mode: no WAIT
     once+wait  XADD-once with WAIT 1 behind it in one pipeline (redis.mode=sentinel,
                redis.min_replicas_acked=1): returns once the replica has the entry
 
@@ -28,9 +28,9 @@ import time
 import redis
 
 from pipeline.bench.common import LoadProbe, device_name, percentile, print_table, write_json
-from pipeline.durable import Durability, attach, once_keys, publish_once
 from pipeline.redis_server import EmbeddedRedis
 from pipeline.streams import connect
+from pipeline.streams.durable import Durability, attach, once_keys, publish_once
 
 STREAM = "nonstop:bench:rollouts"
 MODES = ("xadd", "once", "once+wait")

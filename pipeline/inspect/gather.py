@@ -16,7 +16,7 @@ from typing import Any
 
 import redis
 
-from pipeline.streams import SHARDED, Names, _redact
+from pipeline.streams import SHARDED, Names, redact
 from pipeline.telemetry import read_statuses
 
 # Streams every run has (or will have); others found under the run's prefix are shown too.
@@ -166,7 +166,7 @@ def shard_snapshot(shards: list[tuple[str, redis.Redis]], names: Names, now: flo
     return [
         {
             "shard": k,
-            "url": _redact(url),
+            "url": redact(url),
             "streams": {n: stream_info(c, names.stream(n), now) for n in SHARDED},
         }
         for k, (url, c) in enumerate(shards, start=1)

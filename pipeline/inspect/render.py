@@ -7,7 +7,7 @@ from typing import Any
 
 from pipeline.inspect.gather import THROUGHPUT
 from pipeline.inspect.replication import render_replication
-from pipeline.streams import _redact
+from pipeline.streams import redact
 
 
 def _age(seconds: float | None) -> str:
@@ -55,7 +55,7 @@ def _dash(v: Any) -> str:
 def _header(snap: dict, url: str) -> list[str]:
     r, clock = snap["redis"], time.strftime("%H:%M:%S", time.localtime(snap["time"]))
     return [
-        f"run {snap['run']}  redis {r['version']} at {_redact(url)}  "
+        f"run {snap['run']}  redis {r['version']} at {redact(url)}  "
         f"mem {r['used_memory']}  policy {r['maxmemory_policy']}  {clock}",
         f"trainer version {_dash(snap['trainer_version'])}  "
         f"published {_dash(snap['published_version'])}  "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import redis
 
-from pipeline.sentinel import ask_sentinels, is_sentinel, parse
+from pipeline.streams.sentinel import ask_sentinels, is_sentinel, parse
 
 
 def replication_snapshot(url: str, client: redis.Redis) -> dict | None:

@@ -20,7 +20,7 @@ start that differs per actor), a preprocessor writes a read's batches to the
 shard the read's rollouts came from, and the trainer reads batches from every
 shard. Entry ids of a sharded consumer carry their shard (``k@ms-seq``); a
 read position (the trainer's checkpoint) is one id per shard, comma-joined.
-With one shard nothing changes: plain :class:`~pipeline.streams.Consumer`,
+With one shard nothing changes: plain :class:`~pipeline.streams.consumer.Consumer`,
 plain ids, one client.
 """
 
@@ -31,7 +31,8 @@ from typing import Any
 
 import redis
 
-from pipeline.streams import Consumer, Names, _id_tuple
+from pipeline.streams.consumer import Consumer
+from pipeline.streams.names import Names, id_tuple
 
 SEP = "@"
 
@@ -178,8 +179,8 @@ class ShardedConsumer:
     def position(self, previous: str, ids: list[str]) -> str:
         current = self.parse(previous)
         for k, plains in self._by_shard(ids).items():
-            newest = max(plains, key=_id_tuple)
-            if _id_tuple(newest) > _id_tuple(current[k]):
+            newest = max(plains, key=id_tuple)
+            if id_tuple(newest) > id_tuple(current[k]):
                 current[k] = newest
         return ",".join(current)
 

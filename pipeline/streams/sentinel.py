@@ -31,7 +31,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
-from pipeline.redis_errors import RedisRefused, RedisUnavailable
+from pipeline.streams.errors import RedisRefused, RedisUnavailable
 
 SCHEME = "redis+sentinel"
 DEFAULT_PORT = 26379
@@ -190,7 +190,7 @@ def sentinel_client(parsed: SentinelURL, retry: Retry, **node_kwargs) -> redis.R
 
 def probe(parsed: SentinelURL, startup_s: float, delay_s: float = 0.25) -> tuple[str, int]:
     """Ask the sentinels for the primary and PING it, within ``startup_s``; return its
-    address. Raises (pipeline.redis_errors) RedisRefused when a sentinel or the primary refuses
+    address. Raises (errors.py) RedisRefused when a sentinel or the primary refuses
     the credentials or no answering sentinel knows the service (waiting will not fix
     those), RedisUnavailable when no sentinel answers or the primary does not."""
     deadline, why, i = time.monotonic() + startup_s, "", 0

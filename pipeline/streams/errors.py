@@ -1,6 +1,10 @@
-"""The errors a pool's Redis connection ends with at start-up, one line for the operator:
-raised by :func:`pipeline.streams.connect` and by the sentinel probe (pipeline/sentinel.py),
-which both import them from here."""
+"""What the streams layer raises when Redis cannot be used at start-up, and URLs shown
+in messages with the password hidden (:func:`redact`).
+
+connection.py (a ``redis://`` or ``rediss://`` URL) and sentinel.py (a
+``redis+sentinel://`` one) both raise these; the pools map them to exit codes
+(pipeline/runtime.py).
+"""
 
 from __future__ import annotations
 
@@ -15,3 +19,11 @@ class RedisRefused(RedisUnavailable):
     the two ends disagree on TLS (pipeline/redis_tls.py): waiting will not fix it. Pools
     exit 4 on it (EXIT_REFUSED), so the launcher stops the run at once instead of
     restarting them."""
+
+
+def redact(url: str) -> str:
+    """``url`` with its user and password hidden (``scheme://***@host:port/db``)."""
+    if "@" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url

@@ -17,7 +17,7 @@ client takes any pooled connection for each command: a write and a separate
 falls short (a replica down or lagging) re-sends the write with its WAIT until
 ``give_up_s`` has passed, then raises :class:`NotReplicated`: the write is never
 counted as safe. Re-sending is harmless because every durable write is idempotent
-(:func:`publish_once`, XACK, the count-once scripts of pipeline/streams.py, SET), and
+(:func:`publish_once`, XACK, the count-once scripts of counters.py, SET), and
 it is needed: a re-send may land on another connection (redis-py reconnects after a
 lost reply, a failover moves the primary). Each re-send also *writes* something (the
 scripts re-set their guard, an XACK sets its stream's ``~acked`` fence field), so the
@@ -35,7 +35,7 @@ with a Redis Cluster hash tag (``{...}``) gives them the same tag and the same s
 as a script's keys must share one (:func:`once_keys`; a future redis.mode=cluster
 must tag its stream names). Tokens: a rollout group's id; a preprocessor batch's id,
 derived from its sample ids (preprocessor/main.py). They may not start with ``~``
-(the fence fields).
+(the fence fields). :func:`publish` is the pools' XADD: with a token it is XADD-once.
 """
 
 from __future__ import annotations
@@ -247,6 +247,32 @@ def publish_once(
     reply = _XADD_ONCE(client, [stream, *once_keys(stream)], args, f"XADD {token} to {stream}")
     entry_id, new = reply
     return (entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)), bool(new)
+
+
+def publish(
+    client: redis.Redis,
+    stream: str,
+    payload: bytes,
+    maxlen: int | None = None,
+    token: str | None = None,
+    **fields: Any,
+) -> str:
+    """XADD ``payload`` with readable plain ``fields`` beside it; returns the entry id.
+
+    ``token`` (work entries: a group's or a batch's id): XADD-once
+    (:func:`publish_once`): a re-send of the same token, a retry after
+    a lost reply included, returns the first entry's id and adds no copy; in sentinel
+    mode it returns once enough replicas have the entry (else NotReplicated).
+    ``maxlen`` caps streams whose old entries nobody needs (weight announcements:
+    a receiver only acts on the newest); work streams are trimmed by consumption.
+    """
+    entry: dict[str, Any] = {k: str(v) for k, v in fields.items()}
+    entry["data"] = payload
+    if token is not None:
+        if maxlen is not None:
+            raise ValueError("publish: a token (XADD-once) is for work streams, not maxlen")
+        return publish_once(client, stream, token, entry)[0]
+    return client.xadd(stream, entry, maxlen=maxlen, approximate=maxlen is not None).decode()
 
 
 # ---- durable forms of plain commands (single mode: the plain command)

@@ -1,0 +1,201 @@
+"""Reading a work stream: :class:`Consumer` (XREADGROUP + XACK through a consumer group,
+typed decoding, pending-entry recovery and claims, the dead-letter path) and the run
+marker that tells a Redis that lost the run's data from one that restarted with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import redis
+
+from pipeline.messages import BadEntry, decode
+from pipeline.streams import durable
+from pipeline.streams.names import DATA, Names, id_tuple
+from pipeline.streams.trimming import trim_consumed
+
+log = logging.getLogger(__name__)
+
+
+def ensure_group(client: redis.Redis, stream: str, group: str, start: str = "0") -> None:
+    try:
+        client.xgroup_create(stream, group, id=start, mkstream=True)
+    except redis.ResponseError as e:
+        if "BUSYGROUP" not in str(e):
+            raise
+
+
+class DataLost(RuntimeError):
+    """The run's Redis came back empty: streams and groups are gone."""
+
+
+DRAIN_FIELD = "drain"  # in the run marker: set, no actor starts a new group (actor/room.py)
+
+
+def run_marker(names: Names) -> str:
+    return names.run_marker
+
+
+def mark_run(client: redis.Redis, names: Names, **info: Any) -> None:
+    """Set once per run; its absence later means Redis lost the run's data."""
+    client.hsetnx(run_marker(names), "created", str(time.time()))
+    if info:
+        client.hset(run_marker(names), mapping={k: str(v) for k, v in info.items()})
+
+
+def check_run(client: redis.Redis, names: Names) -> None:
+    if not client.exists(run_marker(names)):
+        raise DataLost(
+            f"redis has no {run_marker(names)}: the server restarted without the run's data "
+            "(AOF missing or a different server). Nothing can be resumed from it; start a "
+            "new run or point redis.url at the server that holds this run."
+        )
+
+
+class Consumer:
+    """XREADGROUP + XACK with typed decoding and a dead-letter path.
+
+    Recovery: on the first read it re-reads this consumer's own pending
+    entries (a restarted process with the same name picks up where it died),
+    and every ``claim_every_s`` it XAUTOCLAIMs entries another consumer has
+    held for ``claim_idle_s`` (a dead peer). A missing group after a Redis
+    restart is recreated when the run's data survived, else DataLost.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        names: Names,
+        stream: str,
+        group: str,
+        consumer: str,
+        cls: type,
+        block_ms: int = 1000,
+        recover_pending: bool = True,
+        claim_idle_s: float = 60.0,
+        claim_every_s: float = 10.0,
+        dead_maxlen: int = 10000,
+        dead_client: redis.Redis | None = None,
+        shard: int | None = None,
+    ):
+        self.client, self.names, self.stream = client, names, stream
+        self.dead_client = dead_client or client  # the primary's dead-letter stream
+        self.shard = shard  # redis.shards > 1: which shard this consumer reads (dead letters)
+        self.group, self.consumer, self.cls, self.block_ms = group, consumer, cls, block_ms
+        self.claim_idle_ms, self.claim_every_s = int(claim_idle_s * 1000), claim_every_s
+        self.dead_maxlen = dead_maxlen
+        self.dead_lettered = 0
+        self.claimed = 0
+        self._own_pending = recover_pending
+        self._next_claim = time.monotonic() + claim_every_s if recover_pending else float("inf")
+        ensure_group(client, stream, group)
+
+    def read(self, count: int, wait: bool = True) -> list[tuple[str, Any]]:
+        """Up to ``count`` entries (recovered, claimed, then new) as (id, message);
+        ``wait=False`` returns at once when nothing waits (no BLOCK)."""
+        try:
+            entries = self._recover(count) or self._fetch(count, wait)
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            check_run(self.client, self.names)
+            log.warning("consumer group %s on %s is gone; recreating it", self.group, self.stream)
+            ensure_group(self.client, self.stream, self.group)
+            return []
+        return self._decode(entries)
+
+    def _fetch(self, count: int, wait: bool = True) -> list:
+        block = self.block_ms if wait else None  # BLOCK 0 would wait forever: None = no BLOCK
+        reply = self.client.xreadgroup(
+            self.group, self.consumer, {self.stream: ">"}, count=count, block=block
+        )
+        return [e for _stream, entries in reply or [] for e in entries]
+
+    def _recover(self, count: int) -> list:
+        if self._own_pending:
+            reply = self.client.xreadgroup(
+                self.group, self.consumer, {self.stream: "0"}, count=count
+            )
+            entries = [e for _s, es in reply or [] for e in es if e[1]]
+            if entries:
+                log.info("re-reading %d pending entries of %s", len(entries), self.consumer)
+                return entries
+            self._own_pending = False
+        if time.monotonic() >= self._next_claim:
+            self._next_claim = time.monotonic() + self.claim_every_s
+            reply = self.client.xautoclaim(
+                self.stream, self.group, self.consumer, self.claim_idle_ms, count=count
+            )
+            entries = [e for e in reply[1] if e[1]]
+            if entries:
+                self.claimed += len(entries)
+                log.warning("claimed %d entries a dead consumer left pending", len(entries))
+                return entries
+        return []
+
+    def _decode(self, entries: list) -> list[tuple[str, Any]]:
+        out = []
+        for entry_id, fields in entries:
+            entry_id = entry_id.decode()
+            try:
+                if DATA not in fields:
+                    raise BadEntry("entry has no 'data' field")
+                out.append((entry_id, decode(fields[DATA], self.cls)))
+            except BadEntry as e:
+                self.dead_letter(entry_id, fields, str(e))
+        return out
+
+    def dead_letter(self, entry_id: str, fields: dict, reason: str) -> None:
+        log.error("dead-lettering %s %s: %s", self.stream, entry_id, reason)
+        entry = {
+            "source": self.stream,
+            "id": entry_id,
+            "consumer": self.consumer,
+            "reason": reason,
+            "data": fields.get(DATA, b""),
+        }
+        if self.shard is not None:
+            entry["shard"] = str(self.shard)
+        for plain in (b"group", b"batch"):  # readable ids, for a payload that does not decode
+            if plain in fields:
+                entry[plain.decode()] = fields[plain]
+        durable.xadd(self.dead_client, self.names.dead, entry, maxlen=self.dead_maxlen)
+        self.ack([entry_id])
+        self.dead_lettered += 1
+
+    def ack(self, ids: list[str]) -> None:
+        if ids:  # with WAIT behind it in sentinel mode (durable.py)
+            durable.xack(self.client, self.stream, self.group, ids)
+
+    # ---- the position interface ShardedConsumer shares (one shard: plain entry ids)
+    def client_for(self, entry_id: str) -> redis.Redis:
+        """The Redis holding ``entry_id`` (where its follow-up writes go)."""
+        return self.client
+
+    def position(self, previous: str, ids: list[str]) -> str:
+        """The read position after ``ids`` (newest entry id), ``previous`` without ids."""
+        return ids[-1] if ids else previous
+
+    def set_position(self, position: str) -> None:
+        """Deliver again everything after ``position`` (XGROUP SETID)."""
+        if "," in position:
+            raise ValueError(
+                f"read position {position!r} was written with {position.count(',') + 1} "
+                "redis.shards but redis.shards=1: resume with the shard count the run was "
+                "started with"
+            )
+        self.client.xgroup_setid(self.stream, self.group, position)
+
+    def trim(self, keep_after: str | None = None) -> int:
+        """Trim what every group acknowledged, keeping the entries after ``keep_after``."""
+        return trim_consumed(self.client, self.stream, _after(keep_after))
+
+
+def _after(position: str | None) -> str | None:
+    """The entry id just after ``position`` (None: none)."""
+    if position is None:
+        return None
+    ms, seq = id_tuple(position)
+    return f"{ms}-{seq + 1}"

@@ -1,0 +1,116 @@
+"""Every stream and key name of a run, and the form of its entry ids.
+
+Streams and keys are named ``<prefix>:<run>:<name>`` (:class:`Names`); an entry holds
+a few plain fields an operator can read with ``redis-cli XRANGE`` beside the binary
+``DATA`` payload; entry ids are ``ms-seq`` (:func:`id_tuple` orders them).
+"""
+
+from __future__ import annotations
+
+from pipeline.streams.durable import once_keys
+
+DATA = b"data"  # the field holding an entry's encoded message
+SHARDED = ("rollouts", "batches")  # the streams on shards 1.. (pipeline/streams/shards.py)
+
+
+class Names:
+    """Every stream and key name of one run, in one place: ``<prefix>:<run>:<name>``.
+
+    Pools, the launcher, inspect and the benchmarks use these properties, never a
+    raw string, so a renamed stream or key changes here only (and in the key
+    patterns of deploy/redis/users.acl).
+    """
+
+    STREAMS = ("rollouts", "batches", "weights", "joins", "dead")  # every run has these
+    ROLLOUTS_GROUP = "preprocessor"  # the consumer group reading rollouts
+    BATCHES_GROUP = "trainer"  # the consumer group reading batches
+
+    def __init__(self, prefix: str, run: str):
+        self.base = f"{prefix}:{run}"
+
+    def stream(self, name: str) -> str:
+        return f"{self.base}:{name}"
+
+    def key(self, name: str) -> str:
+        return f"{self.base}:{name}"
+
+    # ---- streams
+    @property
+    def rollouts(self) -> str:  # actor -> preprocessor: one RolloutGroup per entry
+        return self.stream("rollouts")
+
+    @property
+    def batches(self) -> str:  # preprocessor -> trainer: one TrainBatch per entry
+        return self.stream("batches")
+
+    @property
+    def weights(self) -> str:  # trainer -> actors: WeightAnnouncement per version
+        return self.stream("weights")
+
+    @property
+    def joins(self) -> str:  # actors -> trainer: signed requests to join the transfer group
+        return self.stream("joins")
+
+    @property
+    def rollouts_once(self) -> str:  # hash: XADD-once token -> entry id (durable.py)
+        return once_keys(self.rollouts)[0]
+
+    @property
+    def batches_once(self) -> str:
+        return once_keys(self.batches)[0]
+
+    @property
+    def stats(self) -> str:
+        return self.stream("stats")
+
+    @property
+    def dead(self) -> str:  # entries a consumer could not use, with the reason
+        return self.stream("dead")
+
+    # ---- keys
+    @property
+    def run_marker(self) -> str:  # hash set once per run; its absence means data lost
+        return self.key("run")
+
+    @property
+    def trainer_version(self) -> str:  # the trainer's optimizer steps (policy version)
+        return self.key("trainer_version")
+
+    @property
+    def published_version(self) -> str:  # the newest version some actor received
+        return self.key("published_version")
+
+    @property
+    def samples_produced(self) -> str:  # samples XADDed by every actor (INCRBY)
+        return self.key("samples_produced")
+
+    @property
+    def samples_retired(self) -> str:  # samples trained, dropped or rejected (INCRBY)
+        return self.key("samples_retired")
+
+    @property
+    def retired_recent(self) -> str:  # sorted set: groups the preprocessors retired lately
+        return self.key("retired_recent")
+
+    @property
+    def rendezvous(self) -> str:  # hash: the trainer's transfer address, port, epoch
+        return self.key("rendezvous")
+
+    @property
+    def sync_claims(self) -> str:  # hash: pipeline.mode=sync claims per actor
+        return self.key("sync_claims")
+
+    @property
+    def faults_probe(self) -> str:  # pipeline.bench faults: a write timed across a failover
+        return self.key("faults_probe")
+
+    def status(self, pool: str) -> str:  # hash: a pool's heartbeat and counters
+        return self.key(f"status:{pool}")
+
+
+def id_tuple(entry_id: str | bytes) -> tuple[int, int]:
+    """An entry id ``ms-seq`` as (ms, seq), which orders like the stream."""
+    if isinstance(entry_id, bytes):
+        entry_id = entry_id.decode()
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
