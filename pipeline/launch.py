@@ -31,7 +31,7 @@ import hydra
 import redis
 from omegaconf import OmegaConf
 
-from actor.sync import DRAIN_FIELD
+from actor.room import DRAIN_FIELD
 from pipeline.config import (
     check_embedded_tls,
     expand_shorthands,
@@ -214,7 +214,7 @@ def run(cfg) -> int:
         check_no_eviction(shard)
         mark_run(shard, names, run_dir=run_dir)
     client.delete(names.rendezvous)  # a previous trainer's address is stale now
-    if client.hget(names.run_marker, DRAIN_FIELD) is not None:  # drained (actor/sync.py)
+    if client.hget(names.run_marker, DRAIN_FIELD) is not None:  # drained (actor/room.py)
         client.hdel(names.run_marker, DRAIN_FIELD)  # and launched again: it produces again
     cmds = pool_commands(cfg, config_path)
     sup = Supervisor(cfg, run_dir, env, cmds, server, groups={"trainer": trainer_names(cfg)})
