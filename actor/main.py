@@ -7,7 +7,8 @@
     writes  <run>:rollouts (one entry per group); <run>:samples_produced and the
             status hash (count_produced, once per group); metrics.jsonl
     blocks  while more than actor.max_lag versions behind the trainer, or while
-            actor.max_queue_groups rollouts wait unread (back-pressure)
+            actor.max_queue_groups groups are in flight (back-pressure); while the run
+            drains; sync mode: until its turn (all three: the Room, actor/room.py)
 
 Weight updates land between two forward passes (see actor/engines/), so a
 group may be generated across several versions; each token says which.
