@@ -2,13 +2,14 @@
 
 ::
 
-    reads   task problems; <run>:trainer_version, samples_produced / samples_retired
-            (back-pressure, as actor.main.wait_for_room); finished groups from the engine
-    writes  <run>:rollouts, one entry per group in the order groups finish; the status
-            hash every second and at each change of state; a ``turn`` metrics record
-            every REPORT_S seconds (engine empty: wait_s, busy: generate_s)
+    reads   task problems; what actor/room.py reads (lag, backlog, drain: the same Room
+            as the batch loop's, asked without blocking); finished groups from the engine
+    writes  <run>:rollouts, one entry per group in the order groups finish
+            (actor/publish.py); the status hash every second and at each change of
+            state; a ``turn`` metrics record every REPORT_S seconds (engine empty:
+            wait_s, busy: generate_s)
     blocks  never on a whole batch: a new group is submitted whenever fewer than
-            open_target() groups are open and there is room (lag <= actor.max_lag,
+            open_target() groups are open and the Room has room (lag <= actor.max_lag,
             backlog < actor.max_queue_groups, the backlog counting the groups finished
             in the engine and not published yet); finished groups are taken as they come
 
@@ -34,14 +35,14 @@ import itertools
 import logging
 import time
 
-from actor.sync import draining
-from pipeline.runtime import Pool, trainer_version
+from actor.publish import publish_group, record_swaps
+from actor.room import Room
+from pipeline.runtime import Pool
 from pipeline.tasks import DEFAULT_SYSTEM_PROMPT, RewardErrors, build_prompt_ids
 from pipeline.telemetry import Window
 
 log = logging.getLogger("actor")
 REPORT_S = 2.0  # seconds between ``turn`` records
-ROOM_S = 0.05  # back-pressure counters are read at most this often
 
 
 def open_target(cfg) -> int:
@@ -49,39 +50,6 @@ def open_target(cfg) -> int:
     many again waiting for slots, so even when every running group finishes in the same
     step the freed slots are refilled at once."""
     return 2 * -(-int(cfg.actor.vllm.in_flight) // int(cfg.task.group_size))
-
-
-class Room:
-    """Back-pressure: the counters in Redis read at most every ROOM_S seconds, plus the
-    groups this actor holds finished and unpublished (``unpublished``, counted anew at
-    every call: groups finish in the engine between two reads of Redis)."""
-
-    def __init__(self, pool: Pool, engine):
-        self.pool, self.engine = pool, engine
-        self.checked = 0.0
-        self.behind, self.published, self.backlog = 0, 0.0, 0.0
-        self.draining = False  # the run drains: no new group (actor.sync.draining)
-
-    def changed(self) -> None:
-        """A group was published: read the counters afresh before the next submit."""
-        self.checked = 0.0
-
-    def __call__(self, unpublished: int) -> bool:
-        from actor.main import in_flight_groups
-
-        now = time.monotonic()
-        if self.engine.version is None:  # partial weights: nothing may be generated
-            return False
-        if now - self.checked >= ROOM_S:
-            self.checked = now
-            self.behind = trainer_version(self.pool) - self.engine.version
-            self.published = in_flight_groups(self.pool)
-            self.draining = draining(self.pool)
-        if self.draining:
-            return False
-        cfg = self.pool.cfg.actor
-        self.backlog = self.published + unpublished
-        return self.behind <= cfg.max_lag and self.backlog < cfg.max_queue_groups
 
 
 class Report:
@@ -113,8 +81,6 @@ class Report:
                 version=self.engine.version,
                 tokens_per_s=round((self.engine.stats.tokens - self.tokens0) / period, 1),
             )
-            from actor.main import record_swaps
-
             self.swaps_seen = record_swaps(self.pool, self.engine, self.swaps_seen)
             self.t_turn, self.empty0, self.groups0 = now, empty, groups
             self.tokens0 = self.engine.stats.tokens
@@ -141,8 +107,6 @@ def stream_groups(
 ) -> int:
     """Keep the engine fed with groups until stop; publish each as it finishes. Returns
     the groups published."""
-    from actor.main import publish_group
-
     cfg = pool.cfg
     g, target = cfg.task.group_size, open_target(cfg)
     system = DEFAULT_SYSTEM_PROMPT if cfg.task.system_prompt is None else cfg.task.system_prompt

@@ -213,7 +213,7 @@ def run(cfg) -> int:
         check_no_eviction(shard)
         mark_run(shard, names, run_dir=run_dir)
     client.delete(names.rendezvous)  # a previous trainer's address is stale now
-    if client.hget(names.run_marker, DRAIN_FIELD) is not None:  # drained (actor/sync.py, draining)
+    if client.hget(names.run_marker, DRAIN_FIELD) is not None:  # drained (actor/room.py)
         client.hdel(names.run_marker, DRAIN_FIELD)  # and launched again: it produces again
     cmds = pool_commands(cfg, config_path)
     sup = Supervisor(cfg, run_dir, env, cmds, server, groups={"trainer": trainer_names(cfg)})

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 import actor.main as actor_main
-from actor import stream
+from actor import batch, stream
 from actor.engines.vllm.client import VLLMEngine
 from pipeline.config import Config
 from pipeline.messages import RolloutGroup, decode, rle_decode
@@ -162,7 +162,7 @@ def test_the_batch_loop_leaves_the_engine_empty_while_it_publishes(setup):
     while the actor scores and publishes (what streaming removes)."""
     s = setup
     for _ in range(2):
-        actor_main.generate_step(s.pool, s.engine, s.task, s.tok, Window(50), RewardErrors())
+        batch.generate_step(s.pool, s.engine, s.task, s.tok, Window(50), RewardErrors())
     assert s.pool.client.xlen(s.pool.names.rollouts) == 6
     assert core().empty_spins > 0  # the engine sat empty between the two batches
 
@@ -204,13 +204,13 @@ def test_groups_finished_while_the_actor_publishes_count_against_the_backlog(set
     s = setup
     s.pool.cfg.actor.max_queue_groups = 3
     target = stream.open_target(s.pool.cfg)
-    publish = actor_main.publish_group
+    publish = stream.publish_group
 
     def publish_when_all_finished(*args, **kw):
         assert wait_until(lambda: s.engine.open_units == 0, 10)
         publish(*args, **kw)
 
-    monkeypatch.setattr(actor_main, "publish_group", publish_when_all_finished)
+    monkeypatch.setattr(stream, "publish_group", publish_when_all_finished)
     client, names = s.pool.client, s.pool.names
     held = {}
 

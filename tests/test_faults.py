@@ -17,8 +17,7 @@ import pytest
 import redis
 from omegaconf import OmegaConf
 
-from actor.stream import Room
-from actor.sync import Turns
+from actor.room import Room
 from pipeline.accounting import account, in_flight
 from pipeline.bench.faults import DEFAULT_SCHEDULE, left_in_flight, plan
 from pipeline.config import Config, validate
@@ -110,11 +109,9 @@ def test_pipeline_survives_the_fault_schedule(tmp_path):
 
 def test_a_draining_run_holds_every_actor_loop_back(rclient, tmp_path):
     """The ``drain`` field of <run>:run (what the faults bench sets before it stops a
-    run): the batch loop's gate (Turns.wait) and the streaming loop's Room start no new
-    group while it is there, the actor says ``draining`` and keeps ticking (not a hang
-    to the watchdog), and both go on once it is gone."""
-    from actor.main import wait_for_room
-
+    run): the Room's wait (the batch loop) and room(unpublished) (the streaming loop)
+    start no new group while it is there, the actor says ``draining`` and keeps ticking
+    (not a hang to the watchdog), and both go on once it is gone."""
     cfg = OmegaConf.structured(Config)
     names = Names("t", f"drain-{time.time_ns()}")
     pool = Pool(
@@ -128,7 +125,7 @@ def test_a_draining_run_holds_every_actor_loop_back(rclient, tmp_path):
         metrics=MetricsFile(str(tmp_path / "metrics.jsonl")),
     )
     engine = SimpleNamespace(version=0)
-    turns, room = Turns(pool, engine, wait_for_room), Room(pool, engine)
+    turns, room = Room(pool, engine), Room(pool, engine)  # the batch and streaming loops
     assert turns.wait() == cfg.engine.prompts_per_batch and room(0)  # not draining
 
     rclient.hset(names.run_marker, DRAIN_FIELD, "1")

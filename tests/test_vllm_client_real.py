@@ -73,7 +73,8 @@ def ours_in_output_processor(engine) -> list[str]:
 def test_an_untested_vllm_version_is_refused_unless_allowed(monkeypatch, caplog):
     import vllm
 
-    from actor.engines.vllm.client import TESTED_VLLM, load_vllm
+    from actor.engines.vllm.client import load_vllm
+    from actor.engines.vllm.versions import TESTED_VLLM
 
     assert vllm.__version__ in TESTED_VLLM and {"0.24.0", "0.32.0"} <= set(TESTED_VLLM)
     assert load_vllm().version == vllm.__version__

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from actor.engines.vllm.client import VLLMEngine, load_vllm, token_versions
+from actor.engines.vllm.client import VLLMEngine, load_vllm
+from actor.engines.vllm.requests import token_versions
 from pipeline.config import VLLM_MISSING
 from pipeline.transfer import TensorSource
 from tests import vllm_fake

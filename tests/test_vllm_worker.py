@@ -202,7 +202,7 @@ def test_step_versions_count_sampling_steps_only():
     steps.record(sched(cached=[(rid, 10)], scheduled={rid: 1}), 4)
     steps.record(sched(cached=[(rid, 11)], scheduled={rid: 1}, finished=[rid]), 4)
     runs = steps.take(["req7"])["req7"]
-    assert runs == [[3, 1], [4, 2]]  # actor/engines/vllm/client.py token_versions spreads them
+    assert runs == [[3, 1], [4, 2]]  # actor/engines/vllm/requests.py token_versions spreads them
     assert steps.take(["req7"]) == {}
 
 

@@ -22,7 +22,7 @@ the primary); ``first_write_s`` is the time from the kill to the first write the
 primary acknowledged (a key of the run's, ``<run>:faults_probe``).
 
 After the last fault and ``--tail-steps`` steps, the run is drained: the actors
-stop producing (the ``drain`` field of ``<run>:run``, actor/sync.py), the
+stop producing (the ``drain`` field of ``<run>:run``, actor/room.py), the
 preprocessors and the trainer take what is in the streams and the pending lists,
 and once nothing has moved for a few seconds an operator's Ctrl-C stops it. What is
 left in flight must then be only the trainer's unfinished step (fewer than

@@ -1,0 +1,111 @@
+"""What both actor loops write for a group: scored, XADDed to the rollouts stream,
+counted once; and the engine's pauses for new weights as ``swap`` records.
+
+::
+
+    reads   the completions of one group (from either loop), the engine's swap records
+    writes  <run>:rollouts (one entry per group, XADD-once on the group id, on the next
+            shard in turn); <run>:samples_produced, groups_produced and the status hash
+            (count_produced, once per group; reward errors by reason); ``group`` and
+            ``swap`` metrics records
+    blocks  on nothing but the Redis calls
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import numpy as np
+
+from actor.engines import Completion, Engine
+from pipeline.messages import SCHEMA_VERSION, RolloutGroup, encode, pack_i32
+from pipeline.runtime import Pool
+from pipeline.streams import count_produced, publish
+from pipeline.tasks import RewardErrors, score
+from pipeline.telemetry import Window
+
+
+def to_group(
+    pool: Pool, problem, prompt: list[int], outs: list[Completion], rewards: list[float]
+) -> RolloutGroup:
+    e = pool.cfg.engine
+    samples = [c.to_sample(k, r) for k, (c, r) in enumerate(zip(outs, rewards, strict=True))]
+    return RolloutGroup(
+        schema=SCHEMA_VERSION,
+        group_id=f"{pool.name}:{uuid.uuid4().hex[:16]}",
+        actor=pool.name,
+        problem_id=problem.id,
+        prompt_ids=pack_i32(prompt),
+        samples=samples,
+        temperature=e.temperature,
+        top_p=e.top_p,
+        top_k=e.top_k,
+        created=time.time(),
+    )
+
+
+def score_group(pool: Pool, texts: list[str], answer: str, errors: RewardErrors) -> list[float]:
+    """Rewards of one group; a reward that raised scores 0.0 and is counted per reason
+    in the status hash (``reward_errors``, ``reward_errors.<reason>``) and logged."""
+    scores = []
+    for text in texts:
+        value, error = score(text, answer)
+        if error is not None:
+            errors.add(error, text, answer)
+            pool.status.incr("reward_errors")
+            pool.status.incr(f"reward_errors.{error}")
+        scores.append(value)
+    return scores
+
+
+def publish_group(
+    pool: Pool,
+    tokenizer,
+    problem,
+    prompt: list[int],
+    outs: list[Completion],
+    rewards: Window,
+    errors: RewardErrors,
+) -> None:
+    """Score one group's completions and XADD it to the rollouts stream."""
+    texts = tokenizer.batch_decode([c.tokens for c in outs], skip_special_tokens=True)
+    scores = score_group(pool, texts, problem.answer, errors)
+    rewards.add(*scores)
+    group = to_group(pool, problem, prompt, outs, scores)
+    per_sample = [s.token_versions() for s in group.samples]
+    versions = np.concatenate(per_sample)
+    publish(
+        pool.shards.next(),  # redis.shards: the next shard in turn (pipeline/streams/shards.py)
+        pool.names.rollouts,
+        encode(group),
+        token=group.group_id,  # XADD-once: a re-send adds no copy (pipeline/streams/durable.py)
+        schema=SCHEMA_VERSION,
+        group=group.group_id,
+        actor=pool.name,
+        problem=problem.id,
+        versions=f"{versions.min()}-{versions.max()}",
+        reward=f"{np.mean(scores):.3f}",
+        tokens=int(versions.size),
+    )
+    # the actor's own record of what it published (pipeline/accounting.py checks the
+    # streams and the trainer's records against it): right after the XADD's reply
+    pool.record(
+        event="group",
+        group=group.group_id,
+        samples=len(group.samples),
+        reward=float(np.mean(scores)),
+        versions=[int(versions.min()), int(versions.max())],
+        spanning=sum(int(v.min() != v.max()) for v in per_sample if v.size),
+    )
+    # samples_produced (back-pressure) and groups_produced, once even when re-sent
+    count_produced(pool.client, pool.names, pool.name, group.group_id, len(group.samples))
+
+
+def record_swaps(pool: Pool, engine: Engine, logged: int) -> int:
+    """A "swap" metrics record per pause for new weights since the last call (the lock
+    hold: a staged swap, or a whole in-place receive; pipeline.plot's stalls)."""
+    records, total = engine.stats.swaps_since(logged)
+    for r in records:
+        pool.record(event="swap", swap_ms=round(r.ms, 3), version=r.version, mode=r.mode)
+    return total
