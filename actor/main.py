@@ -12,7 +12,7 @@
 Weight updates land between two forward passes (see actor/engines/), so a
 group may be generated across several versions; each token says which.
 
-Two loops: batches (``engine.prompts_per_batch`` groups generated together, then
+Two loops: batches (``sampling.prompts_per_batch`` groups generated together, then
 scored and published; the hf engine, and every engine in ``pipeline.mode=sync``), or,
 for a streaming engine (vllm) in ``pipeline.mode=async``, actor/stream.py: groups
 submitted and published one by one, the engine never waiting for a batch to end.
@@ -69,7 +69,7 @@ def wait_for_room(pool: Pool, engine: Engine) -> None:
 def to_group(
     pool: Pool, problem, prompt: list[int], outs: list[Completion], rewards: list[float]
 ) -> RolloutGroup:
-    e = pool.cfg.engine
+    e = pool.cfg.sampling
     samples = [c.to_sample(k, r) for k, (c, r) in enumerate(zip(outs, rewards, strict=True))]
     return RolloutGroup(
         schema=SCHEMA_VERSION,
@@ -109,15 +109,15 @@ def generate_step(
     prompts_n: int | None = None,
 ) -> int:
     """Generate, score and publish one batch of groups (``prompts_n`` prompts, default
-    engine.prompts_per_batch); return groups published."""
+    sampling.prompts_per_batch); return groups published."""
     cfg = pool.cfg
     g = cfg.task.group_size
-    problems = [task.sample() for _ in range(prompts_n or cfg.engine.prompts_per_batch)]
+    problems = [task.sample() for _ in range(prompts_n or cfg.sampling.prompts_per_batch)]
     system = DEFAULT_SYSTEM_PROMPT if cfg.task.system_prompt is None else cfg.task.system_prompt
     prompts = [build_prompt_ids(tokenizer, p.question, system) for p in problems]
     outs = engine.generate(
         [p for p in prompts for _ in range(g)],
-        cfg.engine.max_new_tokens,
+        cfg.sampling.max_new_tokens,
         should_stop=pool.tick,
     )
     if pool.stop.is_set():
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
         engine,
         cfg.trainer.transfer_timeout_s,
         run_secret(),
-        staged=cfg.engine.weight_staging,
+        staged=cfg.sampling.weight_staging,
         on_error=lambda msg: pool.status.set(last_error=msg),
         on_fatal=lambda msg: pool.stop.set(),  # weights this actor can never take: stop
         transport=cfg.weights.transport,

@@ -103,7 +103,7 @@ class Turns:
     def wait(self) -> int:
         """Block until this actor may generate; return the number of prompts (0: stop)."""
         t0 = time.monotonic()
-        prompts = self.pool.cfg.engine.prompts_per_batch
+        prompts = self.pool.cfg.sampling.prompts_per_batch
         while not self.pool.stop.is_set() and draining(self.pool):
             self.pool.status.set(state="draining", version=self.engine.version)
             self.pool.tick()  # waiting on purpose is not a hang

@@ -263,5 +263,9 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
-    sys.argv[1:] = expand_shorthands(sys.argv[1:])  # redis.tls=true: redis.tls.enabled=true
+    try:  # redis.tls=true: redis.tls.enabled=true; engine.X: refused, naming sampling.X
+        sys.argv[1:] = expand_shorthands(sys.argv[1:])
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     main()

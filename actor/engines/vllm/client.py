@@ -551,9 +551,9 @@ def from_config(cfg: Any, model_path: str, tokenizer, seed: int) -> VLLMEngine:
     return VLLMEngine(
         model_path,
         tokenizer,
-        temperature=cfg.engine.temperature,
-        top_p=cfg.engine.top_p,
-        top_k=cfg.engine.top_k,
+        temperature=cfg.sampling.temperature,
+        top_p=cfg.sampling.top_p,
+        top_k=cfg.sampling.top_k,
         settings=cfg.actor.vllm,
         dtype=pool_dtype(cfg, "actor"),
         seed=seed,
