@@ -33,7 +33,7 @@ class VLLMConfig:
     allow_untested_version: bool = False
 
 
-ENGINES = ("hf", "vllm", "auto")
+ACTOR_ENGINES = ("hf", "vllm", "auto")
 
 
 @dataclass
@@ -73,7 +73,7 @@ def validate_actor(cfg: Any) -> None:
     """The ``actor`` section (``actor.engine=auto`` is resolved first:
     :func:`resolve_engine`), and ``actor.vllm`` when the engine is vllm."""
     resolve_engine(cfg)
-    check_choice(cfg, "actor.engine", ENGINES)
+    check_choice(cfg, "actor.engine", ACTOR_ENGINES)
     check_positive(cfg, "actor.num_actors", "actor.max_queue_groups")
     if cfg.actor.max_lag < 0:
         raise ValueError(f"actor.max_lag={cfg.actor.max_lag} must be >= 0")
