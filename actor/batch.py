@@ -1,4 +1,4 @@
-"""The actor loop in batches: ``engine.prompts_per_batch`` groups generated together,
+"""The actor loop in batches: ``sampling.prompts_per_batch`` groups generated together,
 then scored and published (the hf engine, and every engine in ``pipeline.mode=sync``).
 
 ::
@@ -35,15 +35,15 @@ def generate_step(
     prompts_n: int | None = None,
 ) -> int:
     """Generate, score and publish one batch of groups (``prompts_n`` prompts, default
-    engine.prompts_per_batch); return groups published."""
+    sampling.prompts_per_batch); return groups published."""
     cfg = pool.cfg
     g = cfg.task.group_size
-    problems = [task.sample() for _ in range(prompts_n or cfg.engine.prompts_per_batch)]
+    problems = [task.sample() for _ in range(prompts_n or cfg.sampling.prompts_per_batch)]
     system = DEFAULT_SYSTEM_PROMPT if cfg.task.system_prompt is None else cfg.task.system_prompt
     prompts = [build_prompt_ids(tokenizer, p.question, system) for p in problems]
     outs = engine.generate(
         [p for p in prompts for _ in range(g)],
-        cfg.engine.max_new_tokens,
+        cfg.sampling.max_new_tokens,
         should_stop=pool.tick,
     )
     if pool.stop.is_set():

@@ -13,7 +13,7 @@
 Weight updates land between two forward passes (see actor/engines/), so a
 group may be generated across several versions; each token says which.
 
-Two loops: batches (actor/batch.py: ``engine.prompts_per_batch`` groups generated
+Two loops: batches (actor/batch.py: ``sampling.prompts_per_batch`` groups generated
 together, then scored and published; the hf engine, and every engine in
 ``pipeline.mode=sync``), or, for a streaming engine (vllm) in ``pipeline.mode=async``,
 actor/stream.py: groups submitted and published one by one, the engine never waiting
@@ -68,7 +68,7 @@ def start_receiver(pool: Pool, engine: Engine) -> WeightReceiver:
         engine,
         cfg.trainer.transfer_timeout_s,
         run_secret(),
-        staged=cfg.engine.weight_staging,
+        staged=cfg.sampling.weight_staging,
         on_error=lambda msg: pool.status.set(last_error=msg),
         on_fatal=lambda msg: pool.stop.set(),  # weights this actor can never take: stop
         transport=cfg.weights.transport,

@@ -142,9 +142,9 @@ class Room:
     # -- the batch loop: a whole batch at a time -------------------------------------
     def wait(self) -> int:
         """Block until this actor may generate a batch; return the number of prompts
-        (engine.prompts_per_batch; sync: what it could claim; 0: stop)."""
+        (sampling.prompts_per_batch; sync: what it could claim; 0: stop)."""
         t0 = time.monotonic()
-        prompts = self.pool.cfg.engine.prompts_per_batch
+        prompts = self.pool.cfg.sampling.prompts_per_batch
         if self.mode == "async":
             self._wait_async()
         else:

@@ -122,7 +122,7 @@ def stream_groups(
                 prompt = build_prompt_ids(tokenizer, problem.question, system)
                 key = next(keys)
                 open_groups[key] = (problem, prompt)
-                engine.submit(key, [prompt] * g, cfg.engine.max_new_tokens)
+                engine.submit(key, [prompt] * g, cfg.sampling.max_new_tokens)
             for key, outs in engine.take(timeout=0.05):
                 problem, prompt = open_groups.pop(key)
                 publish_group(pool, tokenizer, problem, prompt, outs, rewards, errors)

@@ -169,8 +169,8 @@ def evaluate(model, tokenizer, problems: list[Problem], cfg: Any, progress=None)
     k, settings = (
         ev.samples,
         {
-            "temperature": ev.temperature or cfg.engine.temperature,
-            "max_new_tokens": ev.max_new_tokens or cfg.engine.max_new_tokens,
+            "temperature": ev.temperature or cfg.sampling.temperature,
+            "max_new_tokens": ev.max_new_tokens or cfg.sampling.max_new_tokens,
         },
     )
     system = DEFAULT_SYSTEM_PROMPT if cfg.task.system_prompt is None else cfg.task.system_prompt

@@ -55,7 +55,8 @@ register()
 
 
 def trainer_names(cfg) -> list[str]:
-    """The trainer's ranks in order: ``trainer``, ``trainer-1``, ... (contract 2)."""
+    """The trainer's ranks in order: ``trainer``, ``trainer-1``, ... (the names trainer/main.py
+    ``rank_argv`` gives them; status hashes, logs and consumer names carry them)."""
     return ["trainer"] + [f"trainer-{r}" for r in range(1, cfg.trainer.world_size)]
 
 
@@ -140,7 +141,7 @@ def start_shards(
 
 
 def cli_recipe(run_dir: str, port: int, tls: TLSFiles | None) -> str:
-    """The redis-cli command line for the embedded server (README: "Looking inside a
+    """The redis-cli command line for the embedded server (deploy/README.md: "Looking inside a
     live run with redis-cli"), with ``--tls --cacert ...`` when it speaks TLS."""
     cmd = f'redis-cli -p {port} -a "$(cat {run_dir}/redis/auth)" --no-auth-warning'
     return f"{cmd} {tls.cli_args()}" if tls else cmd
@@ -262,5 +263,9 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
-    sys.argv[1:] = expand_shorthands(sys.argv[1:])  # redis.tls=true: redis.tls.enabled=true
+    try:  # redis.tls=true: redis.tls.enabled=true; engine.X: refused, naming sampling.X
+        sys.argv[1:] = expand_shorthands(sys.argv[1:])
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     main()

@@ -1,7 +1,7 @@
 """Log-probs that mean the same thing in the actor, preprocessor and trainer:
 the distribution sampled from (temperature, then top-k, then top-p).
 
-With ``engine.keep_sampling_mask`` the actor records, per token, the vocabulary
+With ``sampling.keep_sampling_mask`` the actor records, per token, the vocabulary
 ids top-k/top-p kept; :func:`completion_logprobs` then renormalises over that
 recorded support instead of recomputing the truncation from its own logits.
 """

@@ -132,7 +132,7 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defa
     # float32 per token, set by the preprocessor's dense scorers (steps, teacher);
     # when present the trainer uses it instead of the scalar ``advantage``
     token_advantages: bytes = b""
-    # engine.keep_sampling_mask: the vocabulary ids each token was sampled among
+    # sampling.keep_sampling_mask: the vocabulary ids each token was sampled among
     # (top-k/top-p support), concatenated int32, and how many belong to each token
     mask_ids: bytes = b""
     mask_counts: bytes = b""

@@ -22,7 +22,7 @@ import ssl
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-# the settings and the environment variables that override them (pipeline/config.py)
+# the settings and the environment variables that override them (pipeline/config/redis.py, env.py)
 KEYS = {"ca": "redis.tls.ca", "cert": "redis.tls.cert", "key": "redis.tls.key"}
 ENV = {
     "ca": "NONSTOP_REDIS_TLS_CA",

@@ -117,7 +117,7 @@ def start_pool(
         format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s",
     )
     threads = {
-        "actor": cfg.engine.torch_threads,
+        "actor": cfg.sampling.torch_threads,
         "preprocessor": cfg.preprocessor.torch_threads,
         "trainer": cfg.trainer.torch_threads,
         "evaluator": cfg.eval.torch_threads,

@@ -72,7 +72,7 @@ def sampling_key(group: RolloutGroup) -> tuple[float, float, int]:
 def to_batches(groups: list[RolloutGroup], budget: int) -> list[TrainBatch]:
     """Pack the groups' samples into token-budget micro-batches. A TrainBatch carries
     one set of sampling settings, so groups generated under different settings (actors
-    with other engine.temperature/top_p/top_k) are packed into separate batches."""
+    with other sampling.temperature/top_p/top_k) are packed into separate batches."""
     by_settings: dict[tuple, list[RolloutGroup]] = {}
     for g in groups:
         by_settings.setdefault(sampling_key(g), []).append(g)

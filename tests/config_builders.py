@@ -37,8 +37,8 @@ def actor_config(tmp_path, url: str) -> str:
         f"redis.url={url}",
         f"actor.max_queue_groups={MAX_QUEUE}",
         "actor.max_lag=1",
-        f"engine.prompts_per_batch={PER_BATCH}",
-        "engine.max_new_tokens=8",
+        f"sampling.prompts_per_batch={PER_BATCH}",
+        "sampling.max_new_tokens=8",
         f"task.group_size={G}",
     ]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):

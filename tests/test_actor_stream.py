@@ -42,9 +42,9 @@ def tokenizer(tmp_path_factory):
 @pytest.fixture
 def setup(rclient, tmp_path, tokenizer):
     cfg = OmegaConf.structured(Config)
-    cfg.task.group_size, cfg.engine.max_new_tokens = G, TOKENS
+    cfg.task.group_size, cfg.sampling.max_new_tokens = G, TOKENS
     cfg.actor.vllm.in_flight, cfg.actor.max_queue_groups = IN_FLIGHT, 1000
-    cfg.engine.prompts_per_batch = 3
+    cfg.sampling.prompts_per_batch = 3
     names = Names("test", f"stream-{time.time_ns()}")
     pool = Pool(
         cfg=cfg,

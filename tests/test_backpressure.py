@@ -2,7 +2,7 @@
 redis-server and no consumer: it starts a batch only while fewer than
 actor.max_queue_groups groups are in flight and while at most actor.max_lag
 versions behind the trainer, so rollouts never exceed
-max_queue_groups - 1 + engine.prompts_per_batch groups."""
+max_queue_groups - 1 + sampling.prompts_per_batch groups."""
 
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ import os
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.config import load_config, validate
+from pipeline.config import expand_shorthands, load_config, validate
 from tests.config_builders import CONF, compose_config
+from tests.launching import run_tiny
 
 
 def _options():
@@ -73,7 +74,7 @@ def test_engine_auto_picks_vllm_only_where_a_tested_vllm_is_installed(monkeypatc
     a tested vLLM is installed, else hf, written into the config every pool reads."""
     import importlib.util
 
-    from pipeline import config
+    from pipeline import config, vllm_versions
 
     assert compose_config(["+exp=math"]).actor.engine == "auto"
     cases = [(True, "0.32.0", "vllm"), (True, "0.1.0", "hf"), (False, "", "hf")]
@@ -86,7 +87,7 @@ def test_engine_auto_picks_vllm_only_where_a_tested_vllm_is_installed(monkeypatc
                 (object() if p else None) if name == "vllm" else real_find_spec(name, *a)
             ),
         )
-        monkeypatch.setattr(config, "installed_vllm_version", lambda v=version: v)
+        monkeypatch.setattr(vllm_versions, "installed_vllm_version", lambda v=version: v)
         cfg = compose_config(["+exp=math"])
         line = config.resolve_engine(cfg)
         assert cfg.actor.engine == engine and line.endswith(")"), (version, line)
@@ -94,3 +95,34 @@ def test_engine_auto_picks_vllm_only_where_a_tested_vllm_is_installed(monkeypatc
     cfg = compose_config(["actor.engine=auto"])
     validate(cfg)  # a pool started alone on an unresolved config resolves it the same way
     assert cfg.actor.engine in ("hf", "vllm")
+
+
+def test_the_old_engine_section_is_refused_naming_sampling(tmp_path):
+    """The sampling settings were the ``engine`` section/group; ``actor.engine`` alone
+    names the engine now. The old keys fail with the new key's name: on the launcher's
+    command line, in a pool's overrides and in a config file."""
+    moved = "engine.temperature is now sampling.temperature"
+    with pytest.raises(ValueError, match=moved):
+        expand_shorthands(["trainer.max_steps=3", "engine.temperature=0.5"])
+    with pytest.raises(ValueError, match="engine config group is now sampling"):
+        expand_shorthands(["engine=default"])
+    with pytest.raises(ValueError, match="engine.kind was replaced by actor.engine"):
+        expand_shorthands(["+engine.kind=vllm"])
+    assert expand_shorthands(["actor.engine=vllm", "sampling.temperature=0.5"]) == [
+        "actor.engine=vllm",
+        "sampling.temperature=0.5",
+    ]
+    code, out = run_tiny(tmp_path, tmp_path / "run", "engine.temperature=0.5", timeout=120)
+    assert code == 2 and f"error: engine.temperature=0.5: {moved}" in out, out
+    assert not (tmp_path / "run").exists()  # refused before anything started
+    saved = tmp_path / "config.yaml"
+    OmegaConf.save(compose_config(["+exp=tiny"]), saved)
+    with pytest.raises(ValueError, match="engine.top_k=5: engine.top_k is now sampling.top_k"):
+        load_config(str(saved), ["engine.top_k=5"])
+    assert load_config(str(saved), ["sampling.top_k=5"]).sampling.top_k == 5
+    old = tmp_path / "old.yaml"
+    old.write_text("engine:\n  temperature: 0.5\n  top_p: 0.9\n")
+    with pytest.raises(ValueError) as e:
+        load_config(str(old))
+    assert f"{old}: {moved}, engine.top_p is now sampling.top_p" in str(e.value)
+    assert "rename the file's `engine:` section to `sampling:`" in str(e.value)

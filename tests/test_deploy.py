@@ -159,7 +159,7 @@ def test_pool_script_runs_the_role_under_its_name(tmp_path, fake_venv):
         NONSTOP_REDIS_URL="redis://:pw@127.0.0.1:1/0",
         NONSTOP_RUN="exp1",
         NONSTOP_TRANSFER_HOST="10.1.2.3",
-        NONSTOP_POOL_ARGS="trainer.max_steps=7 engine.top_k=5",
+        NONSTOP_POOL_ARGS="trainer.max_steps=7 sampling.top_k=5",
         PYTHONPATH=str(tmp_path),
     )
     # a stand-in "trainer" module prints what it was started as
@@ -176,7 +176,7 @@ def test_pool_script_runs_the_role_under_its_name(tmp_path, fake_venv):
     comm, argv = out.stdout.splitlines()
     assert comm == "nonstop-trainer"
     assert argv == (
-        f"--config {config} --name trainer run.name=exp1 trainer.max_steps=7 engine.top_k=5 "
+        f"--config {config} --name trainer run.name=exp1 trainer.max_steps=7 sampling.top_k=5 "
         "trainer.transfer_host=10.1.2.3 trainer.lr=0.1"
     )
     assert (fake_venv / "bin" / "nonstop-trainer").is_symlink()

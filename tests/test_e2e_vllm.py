@@ -73,7 +73,7 @@ def test_pipeline_on_real_vllm_applies_every_version_and_leaves_nothing(tmp_path
         f"model.name={model_dir}",
         *VLLM,
         f"trainer.max_steps={steps}",
-        "engine.max_new_tokens=128",  # long enough for swaps to land mid-sequence
+        "sampling.max_new_tokens=128",  # long enough for swaps to land mid-sequence
         # no back-pressure pause: the actor generates all the time, so every swap finds
         # sequences in flight (held back, it often swaps with its engine empty)
         "actor.max_lag=1000",

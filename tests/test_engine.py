@@ -209,7 +209,7 @@ def test_make_engine_builds_the_engine_the_config_names(tmp_path, monkeypatch):
     cfg.actor.engine = "hf"
     engine = make_engine(cfg, path, seed=0)
     assert isinstance(engine, HFEngine) and engine.tokenizer is not None
-    assert engine.temperature == cfg.engine.temperature and engine.kind == "full"
+    assert engine.temperature == cfg.sampling.temperature and engine.kind == "full"
     cfg.model.lora.rank = 4  # the trainer's version-0 adapter on the hf engine
     assert make_engine(cfg, path, seed=0).kind == "lora"
     cfg.actor.engine = "vllm"  # without vLLM: the clear error (with it: test_vllm_client_real)

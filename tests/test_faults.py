@@ -126,7 +126,7 @@ def test_a_draining_run_holds_every_actor_loop_back(rclient, tmp_path):
     )
     engine = SimpleNamespace(version=0)
     turns, room = Room(pool, engine), Room(pool, engine)  # the batch and streaming loops
-    assert turns.wait() == cfg.engine.prompts_per_batch and room(0)  # not draining
+    assert turns.wait() == cfg.sampling.prompts_per_batch and room(0)  # not draining
 
     rclient.hset(names.run_marker, DRAIN_FIELD, "1")
     got, ticked = {}, pool.last_tick
@@ -141,7 +141,7 @@ def test_a_draining_run_holds_every_actor_loop_back(rclient, tmp_path):
 
     rclient.hdel(names.run_marker, DRAIN_FIELD)
     waiter.join(5)
-    assert got == {"n": cfg.engine.prompts_per_batch}
+    assert got == {"n": cfg.sampling.prompts_per_batch}
     room.changed()
     assert room(0) is True
 

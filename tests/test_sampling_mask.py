@@ -1,4 +1,4 @@
-"""engine.keep_sampling_mask: the actor records the top-k/top-p support of every
+"""sampling.keep_sampling_mask: the actor records the top-k/top-p support of every
 token, and the trainer's log-probs of the same tokens, renormalised over it, agree
 with the actor's; plus the per-token advantages the trainer takes from the wire."""
 

@@ -76,7 +76,7 @@ def test_sync_mode_regenerates_groups_dropped_for_no_signal(tmp_path):
         "preprocessor.drop_no_signal=true",
         "task.kind=file",
         f"task.path={problems}",
-        "engine.max_new_tokens=4",
+        "sampling.max_new_tokens=4",
         timeout=600,
     )
     assert code == 0, out

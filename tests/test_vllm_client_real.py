@@ -46,7 +46,7 @@ def engine(tmp_path_factory):
     cfg = OmegaConf.structured(Config)
     cfg.actor.engine = "vllm"
     cfg.model.dtype = "float32"
-    cfg.engine.temperature, cfg.engine.top_p, cfg.engine.top_k = 1.0, 1.0, 0
+    cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k = 1.0, 1.0, 0
     v = cfg.actor.vllm
     v.in_flight, v.max_num_seqs, v.max_model_len = IN_FLIGHT, 32, 512
     v.enforce_eager, v.rpc_timeout_s = True, 120.0
@@ -74,7 +74,7 @@ def test_an_untested_vllm_version_is_refused_unless_allowed(monkeypatch, caplog)
     import vllm
 
     from actor.engines.vllm.client import load_vllm
-    from actor.engines.vllm.versions import TESTED_VLLM
+    from pipeline.vllm_versions import TESTED_VLLM
 
     assert vllm.__version__ in TESTED_VLLM and {"0.24.0", "0.32.0"} <= set(TESTED_VLLM)
     assert load_vllm().version == vllm.__version__
@@ -90,13 +90,13 @@ def test_an_untested_vllm_version_is_refused_unless_allowed(monkeypatch, caplog)
 
 
 def test_the_config_check_refuses_an_untested_version(monkeypatch):
-    from pipeline import config
+    from pipeline import config, vllm_versions
 
     cfg = OmegaConf.structured(Config)
     cfg.actor.engine = "vllm"
     cfg.actor.vllm.in_flight = 32
     config.validate_engine(cfg)  # the installed vLLM is a tested one
-    monkeypatch.setattr(config, "installed_vllm_version", lambda: "0.33.0")
+    monkeypatch.setattr(vllm_versions, "installed_vllm_version", lambda: "0.33.0")
     with pytest.raises(ValueError, match="vLLM 0.33.0 is installed"):
         config.validate_engine(cfg)
     cfg.actor.vllm.allow_untested_version = True

@@ -290,7 +290,7 @@ def test_from_config_seeds_the_adapter_with_the_run_seed(monkeypatch, base_dir):
         {
             "model": {"dtype": "float32", "lora": vars(LORA)},
             "actor": {"dtype": None, "vllm": vars(settings())},
-            "engine": {"temperature": 1.0, "top_p": 1.0, "top_k": 0},
+            "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0},
             "weights": {"update_mode": "lock"},
             "trainer": {"transfer_timeout_s": 20.0},
             "run": {"seed": 3},

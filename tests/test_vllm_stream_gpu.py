@@ -47,7 +47,7 @@ def test_streamed_groups_keep_64_requests_in_flight_through_swaps(rclient, tmp_p
     hf.save_pretrained(folder)
     tok.save_pretrained(folder)
     cfg = OmegaConf.structured(Config)
-    cfg.task.group_size, cfg.engine.max_new_tokens = G, 256
+    cfg.task.group_size, cfg.sampling.max_new_tokens = G, 256
     cfg.actor.vllm.in_flight, cfg.actor.max_queue_groups = IN_FLIGHT, 10_000
     names = Names("test", f"gpu-stream-{time.time_ns()}")
     pool = Pool(

@@ -136,7 +136,7 @@ def push(engine, version: int, hf: dict[str, torch.Tensor], timeout_s: float = 6
 
 
 def settings(**overrides: Any):
-    """``actor.vllm`` settings for the test engine: pipeline/config.py's VLLMConfig (its
+    """``actor.vllm`` settings for the test engine: pipeline/config/actor.py's VLLMConfig (its
     defaults for what is not named here)."""
     from pipeline.config import VLLMConfig
 

@@ -314,8 +314,9 @@ class Trainer:
 
 
 def rank_argv(argv: list[str] | None) -> list[str]:
-    """Rank r > 0 is named ``trainer-r`` (contract 2), also under torchrun where
-    every rank gets the same command line."""
+    """Rank r > 0 is named ``trainer-r`` (rank 0 ``trainer``; pipeline/launch.py
+    ``trainer_names`` names them the same, and the status hashes, logs and consumer names
+    carry it), also under torchrun where every rank gets the same command line."""
     argv = list(sys.argv[1:] if argv is None else argv)
     rank = int(os.environ.get("RANK", 0))
     if rank > 0:

@@ -23,7 +23,7 @@ def make_engine(cfg: Any, path: str, seed: int, tokenizer: Any = FROM_FOLDER) ->
     from pipeline.config import pool_dtype
 
     kind = cfg.actor.engine
-    e = cfg.engine
+    e = cfg.sampling
     if kind == "hf":
         from actor.engines.hf import HFEngine
         from pipeline import lora

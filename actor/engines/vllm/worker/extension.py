@@ -36,7 +36,7 @@ only enqueued under the lock; pointers never change, so CUDA graphs read the new
 weights. A failed, partial or mis-summed receive never touches the parameters; a
 lock not had within ``lock_timeout_s`` fails the update with an error and the
 engine keeps generating on the old version. The recipe and its H100 numbers:
-``device/VLLM_LOCK.md`` in the project's shared notes.
+actor/engines/vllm/RECIPE_H100.md and RECIPE_H100_results.md.
 
 With ``model.lora`` (``nonstop_install(..., lora={"dir", "request"})``) the base
 weights never change and no staging copy of them is made: announcements must say

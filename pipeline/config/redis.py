@@ -1,0 +1,172 @@
+"""``redis``: where the run's streams live - one Redis, shards, TLS, Sentinel - and the
+checks of those settings. What a process actually connects to (the environment wins
+over these settings) is resolved in pipeline/config/env.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.config.checks import check_choice
+from pipeline.config.checks import get as _get
+
+
+@dataclass
+class TLSConfig:
+    """``redis.tls``: Redis over TLS (pipeline/redis_tls.py). ``redis.tls=true`` is short
+    for ``redis.tls.enabled=true``."""
+
+    # true with no redis.url: the embedded redis-server listens on TLS only, with a CA and
+    # server and client certificates made per run in RUN_DIR/redis/tls; with redis.url:
+    # the URL must be rediss://
+    enabled: bool = False
+    # an operator's rediss:// Redis (NONSTOP_REDIS_TLS_CA/_CERT/_KEY override these): the
+    # CA file that signs its certificate ("": the system's CAs), and a client certificate
+    # and its key when the server asks for one (tls-auth-clients)
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+
+
+@dataclass
+class RedisConfig:
+    url: str | None = None  # None: the launcher starts an embedded redis-server
+    prefix: str = "nonstop"
+    block_ms: int = 1000  # longest single blocking read
+    dead_letter_maxlen: int = 10000
+    reconnect_s: float = 60.0  # retry commands this long while redis-server restarts
+    claim_idle_s: float = 60.0  # claim entries a consumer has held this long (it died)
+    # always: the embedded redis-server fsyncs its AOF before it replies, so every
+    # acknowledged XADD/XACK/INCRBY survives a SIGKILL; everysec: faster, a hard
+    # kill can lose up to the last second of writes (pipeline/redis_server.py)
+    embedded_appendfsync: str = "always"
+    # sharded work streams (pipeline/streams/shards.py): rollouts and batches over this many
+    # Redis instances; the embedded launcher starts them all, an external redis.url
+    # needs shards - 1 more URLs in shard_urls (or NONSTOP_REDIS_SHARD_URLS, comma-joined)
+    shards: int = 1
+    shard_urls: list[str] = field(default_factory=list)
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    # single: one primary (redis://, or the embedded redis-server); sentinel: a primary
+    # with replicas found through Redis Sentinel (redis.url=redis+sentinel://..., or
+    # redis=ha: the launcher starts a primary, a replica and three sentinels,
+    # pipeline/redis_ha.py); cluster: not built yet
+    mode: str = "single"
+    sentinel_service: str = "nonstop"  # the sentinels' name for the primary (redis=ha)
+    # sentinel mode: a write that creates or retires work counts once WAIT says this many
+    # replicas have it, waiting at most wait_timeout_ms (None: 1 in sentinel mode, else 0)
+    min_replicas_acked: int | None = None
+    wait_timeout_ms: int = 2000
+
+
+REDIS_MODES = ("single", "sentinel")  # redis.mode=cluster: not built yet
+
+
+def validate_redis(cfg: Any) -> None:
+    """The ``redis`` section: the embedded server's fsync, shards, TLS and mode."""
+    check_choice(cfg, "redis.embedded_appendfsync", ("always", "everysec"))
+    validate_shards(cfg)
+    validate_tls(cfg)
+    validate_mode(cfg)
+
+
+def validate_mode(cfg: Any) -> None:
+    """``redis.mode`` against ``redis.url`` and the settings sentinel mode uses."""
+    mode, url = _get(cfg, "redis.mode"), _get(cfg, "redis.url")
+    if mode == "cluster":
+        raise ValueError(
+            "redis.mode=cluster is not built yet: use redis.mode=single or "
+            "redis.mode=sentinel (redis=ha starts a local primary, replica and sentinels)"
+        )
+    if mode not in REDIS_MODES:
+        raise ValueError(f"redis.mode={mode!r} is not supported; use one of {REDIS_MODES}")
+    sentinel_url = bool(url) and url.split("://", 1)[0].endswith("+sentinel")
+    if mode == "sentinel" and url and not sentinel_url:
+        raise ValueError(
+            "redis.mode=sentinel needs redis.url=redis+sentinel://[USER:PASSWORD@]HOST:PORT,"
+            "HOST:PORT,.../SERVICE[/DB] (the sentinels, not a node), or no redis.url "
+            "(redis=ha starts a local one)"
+        )
+    if mode == "single" and sentinel_url:
+        raise ValueError(
+            "redis.url is a redis+sentinel:// URL but redis.mode=single: set "
+            "redis.mode=sentinel (or redis=ha), or give a redis:// URL"
+        )
+    if mode == "sentinel" and not url and _get(cfg, "redis.tls.enabled"):
+        raise ValueError(
+            "redis.tls=true with redis=ha (local sentinels) is not built yet: drop "
+            "redis.tls, or use the single embedded server (+redis=embedded) for TLS"
+        )
+    if mode == "sentinel" and _get(cfg, "redis.shards") != 1:
+        raise ValueError(
+            "redis.shards > 1 is not supported with redis.mode=sentinel (each shard would "
+            "need its own sentinels): use redis.shards=1"
+        )
+    service = _get(cfg, "redis.sentinel_service")
+    if not service or "/" in service or " " in service:
+        raise ValueError(f"redis.sentinel_service={service!r} must be a name without '/' or spaces")
+    acked = _get(cfg, "redis.min_replicas_acked")
+    if acked is not None and (not isinstance(acked, int) or acked < 0):
+        raise ValueError(f"redis.min_replicas_acked={acked!r} must be an integer >= 0")
+    if mode == "single" and acked:
+        raise ValueError(
+            f"redis.min_replicas_acked={acked} needs replicas: set redis.mode=sentinel "
+            "(or redis=ha), or drop it"
+        )
+    if _get(cfg, "redis.wait_timeout_ms") <= 0:
+        raise ValueError(
+            f"redis.wait_timeout_ms={_get(cfg, 'redis.wait_timeout_ms')} must be > 0 "
+            "(how long a write waits for replicas)"
+        )
+
+
+def min_replicas_acked(cfg: Any) -> int:
+    """The replicas a work write waits for with WAIT: ``redis.min_replicas_acked``, or
+    1 in sentinel mode and 0 (no WAIT) in single mode when it is not set."""
+    acked = _get(cfg, "redis.min_replicas_acked")
+    if acked is not None:
+        return acked
+    return 1 if _get(cfg, "redis.mode") == "sentinel" else 0
+
+
+def validate_shards(cfg: Any) -> None:
+    """``redis.shards`` and ``redis.shard_urls`` (pipeline/streams/shards.py)."""
+    n, urls = _get(cfg, "redis.shards"), list(_get(cfg, "redis.shard_urls") or [])
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"redis.shards={n!r} must be an integer >= 1 (1: no sharding)")
+    if urls and not _get(cfg, "redis.url"):
+        raise ValueError(
+            "redis.shard_urls is set but redis.url is not: the embedded launcher starts "
+            "its own redis.shards servers; give redis.url too, or leave redis.shard_urls empty"
+        )
+    if urls and len(urls) != n - 1:
+        raise ValueError(
+            f"redis.shard_urls has {len(urls)} URLs but redis.shards={n} needs {n - 1} "
+            "(redis.url is shard 0)"
+        )
+
+
+def validate_tls(cfg: Any) -> None:
+    """``redis.tls`` on its own (against the URL a process uses: pipeline/config/env.py's
+    ``redis_tls``; the embedded server: :func:`check_embedded_tls`; the files:
+    ``tls_files``)."""
+    tls = _get(cfg, "redis.tls")
+    if not isinstance(tls.enabled, bool):
+        raise ValueError(f"redis.tls.enabled={tls.enabled!r} must be true or false")
+    if bool(tls.cert) != bool(tls.key):
+        only = "redis.tls.cert" if tls.cert else "redis.tls.key"
+        raise ValueError(
+            "redis.tls.cert and redis.tls.key go together (a client certificate and its "
+            f"private key); only {only} is set: set both, or neither"
+        )
+
+
+def check_embedded_tls(cfg: Any) -> None:
+    """The launcher starts the embedded redis-server (no ``redis.url``): it makes its own
+    TLS files, so ``redis.tls.ca``/``cert``/``key`` would go unused."""
+    given = [k for k in ("redis.tls.ca", "redis.tls.cert", "redis.tls.key") if _get(cfg, k)]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} name files for an external Redis (redis.url=rediss://"
+            "host:port/0); the embedded redis-server makes its own CA and certificates "
+            "per run with redis.tls=true: drop them, or set redis.url"
+        )
