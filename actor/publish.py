@@ -29,7 +29,7 @@ from pipeline.telemetry import Window
 def to_group(
     pool: Pool, problem, prompt: list[int], outs: list[Completion], rewards: list[float]
 ) -> RolloutGroup:
-    e = pool.cfg.engine
+    e = pool.cfg.sampling
     samples = [c.to_sample(k, r) for k, (c, r) in enumerate(zip(outs, rewards, strict=True))]
     return RolloutGroup(
         schema=SCHEMA_VERSION,

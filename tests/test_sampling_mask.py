@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from actor.engine import HFEngine
+from actor.engines.hf import HFEngine
 from pipeline.config import Config
 from pipeline.logprobs import completion_logprobs, pad_sequences
 from pipeline.messages import (

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import torch
 
-from actor.engine import HFEngine
+from actor.engines.hf import HFEngine
 from pipeline.models import load_model, materialize_model
 from pipeline.streams import Names, wait_until
 from pipeline.transfer.cuda_ipc import (

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from actor.engine import HFEngine
+from actor.engines.hf import HFEngine
 from pipeline.models import load_model, materialize_model
 from pipeline.streams import Names, wait_until
 from pipeline.transfer import make_receiver, make_sender

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from actor.engine import HFEngine
+from actor.engines.hf import HFEngine
 from pipeline.messages import WeightAnnouncement, decode
 from pipeline.models import load_model, materialize_model
 from pipeline.streams import Names, wait_until

@@ -89,7 +89,7 @@ def publish_and_receive(backend, ranks, url: str, model_dir: str) -> dict | None
     params = backend.full_parameters()
     if not ranks.is_main:
         return None
-    from actor.engine import HFEngine
+    from actor.engines.hf import HFEngine
     from pipeline.models import load_model
     from pipeline.streams import Names, connect, wait_until
     from pipeline.weight_publisher import WeightPublisher

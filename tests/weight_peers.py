@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from actor.engine import HFEngine
+from actor.engines.hf import HFEngine
 from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement, decode, encode
 from pipeline.models import load_model
 from pipeline.streams import Names, connect, publish

@@ -166,7 +166,7 @@ class PublishRig:
     """rank 0's WeightPublisher and one actor's WeightReceiver on the same host."""
 
     def __init__(self, args):
-        from actor.engine import HFEngine
+        from actor.engines.hf import HFEngine
         from pipeline.models import load_model
         from pipeline.streams import Names, connect, wait_until
         from pipeline.weight_publisher import WeightPublisher

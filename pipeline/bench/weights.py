@@ -166,7 +166,7 @@ def copy_floor_ms(model, repeats: int = 5) -> float:
 
 
 def measure(shape: str, staged: bool, lora_rank: int, args) -> dict:
-    from actor.engine import HFEngine
+    from actor.engines.hf import HFEngine
     from pipeline.weight_receiver import WeightReceiver
 
     with tempfile.TemporaryDirectory() as tmp:
