@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 
@@ -81,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     names = Names(target.prefix, target.run)
     prev = None
+    if args.watch is not None:
+        # Ctrl-C ends the watch even where it started with SIGINT ignored (Python then
+        # installs no KeyboardInterrupt handler): a shell without job control starts its
+        # background commands so, and their children inherit it (the launcher and the
+        # pools install their own handlers already)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         while True:
             try:
