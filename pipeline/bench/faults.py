@@ -127,7 +127,7 @@ def launcher_out(run_dir: str, chars: int = 3000) -> str:
 
 def run_names(run_dir: str) -> Names:
     cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
-    return Names(cfg.redis.prefix, cfg.run.name)
+    return Names.of(cfg)
 
 
 def count_steps(metrics: str) -> int:

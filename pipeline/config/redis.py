@@ -42,14 +42,17 @@ class RedisConfig:
     embedded_appendfsync: str = "always"
     # sharded work streams (pipeline/streams/shards.py): rollouts and batches over this many
     # Redis instances; the embedded launcher starts them all, an external redis.url
-    # needs shards - 1 more URLs in shard_urls (or NONSTOP_REDIS_SHARD_URLS, comma-joined)
+    # needs shards - 1 more URLs in shard_urls (or NONSTOP_REDIS_SHARD_URLS, comma-joined).
+    # redis.mode=cluster: this many partitions (hash-tagged key sets) on the one cluster
     shards: int = 1
     shard_urls: list[str] = field(default_factory=list)
     tls: TLSConfig = field(default_factory=TLSConfig)
     # single: one primary (redis://, or the embedded redis-server); sentinel: a primary
     # with replicas found through Redis Sentinel (redis.url=redis+sentinel://..., or
     # redis=ha: the launcher starts a primary, a replica and three sentinels,
-    # pipeline/redis_ha.py); cluster: not built yet
+    # pipeline/redis_ha.py); cluster: a Redis Cluster (redis.url=redis+cluster://..., or
+    # redis=cluster: the launcher starts 3 primaries with a replica each,
+    # pipeline/redis_cluster.py), the work streams in redis.shards partitions
     mode: str = "single"
     sentinel_service: str = "nonstop"  # the sentinels' name for the primary (redis=ha)
     # sentinel mode: a write that creates or retires work counts once WAIT says this many
@@ -58,7 +61,7 @@ class RedisConfig:
     wait_timeout_ms: int = 2000
 
 
-REDIS_MODES = ("single", "sentinel")  # redis.mode=cluster: not built yet
+REDIS_MODES = ("single", "sentinel", "cluster")
 
 
 def validate_redis(cfg: Any) -> None:
@@ -72,19 +75,22 @@ def validate_redis(cfg: Any) -> None:
 def validate_mode(cfg: Any) -> None:
     """``redis.mode`` against ``redis.url`` and the settings sentinel mode uses."""
     mode, url = _get(cfg, "redis.mode"), _get(cfg, "redis.url")
-    if mode == "cluster":
-        raise ValueError(
-            "redis.mode=cluster is not built yet: use redis.mode=single or "
-            "redis.mode=sentinel (redis=ha starts a local primary, replica and sentinels)"
-        )
     if mode not in REDIS_MODES:
         raise ValueError(f"redis.mode={mode!r} is not supported; use one of {REDIS_MODES}")
+    validate_cluster(cfg)
+    if mode == "cluster":
+        return
     sentinel_url = bool(url) and url.split("://", 1)[0].endswith("+sentinel")
     if mode == "sentinel" and url and not sentinel_url:
         raise ValueError(
             "redis.mode=sentinel needs redis.url=redis+sentinel://[USER:PASSWORD@]HOST:PORT,"
             "HOST:PORT,.../SERVICE[/DB] (the sentinels, not a node), or no redis.url "
             "(redis=ha starts a local one)"
+        )
+    if url and url.split("://", 1)[0].endswith("+cluster"):
+        raise ValueError(
+            f"redis.url is a redis+cluster:// URL but redis.mode={mode}: set "
+            "redis.mode=cluster (or redis=cluster), or give a redis:// URL"
         )
     if mode == "single" and sentinel_url:
         raise ValueError(
@@ -116,6 +122,40 @@ def validate_mode(cfg: Any) -> None:
         raise ValueError(
             f"redis.wait_timeout_ms={_get(cfg, 'redis.wait_timeout_ms')} must be > 0 "
             "(how long a write waits for replicas)"
+        )
+
+
+def validate_cluster(cfg: Any) -> None:
+    """``redis.mode=cluster`` (pipeline/streams/cluster.py): a redis+cluster:// URL or none
+    (redis=cluster), ``redis.shards`` partitions, no shard URLs, no TLS, no WAIT yet."""
+    if _get(cfg, "redis.mode") != "cluster":
+        return
+    url = _get(cfg, "redis.url")
+    if url and not url.split("://", 1)[0].endswith("+cluster"):
+        raise ValueError(
+            "redis.mode=cluster needs redis.url=redis+cluster://[USER:PASSWORD@]HOST:PORT,"
+            "HOST:PORT,.../ (cluster nodes), or no redis.url (redis=cluster starts a local one)"
+        )
+    if _get(cfg, "redis.shard_urls"):
+        raise ValueError(
+            "redis.shard_urls is set with redis.mode=cluster: the cluster holds every "
+            "partition (redis.shards is their count); drop redis.shard_urls"
+        )
+    if _get(cfg, "redis.tls.enabled"):
+        raise ValueError(
+            "redis.tls=true with redis.mode=cluster is not built yet: drop redis.tls, or use "
+            "redis.mode=single with rediss://"
+        )
+    if _get(cfg, "redis.min_replicas_acked"):
+        raise ValueError(
+            "redis.min_replicas_acked > 0 (WAIT) is not built for redis.mode=cluster yet: "
+            "drop it (cluster replication is asynchronous; redis.mode=sentinel waits)"
+        )
+    run = str(_get(cfg, "run.name"))
+    if "{" in run or "}" in run:
+        raise ValueError(
+            f"run.name={run!r} may not contain '{{' or '}}' with redis.mode=cluster: the key "
+            "names carry the run as a hash tag; rename the run"
         )
 
 
