@@ -228,9 +228,7 @@ def ask_nodes(
             if isinstance(text, dict):  # a parsed reply
                 infos[name] = {k: str(v) for k, v in text.items()}
             else:
-                infos[name] = dict(
-                    line.split(":", 1) for line in text.splitlines() if ":" in line
-                )
+                infos[name] = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
         except redis.AuthenticationError as e:
             raise RedisRefused(
                 f"the redis cluster node {name} ({parsed.shown()}) refused the credentials "
