@@ -173,6 +173,8 @@ def validate_shards(cfg: Any) -> None:
     n, urls = _get(cfg, "redis.shards"), list(_get(cfg, "redis.shard_urls") or [])
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"redis.shards={n!r} must be an integer >= 1 (1: no sharding)")
+    if _get(cfg, "redis.mode") == "cluster":
+        return  # partitions of the one cluster: validate_cluster checks the rest
     if urls and not _get(cfg, "redis.url"):
         raise ValueError(
             "redis.shard_urls is set but redis.url is not: the embedded launcher starts "
