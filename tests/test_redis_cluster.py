@@ -22,8 +22,15 @@ from redis.exceptions import RedisClusterException
 from pipeline.config import Config, validate
 from pipeline.redis_cluster import LocalCluster, bus_port
 from pipeline.redis_server import EmbeddedRedis, free_port
-from pipeline.streams import Names, RedisRefused, RedisUnavailable, connect, publish
-from pipeline.streams import counters, durable
+from pipeline.streams import (
+    Names,
+    RedisRefused,
+    RedisUnavailable,
+    connect,
+    counters,
+    durable,
+    publish,
+)
 from pipeline.streams.cluster import parse
 from pipeline.streams.durable import Lua
 from tests.launching import ROOT, run_tiny
