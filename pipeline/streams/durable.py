@@ -32,8 +32,8 @@ tokens in arrival order in the list ``<stream>:once:order``; past ``ONCE_CAP`` t
 the oldest is forgotten (a re-send comes within seconds: reconnect_s, give_up_s).
 Both keys are named from the stream's name by appending a suffix, so a stream name
 with a Redis Cluster hash tag (``{...}``) gives them the same tag and the same slot,
-as a script's keys must share one (:func:`once_keys`; a future redis.mode=cluster
-must tag its stream names). Tokens: a rollout group's id; a preprocessor batch's id,
+as a script's keys must share one (:func:`once_keys`; redis.mode=cluster tags the work
+streams' names, pipeline/streams/names.py). Tokens: a rollout group's id; a preprocessor batch's id,
 derived from its sample ids (preprocessor/main.py). They may not start with ``~``
 (the fence fields). :func:`publish` is the pools' XADD: with a token it is XADD-once.
 """
