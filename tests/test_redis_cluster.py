@@ -319,3 +319,31 @@ def test_cluster_primary_loss_mid_run_loses_and_duplicates_nothing(tmp_path):
     assert result["passed"] and proc.returncode == 0, proc.stdout[-3000:]
     out = (run_dir / "launcher.out").read_text()
     assert "redis cluster promoted node-" in out, out[-3000:]
+
+
+def test_inspect_shows_every_partition(cluster, cclient, capsys):
+    """pipeline.inspect on a cluster URL: the run's hash-tagged status keys found,
+    partition 0 as the plain rows, partitions 1.. each with its slot and node."""
+    from pipeline.inspect.cli import main
+    from pipeline.inspect.target import discover_runs
+
+    names = Names("nonstop", "seen", cluster=True)
+    cclient.hset(names.status("actor-0"), mapping={"role": "actor", "heartbeat": time.time()})
+    for k in range(PARTITIONS):
+        for i in range(k + 1):
+            publish(cclient, names.part(k).rollouts, b"x", token=f"p{k}-{i}")
+    assert ("nonstop", "seen") in discover_runs(cclient)
+    assert main(["--url", cluster.url, "--run", "seen", "--json"]) == 0
+    snap = json.loads(capsys.readouterr().out)
+    assert snap["run"] == "nonstop:{seen}"
+    assert snap["streams"]["rollouts"]["length"] == 1
+    assert [s["streams"]["rollouts"]["length"] for s in snap["shards"]] == [2, 3]
+    for k, shard in enumerate(snap["shards"], start=1):
+        node = cclient.get_node_from_key(names.part(k).rollouts).name
+        assert shard["url"] == (
+            f"partition {k}, slot {cclient.keyslot(names.part(k).rollouts)} on {node}"
+        )
+    assert snap["work_totals"]["rollouts"]["length"] == 6
+    assert main(["--url", cluster.url, "--run", "seen"]) == 0
+    text = capsys.readouterr().out
+    assert "rollouts@shard2" in text and "the rows without @ are partition 0" in text
