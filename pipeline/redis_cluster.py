@@ -9,13 +9,16 @@ environment, ``REDISCLI_AUTH``, never on a command line). A primary silent for
 ``cluster-node-timeout`` (:data:`NODE_TIMEOUT_MS`) is failed over to its replica by the
 other primaries; the pools' client (pipeline/streams/cluster.py) follows.
 
-A dead node is not restarted (:meth:`LocalCluster.watch`, called by the supervisor, says
-so and reports the promotion): after a failover its partitions are served by the
-promoted replica, which has no replica of its own for the rest of the run.
+A dead node is restarted as a replica (:meth:`LocalCluster.watch`, called by the
+supervisor): a dead primary once the cluster has promoted its replica, as the replica of
+that node, so every primary has a replica again; a dead replica under its primary. A
+node whose data directory was lost comes back empty under a new id and is introduced
+(CLUSTER MEET, CLUSTER REPLICATE); one that kept its ``nodes.conf`` rejoins by itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -63,7 +66,8 @@ class LocalCluster:
             ]  # fmt: skip
         self.down_since: dict[int, float] = {}  # node index -> when it was found dead
         self.reported: set[int] = set()  # failovers already reported
-        self.replica_of: dict[int, int] = {}  # replica index -> primary index (at start)
+        self.replica_of: dict[int, int] = {}  # replica index -> primary index (kept current)
+        self.ids: dict[int, str] = {}  # node index -> cluster node id
 
     @property
     def url(self) -> str:
@@ -103,10 +107,11 @@ class LocalCluster:
             missing = self.not_ready()
             if missing is None:
                 self.replica_of = self.pairs()
-                want = self.primaries * self.replicas
-                if len(self.replica_of) == want:
-                    return
-                missing = f"node-0 knows {len(self.replica_of)} of {want} replicas"
+                self.ids = {
+                    k: _text(self.node_client(n).execute_command("CLUSTER MYID"))
+                    for k, n in enumerate(self.nodes)
+                }
+                return
             time.sleep(0.2)
         self.stop()
         raise RedisUnavailable(
@@ -121,20 +126,35 @@ class LocalCluster:
         return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
 
     def not_ready(self) -> str | None:
-        """None when every live node sees the cluster whole and every live replica's
-        link to its primary is up, else what is missing (one phrase)."""
+        """None when every live node sees the cluster whole, a live node knows every
+        replica pairing (``primaries * replicas``), and every replica is in sync with its
+        primary (role replica, link up: data written from here on reaches it), else what
+        is missing (one phrase). A node that says "replica" only once told to replicate,
+        so checking the nodes' own roles alone passed before a replica was one."""
         for node in self.live():
             try:
-                c = self.node_client(node)
-                info = cluster_info(c)
-                repl = c.info("replication")
+                info = cluster_info(self.node_client(node))
             except redis.RedisError as e:
                 return f"node on port {node.port} does not answer ({e})"
             why = gap(info)
             if why is not None:
                 return f"node on port {node.port} says {why}"
-            if repl.get("role") == "slave" and repl.get("master_link_status") != "up":
-                return f"the replica on port {node.port} is not in sync with its primary"
+        try:
+            pairs = self.pairs()
+        except redis.RedisError as e:
+            return f"CLUSTER NODES failed ({e})"
+        want = self.primaries * self.replicas
+        if len(pairs) < want:
+            return f"{len(pairs)} of {want} replicas known to the cluster"
+        for r, p in sorted(pairs.items()):
+            try:
+                repl = self.node_client(self.nodes[r]).info("replication")
+            except redis.RedisError as e:
+                return f"replica node-{r} does not answer ({e})"
+            if repl.get("role") != "slave" or repl.get("master_link_status") != "up":
+                return f"replica node-{r} is not in sync with node-{p}"
+            if repl.get("master_port") != self.nodes[p].port:
+                return f"replica node-{r} replicates port {repl.get('master_port')}, not node-{p}"
         return None
 
     def roles(self) -> dict[int, str]:
@@ -155,8 +175,10 @@ class LocalCluster:
             node.stop(timeout_s)
 
     def watch(self, say: Callable[[str], None], event: Callable[..., None]) -> None:
-        """One supervision round: report a node found dead (once) and, for a dead primary,
-        the replica promoted in its place; the dead node is not restarted (module)."""
+        """One supervision round: report a node found dead (once); a dead primary's
+        replica promoted in its place (the other primaries' vote); and restart a dead node
+        as the replica of the primary that now serves its slots (of its own primary, for
+        a dead replica), so that primary has a replica again (:meth:`rejoin`)."""
         dead = [
             k for k, n in enumerate(self.nodes) if n.proc is not None and n.proc.poll() is not None
         ]
@@ -165,25 +187,82 @@ class LocalCluster:
             if k in self.down_since:
                 continue
             self.down_since[k] = time.monotonic()
+            primary = k not in self.replica_of
             event("exit", f"redis-node{k}", code=node.proc.returncode)
             say(
-                f"redis cluster node-{k} (port {node.port}) exited with {node.proc.returncode};"
-                " not restarting it (a replica takes over a primary's slots)"
+                f"redis cluster node-{k} (port {node.port}, a "
+                f"{'primary' if primary else 'replica'}) exited with {node.proc.returncode}"
+                + ("; waiting for its replica to be promoted" if primary else "")
             )
         if not self.down_since:
             return
         promoted = self.promoted()
         for k, since in list(self.down_since.items()):
-            if k in self.reported or k not in promoted:
-                continue
-            self.reported.add(k)
-            new = promoted[k]
-            waited = time.monotonic() - since
+            if k in self.replica_of:  # a replica: back under the primary it had
+                primary = self.replica_of[k]
+                if primary in self.down_since:
+                    continue
+            elif k in promoted:
+                primary = promoted[k]
+                if k not in self.reported:
+                    self.reported.add(k)
+                    waited = time.monotonic() - since
+                    say(
+                        f"redis cluster promoted node-{primary} (port "
+                        f"{self.nodes[primary].port}) in place of node-{k} {waited:.1f} s "
+                        "after it was found dead"
+                    )
+                    event("failover", f"redis-node{primary}", after_s=round(waited, 1))
+            else:
+                continue  # no replica promoted yet: the cluster is failing over
             say(
-                f"redis cluster promoted node-{new} (port {self.nodes[new].port}) in place of "
-                f"node-{k} {waited:.1f} s after it was found dead"
+                f"restarting node-{k} (port {self.nodes[k].port}) as a replica of node-{primary}"
+                f" (port {self.nodes[primary].port})"
             )
-            event("failover", f"redis-node{new}", after_s=round(waited, 1))
+            why = self.rejoin(k, primary)
+            if why is not None:
+                say(f"node-{k} did not rejoin the cluster: {why}; trying again")
+                continue
+            event("restart", f"redis-node{k}", role="replica")
+            self.replica_of = {r: p for r, p in self.replica_of.items() if p != k and r != primary}
+            self.replica_of[k] = primary
+            del self.down_since[k]
+            self.reported.discard(k)
+
+    def rejoin(self, k: int, primary: int, timeout_s: float = 10.0) -> str | None:
+        """Start dead node ``k`` again as ``primary``'s replica; None once it replicates
+        it, else why not. With its ``nodes.conf`` it rejoins by itself, and a former
+        primary whose slots were taken over turns replica of the node that holds them;
+        with its data directory lost it starts empty, under a new id: it meets ``primary``
+        (CLUSTER MEET), is told to replicate it (CLUSTER REPLICATE), and the other nodes
+        forget its old id (CLUSTER FORGET)."""
+        node, lead = self.nodes[k], self.nodes[primary]
+        fresh = not os.path.exists(os.path.join(node.data_dir, "nodes.conf"))
+        if node.proc is None or node.proc.poll() is not None:
+            node.start()
+        c = self.node_client(node)
+        lead_id = _text(self.node_client(lead).execute_command("CLUSTER MYID"))
+        deadline = time.monotonic() + timeout_s
+        if fresh:
+            c.execute_command("CLUSTER MEET", "127.0.0.1", lead.port)
+            while lead_id not in _ids(c):
+                if time.monotonic() > deadline:
+                    return f"it does not know node-{primary} {timeout_s:.0f} s after CLUSTER MEET"
+                time.sleep(0.1)
+            c.execute_command("CLUSTER REPLICATE", lead_id)
+            old = self.ids.get(k)
+            for other in self.live():
+                if other is not node and old:
+                    with contextlib.suppress(redis.ResponseError):  # not known there any more
+                        self.node_client(other).execute_command("CLUSTER FORGET", old)
+            self.ids[k] = _text(c.execute_command("CLUSTER MYID"))
+        while True:
+            repl = c.info("replication")
+            if repl.get("role") == "slave" and repl.get("master_port") == lead.port:
+                return None
+            if time.monotonic() > deadline:
+                return f"it replicates {repl.get('master_port')} (role {repl.get('role')})"
+            time.sleep(0.1)
 
     def promoted(self) -> dict[int, int]:
         """dead node's index -> the index of its replica that is a primary now."""
@@ -205,6 +284,15 @@ class LocalCluster:
             for v in table.values()
             if v.get("master_id", "-") != "-" and v["master_id"] in index
         }
+
+
+def _text(reply) -> str:
+    return reply.decode() if isinstance(reply, bytes) else str(reply)
+
+
+def _ids(client: redis.Redis) -> set[str]:
+    """The node ids ``client``'s node knows (CLUSTER NODES, parsed by redis-py)."""
+    return {v["node_id"] for v in client.execute_command("CLUSTER NODES").values()}
 
 
 def bus_port(tries: int = 200) -> int:

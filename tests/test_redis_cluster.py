@@ -240,7 +240,8 @@ def test_bad_cluster_urls_fail_in_one_line(cluster, redis_server, tmp_path):
 def test_failover_keeps_the_same_client_writing(tmp_path):
     """SIGKILL the primary serving a partition and delete its data: its replica is
     promoted within cluster-node-timeout and an election, and the client made before
-    the kill carries on; every write it saw acknowledged is there."""
+    the kill carries on; every write it saw acknowledged is there. The supervisor's
+    round then brings the lost node back as the promoted node's replica."""
     local = LocalCluster(str(tmp_path / "cluster"))
     local.start()
     try:
@@ -263,9 +264,19 @@ def test_failover_keeps_the_same_client_writing(tmp_path):
         assert now.port == local.nodes[replica].port != victim.port
         assert [int(f[b"i"]) for _, f in client.xrange(stream)] == list(range(21))
         lines: list[str] = []
-        local.watch(lines.append, lambda *a, **kw: None)
-        assert any(f"node-{k}" in line and "not restarting" in line for line in lines), lines
-        assert any("promoted" in line for line in lines), lines
+        local.watch(lines.append, lambda *a, **kw: None)  # a supervisor round
+        assert any(f"node-{k}" in line and "exited with -9" in line for line in lines), lines
+        assert any(f"promoted node-{replica}" in line for line in lines), lines
+        assert any(f"restarting node-{k}" in line for line in lines), lines
+        # the lost node is back, empty, as the promoted node's replica, with the data
+        assert local.replica_of[k] == replica and not local.down_since
+        role = local.node_client(victim).execute_command("ROLE")
+        assert role[0] == b"slave" and role[2] == local.nodes[replica].port
+        _wait(lambda: local.not_ready() is None, 20, local.not_ready)
+        assert len(local.node_client(victim).execute_command("CLUSTER NODES")) == 6  # old id gone
+        reader = local.node_client(victim)
+        reader.execute_command("READONLY")  # a replica answers reads of its slots
+        assert reader.xlen(stream) == 21
         assert first_write_s < 30
     finally:
         local.stop()
@@ -347,3 +358,10 @@ def test_inspect_shows_every_partition(cluster, cclient, capsys):
     assert main(["--url", cluster.url, "--run", "seen"]) == 0
     text = capsys.readouterr().out
     assert "rollouts@shard2" in text and "the rows without @ are partition 0" in text
+
+
+def _wait(check, timeout, why=lambda: ""):
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, why()
+        time.sleep(0.1)
