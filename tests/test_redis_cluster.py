@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -19,7 +20,7 @@ import redis
 from omegaconf import OmegaConf
 from redis.exceptions import RedisClusterException
 
-from pipeline.config import Config, validate
+from pipeline.config import Config, min_replicas_acked, validate
 from pipeline.redis_cluster import LocalCluster, bus_port
 from pipeline.redis_server import EmbeddedRedis, free_port
 from pipeline.streams import (
@@ -32,7 +33,7 @@ from pipeline.streams import (
     publish,
 )
 from pipeline.streams.cluster import parse
-from pipeline.streams.durable import Lua
+from pipeline.streams.durable import Durability, Lua, NotReplicated, attach
 from tests.launching import ROOT, run_tiny
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
@@ -78,7 +79,7 @@ def test_cluster_mode_is_validated():
     for url, overrides, said in [
         ("redis://h:1/0", {}, "redis.mode=cluster needs redis.url=redis\\+cluster"),
         (None, {"shard_urls": ["redis://h:1/0"]}, "drop redis.shard_urls"),
-        (None, {"min_replicas_acked": 1}, "not built for redis.mode=cluster"),
+        (None, {"min_replicas_acked": -1}, "must be an integer >= 0"),
     ]:
         bad = cfg.copy()
         bad.redis.mode, bad.redis.url = "cluster", url
@@ -97,6 +98,7 @@ def test_cluster_mode_is_validated():
     ok = cfg.copy()
     ok.redis.mode, ok.redis.shards = "cluster", 3
     validate(ok)
+    assert min_replicas_acked(ok) == 1  # WAIT 1 behind work writes unless set
     assert Names.of(ok).samples_produced == f"{ok.redis.prefix}:{{{ok.run.name}}}:samples_produced"
 
 
@@ -239,32 +241,36 @@ def test_bad_cluster_urls_fail_in_one_line(cluster, redis_server, tmp_path):
 
 def test_failover_keeps_the_same_client_writing(tmp_path):
     """SIGKILL the primary serving a partition and delete its data: its replica is
-    promoted within cluster-node-timeout and an election, and the client made before
-    the kill carries on; every write it saw acknowledged is there. The supervisor's
-    round then brings the lost node back as the promoted node's replica."""
+    promoted within cluster-node-timeout and an election, the supervisor's rounds bring
+    the lost node back, empty, as the promoted node's replica, and the client made
+    before the kill carries on; its writes wait for a replica (WAIT 1 on the slot's
+    primary, durable.py), so every write it saw acknowledged is there. With its replica
+    gone for good, a write is not counted: NotReplicated."""
     local = LocalCluster(str(tmp_path / "cluster"))
     local.start()
     try:
-        client = connect(local.url, reconnect_s=60)
+        client = attach(connect(local.url, reconnect_s=60), Durability(1, 1000, 60.0))
         stream = NAMES.part(0).rollouts
         for i in range(20):
             publish(client, stream, b"x", token=f"g{i}", i=i)
         node = client.get_node_from_key(stream)
         k = next(i for i, n in enumerate(local.nodes) if n.port == node.port)
+        replica = next(r for r, p in local.replica_of.items() if p == k)
         victim = local.nodes[k]
         os.kill(victim.proc.pid, signal.SIGKILL)
         victim.proc.wait()
         shutil.rmtree(victim.data_dir)
         killed = time.monotonic()
-        publish(client, stream, b"x", token="g20", i=20)  # retried until the replica serves
-        first_write_s = time.monotonic() - killed
-        print(f"\nkill to first write on the promoted replica: {first_write_s:.2f} s")
-        now = client.get_node_from_key(stream)
-        replica = next(r for r, p in local.replica_of.items() if p == k)
-        assert now.port == local.nodes[replica].port != victim.port
-        assert [int(f[b"i"]) for _, f in client.xrange(stream)] == list(range(21))
         lines: list[str] = []
-        local.watch(lines.append, lambda *a, **kw: None)  # a supervisor round
+        watcher = _Watcher(local, lines)  # the supervisor's rounds, as the launcher runs them
+        try:
+            publish(client, stream, b"x", token="g20", i=20)  # waits for the new replica
+            first_write_s = time.monotonic() - killed
+        finally:
+            watcher.stop()
+        print(f"\nkill to first write on the promoted replica, WAIT 1: {first_write_s:.2f} s")
+        assert client.get_node_from_key(stream).port == local.nodes[replica].port
+        assert [int(f[b"i"]) for _, f in client.xrange(stream)] == list(range(21))
         assert any(f"node-{k}" in line and "exited with -9" in line for line in lines), lines
         assert any(f"promoted node-{replica}" in line for line in lines), lines
         assert any(f"restarting node-{k}" in line for line in lines), lines
@@ -278,8 +284,33 @@ def test_failover_keeps_the_same_client_writing(tmp_path):
         reader.execute_command("READONLY")  # a replica answers reads of its slots
         assert reader.xlen(stream) == 21
         assert first_write_s < 30
+        # its replica gone (and not brought back): a write is never counted as safe
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait()
+        impatient = attach(connect(local.url, reconnect_s=5), Durability(1, 300, 1.5))
+        with pytest.raises(NotReplicated, match="WAIT saw 0 of the 1 replica"):
+            publish(impatient, stream, b"x", token="g21", i=21)
     finally:
         local.stop()
+
+
+class _Watcher:
+    """The supervisor's rounds (LocalCluster.watch) in a thread."""
+
+    def __init__(self, local: LocalCluster, lines: list[str]):
+        self.done = threading.Event()
+
+        def loop():
+            while not self.done.is_set():
+                local.watch(lines.append, lambda *a, **k: None)
+                time.sleep(0.2)
+
+        self.thread = threading.Thread(target=loop, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.done.set()
+        self.thread.join(30)
 
 
 @pytest.mark.slow

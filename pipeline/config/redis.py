@@ -55,8 +55,9 @@ class RedisConfig:
     # pipeline/redis_cluster.py), the work streams in redis.shards partitions
     mode: str = "single"
     sentinel_service: str = "nonstop"  # the sentinels' name for the primary (redis=ha)
-    # sentinel mode: a write that creates or retires work counts once WAIT says this many
-    # replicas have it, waiting at most wait_timeout_ms (None: 1 in sentinel mode, else 0)
+    # sentinel and cluster mode: a write that creates or retires work counts once WAIT says
+    # this many replicas have it, waiting at most wait_timeout_ms (None: 1 in sentinel and
+    # cluster mode, else 0)
     min_replicas_acked: int | None = None
     wait_timeout_ms: int = 2000
 
@@ -127,7 +128,7 @@ def validate_mode(cfg: Any) -> None:
 
 def validate_cluster(cfg: Any) -> None:
     """``redis.mode=cluster`` (pipeline/streams/cluster.py): a redis+cluster:// URL or none
-    (redis=cluster), ``redis.shards`` partitions, no shard URLs, no TLS, no WAIT yet."""
+    (redis=cluster), ``redis.shards`` partitions, no shard URLs, no TLS; WAIT settings."""
     if _get(cfg, "redis.mode") != "cluster":
         return
     url = _get(cfg, "redis.url")
@@ -146,10 +147,13 @@ def validate_cluster(cfg: Any) -> None:
             "redis.tls=true with redis.mode=cluster is not built yet: drop redis.tls, or use "
             "redis.mode=single with rediss://"
         )
-    if _get(cfg, "redis.min_replicas_acked"):
+    acked = _get(cfg, "redis.min_replicas_acked")
+    if acked is not None and (not isinstance(acked, int) or acked < 0):
+        raise ValueError(f"redis.min_replicas_acked={acked!r} must be an integer >= 0")
+    if _get(cfg, "redis.wait_timeout_ms") <= 0:
         raise ValueError(
-            "redis.min_replicas_acked > 0 (WAIT) is not built for redis.mode=cluster yet: "
-            "drop it (cluster replication is asynchronous; redis.mode=sentinel waits)"
+            f"redis.wait_timeout_ms={_get(cfg, 'redis.wait_timeout_ms')} must be > 0 "
+            "(how long a write waits for replicas)"
         )
     run = str(_get(cfg, "run.name"))
     if "{" in run or "}" in run:
@@ -161,11 +165,11 @@ def validate_cluster(cfg: Any) -> None:
 
 def min_replicas_acked(cfg: Any) -> int:
     """The replicas a work write waits for with WAIT: ``redis.min_replicas_acked``, or
-    1 in sentinel mode and 0 (no WAIT) in single mode when it is not set."""
+    1 in sentinel and cluster mode and 0 (no WAIT) in single mode when it is not set."""
     acked = _get(cfg, "redis.min_replicas_acked")
     if acked is not None:
         return acked
-    return 1 if _get(cfg, "redis.mode") == "sentinel" else 0
+    return 1 if _get(cfg, "redis.mode") in ("sentinel", "cluster") else 0
 
 
 def validate_shards(cfg: Any) -> None:
