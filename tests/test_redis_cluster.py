@@ -352,9 +352,11 @@ def test_cluster_primary_loss_mid_run_loses_and_duplicates_nothing(tmp_path):
     assert fault["effect"]["new_port"] != fault["port"]
     print(
         f"\ncluster_primary_loss: kill to first write on the promoted replica "
-        f"{fault['first_write_s']} s (partitions on the lost primary: "
+        f"{fault['first_write_s']} s, to the first one WAIT confirmed "
+        f"{fault['first_durable_write_s']} s (partitions on the lost primary: "
         f"{fault['partitions_there']})"
     )
+    assert fault["first_durable_write_s"] >= fault["first_write_s"]
     terms = check_account(result, run_dir)
     assert terms["groups_lost"] == 0 and result["groups_duplicated"] == 0
     assert not [k for k in result["restarts"] if not k.startswith("redis-node")], result["restarts"]

@@ -26,7 +26,9 @@ cluster_primary_loss``; not in the default schedule): SIGKILL the cluster primar
 serves the run's control keys (slot of ``{<run>}``; the partitions it also serves are
 recorded) and delete its data directory. It takes effect when another node, its replica,
 serves that slot; ``first_write_s`` is the time from the kill to the first write
-acknowledged there (``<run>:faults_probe``, in that slot).
+acknowledged there (``<run>:faults_probe``, in that slot), ``first_durable_write_s`` to
+the first one that also passed its WAIT (``redis.min_replicas_acked`` replicas: the lost
+node back as the promoted node's replica), as the pools' work writes must.
 
 After the last fault and ``--tail-steps`` steps, the run is drained: the actors
 stop producing (the ``drain`` field of ``<run>:run``, actor/room.py), the
@@ -68,6 +70,7 @@ from omegaconf import OmegaConf
 from pipeline.accounting import account, in_flight, problems
 from pipeline.bench.common import device_name, print_table, write_json
 from pipeline.streams import DRAIN_FIELD, Names, connect, wait_until
+from pipeline.streams.durable import Durability, attach, set_value
 from pipeline.telemetry import read_jsonl, read_statuses, surviving_steps
 
 DEFAULT_SCHEDULE = (
@@ -231,11 +234,16 @@ def lose_cluster_primary(fault: dict, run_dir: str, client, names: Names) -> Non
         for k in range(int(cfg.redis.shards))
         if client.get_node_from_key(names.part(k).rollouts).name == node.name
     ]
+    durable = attach(connect(run_redis(run_dir).url), Durability.from_config(cfg))
     os.kill(before["pid"], signal.SIGKILL)
     killed = time.monotonic()
     shutil.rmtree(before["dir"], ignore_errors=True)
     client.set(names.faults_probe, str(time.time()))  # retried until a primary takes it
     fault["first_write_s"] = round(time.monotonic() - killed, 2)
+    # as the pools write: counted once WAIT saw a replica (the lost node back as one)
+    set_value(durable, names.faults_probe, str(time.time()))
+    fault["first_durable_write_s"] = round(time.monotonic() - killed, 2)
+    durable.close()
 
 
 def inject(fault: dict, run_dir: str, client, names: Names) -> None:
@@ -271,6 +279,8 @@ def took_effect(fault: dict, run_dir: str, client, names: Names) -> bool:
         effect.update(old_pid_state=pid_state(fault["pid"]), new_pid=now["pid"])
         effect.update(new_run_id=now["run_id"], new_port=now["port"])
         effect["first_write_s"] = fault["first_write_s"]
+        if "first_durable_write_s" in fault:
+            effect["first_durable_write_s"] = fault["first_durable_write_s"]
         return now["port"] != fault["port"] and effect["old_pid_state"] in ("gone", "zombie")
     if fault["target"] == "redis":
         try:
