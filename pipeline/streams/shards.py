@@ -122,10 +122,11 @@ def open_consumer(
     shards: Shards, names: Names, stream: str, group: str, consumer: str, cls: type, **kw: Any
 ) -> Consumer | ShardedConsumer:
     """A Consumer on the primary with one shard, a ShardedConsumer over all with more."""
-    if len(shards) == 1:
-        names = shards.names[0] or names
-        stream = getattr(names, _logical(names, stream))
-        return Consumer(shards.primary, names, stream, group, consumer, cls, **kw)
+    if len(shards) == 1:  # partition 0's names (cluster mode) for a work stream
+        part = shards.names[0] or names
+        if stream in (getattr(names, s) for s in SHARDED):
+            stream = getattr(part, _logical(names, stream))
+        return Consumer(shards.primary, part, stream, group, consumer, cls, **kw)
     return ShardedConsumer(shards, names, stream, group, consumer, cls, **kw)
 
 
