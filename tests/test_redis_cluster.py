@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -34,7 +35,7 @@ from pipeline.streams import (
     durable,
     publish,
 )
-from pipeline.streams.cluster import parse
+from pipeline.streams.cluster import parse, silent
 from pipeline.streams.durable import Durability, Lua, NotReplicated, attach
 from tests.launching import ROOT, run_tiny
 
@@ -316,8 +317,13 @@ def test_failover_keeps_the_same_client_writing(tmp_path):
         impatient = attach(connect(local.url, reconnect_s=5), Durability(1, 300, 1.5))
         with pytest.raises(NotReplicated, match="WAIT saw 0 of the 1 replica"):
             publish(impatient, stream, b"x", token="g21", i=21)
+        # the launcher's summary asks first whether the cluster answers (summary.silent)
+        assert silent(client, 1.0) is None  # every primary answers (a replica is gone)
     finally:
         local.stop()
+    t = time.monotonic()
+    why = silent(client, 1.0)  # every node gone: the summary is written from disk
+    assert why and time.monotonic() - t < 10, why
 
 
 class _Watcher:
@@ -360,6 +366,11 @@ def test_tiny_pipeline_on_redis_cluster(tmp_path):
     state = json.loads((run_dir / "checkpoints" / "step-000004" / "trainer_state.json").read_text())
     positions = state["entry_id"].split(",")  # one read position per partition, each read
     assert len(positions) == PARTITIONS and "0-0" not in positions, state["entry_id"]
+    ports = [int(p) for p in re.findall(r"node-\d+ :(\d+)", out)]
+    assert len(ports) == 6, out[:2000]
+    for port in ports:  # the launcher stopped every node
+        with socket.socket() as sock, pytest.raises(ConnectionRefusedError):
+            sock.connect(("127.0.0.1", port))
 
 
 @pytest.mark.slow
