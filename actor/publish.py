@@ -75,9 +75,10 @@ def publish_group(
     group = to_group(pool, problem, prompt, outs, scores)
     per_sample = [s.token_versions() for s in group.samples]
     versions = np.concatenate(per_sample)
-    publish(
-        pool.shards.next(),  # redis.shards: the next shard in turn (pipeline/streams/shards.py)
-        pool.names.rollouts,
+    part = pool.shards.next()  # redis.shards: the next shard or partition in turn
+    publish(  # (pipeline/streams/shards.py)
+        part.client,
+        part.names.rollouts,
         encode(group),
         token=group.group_id,  # XADD-once: a re-send adds no copy (pipeline/streams/durable.py)
         schema=SCHEMA_VERSION,

@@ -44,7 +44,7 @@ import redis
 
 from pipeline.messages import BadEntry, RolloutGroup, TrainBatch, decode
 from pipeline.streams import Names
-from pipeline.streams.shards import parse_position
+from pipeline.streams.shards import parse_position, parts_of
 from pipeline.telemetry import surviving_steps
 
 PREPROCESSOR_GROUP = Names.ROLLOUTS_GROUP
@@ -100,7 +100,8 @@ def in_flight(
 ) -> dict[str, list]:
     """Group ids still in ``rollouts`` and sample ids still in ``batches``, not yet
     acknowledged by their consumer group, on the primary ``client`` and every other
-    shard (``shards``: their clients, redis.shards > 1); undecodable entries by entry
+    shard (``shards``: their clients, redis.shards > 1; or a Shards, the partitions of
+    redis.mode=cluster); undecodable entries by entry
     id (``k@id`` on shard k > 0). ``trainer_from``: the position a restarted trainer
     resumes from (its last checkpoint's, one id per shard, comma-separated): the batches
     after it are in flight too, acknowledged or not, since a resume reads them again
@@ -110,13 +111,14 @@ def in_flight(
     entry with its ``stream``, ``shard``, entry ``id``, ``where`` (``unread``,
     ``pending:<consumer>``, ``after-resume-position``) and the ``ids`` it holds."""
     groups, samples, bad, entries = set(), set(), [], []
-    n = 1 + len(shards)
+    parts = parts_of(client, names, shards)
+    n = len(parts)
     starts = parse_position(trainer_from, n) if trainer_from else [None] * n
-    for k, (shard, start) in enumerate(zip([client, *shards], starts, strict=True)):
+    for (k, shard, part_names), start in zip(parts, starts, strict=True):
         tag = f"{k}@" if k else ""
         reads = (
-            ("rollouts", _unconsumed(shard, names.rollouts, PREPROCESSOR_GROUP)),
-            ("batches", _unconsumed(shard, names.batches, TRAINER_GROUP, start)),
+            ("rollouts", _unconsumed(shard, part_names.rollouts, PREPROCESSOR_GROUP)),
+            ("batches", _unconsumed(shard, part_names.batches, TRAINER_GROUP, start)),
         )
         for stream, found in reads:
             for entry_id, fields, where in found:

@@ -2,7 +2,8 @@
 
 Composes the Hydra config, materializes the model once, starts an embedded
 redis-server unless ``redis.url`` names one (``redis=ha``: a primary, a replica and
-three sentinels, pipeline/redis_ha.py), spawns the pools as separate OS
+three sentinels, pipeline/redis_ha.py; ``redis=cluster``: a Redis Cluster of 3 primaries
+with a replica each, pipeline/redis_cluster.py), spawns the pools as separate OS
 processes (``python -m actor|preprocessor|trainer``) with per-process logs,
 shows a live progress line, and stops everything cleanly: when the trainer
 finishes, on Ctrl-C, or when a pool fails (naming it and showing its log).
@@ -42,11 +43,13 @@ from pipeline.config import (
 )
 from pipeline.evaluator import wait_for_final_eval
 from pipeline.progress import Progress
+from pipeline.redis_cluster import start_local_cluster
 from pipeline.redis_ha import start_local_ha
 from pipeline.redis_server import EmbeddedRedis, check_no_eviction
 from pipeline.redis_tls import ENV as TLS_ENV
 from pipeline.redis_tls import TLSFiles, make_run_certs
 from pipeline.streams import DRAIN_FIELD, Names, RedisUnavailable, connect, mark_run
+from pipeline.streams.shards import Shards
 from pipeline.summary import newest_published, status_version, write_summary
 from pipeline.supervisor import Supervisor
 from pipeline.telemetry import read_statuses
@@ -120,6 +123,8 @@ def start_shards(
     primary); an external redis.url takes them from redis.shard_urls. Returns (servers
     started here, clients of shards 1..)."""
     servers = []
+    if cfg.redis.mode == "cluster":  # partitions of the one cluster, no instances
+        return servers, []
     if cfg.redis.url:
         urls = shard_urls(cfg, None)
         return servers, [connect(u, reconnect_s=2.0, tls=redis_tls(cfg, u)) for u in urls]
@@ -181,6 +186,9 @@ def run(cfg) -> int:
     elif cfg.redis.mode == "sentinel":  # redis=ha: primary, replica, sentinels
         server = start_local_ha(cfg, run_dir)
         url = server.url
+    elif cfg.redis.mode == "cluster":  # redis=cluster: 3 primaries with a replica each
+        server = start_local_cluster(cfg, run_dir)
+        url = server.url
     else:
         for var in TLS_ENV.values():  # files of some other Redis: not this run's
             env.pop(var, None)
@@ -209,8 +217,10 @@ def run(cfg) -> int:
     env.setdefault("NONSTOP_RUN_SECRET", secrets.token_hex(16))
     shard_servers, shards = start_shards(cfg, run_dir, env, tls)
     client = client or connect(url, reconnect_s=2.0, tls=client_tls)
-    names = Names(cfg.redis.prefix, cfg.run.name)
-    for shard in [client, *shards]:
+    names = Names.of(cfg)
+    if cfg.redis.mode == "cluster":  # redis.shards partitions on the one cluster
+        shards = Shards.cluster(client, names, cfg.redis.shards)
+    for shard in Shards.of(client, shards).instances:
         check_no_eviction(shard)
         mark_run(shard, names, run_dir=run_dir)
     client.delete(names.rendezvous)  # a previous trainer's address is stale now

@@ -46,7 +46,7 @@ from pipeline.streams import (
     mark_run,
 )
 from pipeline.streams.durable import Durability, NotReplicated, attach
-from pipeline.streams.shards import Shards
+from pipeline.streams.shards import Shards, start_for
 from pipeline.telemetry import MetricsFile, PoolStatus
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class Pool:
 
     def __post_init__(self) -> None:
         if self.shards is None:  # one Redis: the primary is the only shard
-            self.shards = Shards([self.client])
+            self.shards = Shards([self.client], names=self.names)
 
     def record(self, **values) -> None:
         self.metrics.write(pool=self.name, role=self.role, **values)
@@ -86,7 +86,7 @@ def heartbeat(pool: Pool, every_s: float = 1.0) -> None:
     """Runs in a daemon thread for the life of the process."""
     while True:
         try:
-            for shard in pool.shards.clients:
+            for shard in pool.shards.instances:
                 check_run(shard, pool.names)  # every shard must still hold the run
             pool.client.hset(
                 pool.status.key,
@@ -133,7 +133,7 @@ def start_pool(
     durability = Durability.from_config(cfg, stop)  # sentinel mode: WAIT behind work writes
     for c in [client, *extra]:
         attach(c, durability)
-    names = Names(cfg.redis.prefix, cfg.run.name)
+    names = Names.of(cfg)
     check_permissions(client, names, role, redis_url(cfg, role))  # NOPERM: exit 4 now
     for url, shard in zip(shard_urls(cfg, role), extra, strict=True):
         check_permissions(shard, names, role, url, shard=True)
@@ -150,7 +150,7 @@ def start_pool(
         stop=stop,
         status=PoolStatus(client, names, args.name, role),
         metrics=MetricsFile(os.path.join(run_dir, "metrics.jsonl")),
-        shards=Shards.for_producer([client, *extra], args.name),
+        shards=pool_shards(cfg, client, extra, names, args.name),
     )
     _current_stop[:] = [stop]
     starting[0] = False
@@ -161,6 +161,18 @@ def start_pool(
     detail = f": {describe(cfg)}" if describe is not None else ""
     logging.getLogger(role).info("%s started (pid %d)%s", args.name, os.getpid(), detail)
     return pool
+
+
+def pool_shards(
+    cfg: Any, client: redis.Redis, extra: list[redis.Redis], names: Names, name: str
+) -> Shards:
+    """The pool's parts of the work streams (pipeline/streams/shards.py): redis.shards
+    partitions of the one cluster client in redis.mode=cluster, else the primary and the
+    independent shards ``extra``; a producer's rotation starts at a part of its own."""
+    if cfg.redis.mode == "cluster":
+        n = cfg.redis.shards
+        return Shards.cluster(client, names, n, start_for(name, n))
+    return Shards.for_producer([client, *extra], name, names)
 
 
 def stop_handler(stop: StopEvent, starting: list[bool]) -> Callable[[int, Any], None]:

@@ -160,7 +160,11 @@ def watch(
 
 
 def _in_use_sockets(client: redis.Redis) -> list[socket.socket]:
-    """The sockets of ``client``'s connections handed out to a command right now."""
+    """The sockets of ``client``'s connections handed out to a command right now (a
+    Redis Cluster client: those of every node's client)."""
+    if not hasattr(client, "connection_pool") and hasattr(client, "get_nodes"):
+        nodes = [n.redis_connection for n in client.get_nodes() if n.redis_connection]
+        return [sock for node in nodes for sock in _in_use_sockets(node)]
     pool = client.connection_pool
     with getattr(pool, "_lock", None) or contextlib.nullcontext():
         conns = list(getattr(pool, "_in_use_connections", ()))

@@ -54,11 +54,13 @@ from dataclasses import asdict
 
 import redis
 from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from pipeline import checkpoint
 from pipeline.accounting import account, dead_letters, in_flight
 from pipeline.streams import Names
+from pipeline.streams.cluster import silent as cluster_silent
 from pipeline.summary_fields import NULL_WITHOUT_REDIS, WITHOUT_REDIS, Summary
 from pipeline.telemetry import read_jsonl, read_statuses, surviving_steps
 
@@ -203,7 +205,8 @@ def from_run_dir(run_dir: str, records: list[dict], terms: dict) -> dict:
 def build_summary(
     run_dir: str, client: redis.Redis, names: Names, outcome: str, wall_s: float, shards=()
 ) -> Summary:
-    """``shards``: the clients of redis.shards 1.. (their rollouts and batches in flight)."""
+    """``shards``: the clients of redis.shards 1.. (their rollouts and batches in flight),
+    or a Shards (redis.mode=cluster: its partitions)."""
     statuses = read_statuses(client, names)
     records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     trainer = statuses.get("trainer", {})
@@ -297,7 +300,10 @@ def build_disk_summary(run_dir: str, outcome: str, wall_s: float, why: str) -> S
 
 def silent(client: redis.Redis, timeout_s: float) -> str | None:
     """None when ``client``'s server answers a PING within ``timeout_s`` (one try, on a
-    connection of its own with the client's address, credentials and TLS), else why."""
+    connection of its own with the client's address, credentials and TLS), else why.
+    A Redis Cluster client (redis.mode=cluster): every primary it finds answers."""
+    if isinstance(client, RedisCluster):
+        return cluster_silent(client, timeout_s)
     pool = client.connection_pool
     kwargs = dict(pool.connection_kwargs)
     kwargs.update(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)

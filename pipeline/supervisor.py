@@ -46,6 +46,7 @@ import subprocess
 import time
 from collections import Counter
 
+from pipeline.redis_cluster import LocalCluster
 from pipeline.redis_ha import RedisHA
 from pipeline.redis_server import EmbeddedRedis
 from pipeline.runtime import EXIT_DATA_LOST, EXIT_MISMATCH, EXIT_REFUSED
@@ -67,7 +68,7 @@ class Supervisor:
         run_dir: str,
         env: dict[str, str],
         cmds: dict[str, list[str]],
-        server: EmbeddedRedis | RedisHA | None = None,
+        server: EmbeddedRedis | RedisHA | LocalCluster | None = None,
         groups: dict[str, list[str]] | None = None,
     ):
         self.cfg, self.run_dir, self.env, self.cmds, self.server = cfg, run_dir, env, cmds, server
@@ -204,7 +205,8 @@ class Supervisor:
                 kill_process_group(proc)
 
     def check_redis(self) -> None:
-        if isinstance(self.server, RedisHA):  # Sentinel promotes; see RedisHA.watch
+        # Sentinel promotes (RedisHA.watch), a cluster fails over (LocalCluster.watch)
+        if isinstance(self.server, RedisHA | LocalCluster):
             self.server.watch(lambda line: print(f"\n{line}", flush=True), self.event)
             return
         for k, server in enumerate([self.server, *self.shard_servers]):

@@ -82,9 +82,10 @@ class WeightPublisher:
         last_join = client.xrevrange(names.joins, count=1)
         self.joins_id = last_join[0][0].decode() if last_join else "0"
         rendezvous = {"epoch": self.epoch, **self.sender.rendezvous()}
-        client.pipeline().delete(names.rendezvous).hset(
-            names.rendezvous, mapping=rendezvous
-        ).execute()
+        pipe = client.pipeline(transaction=True)  # MULTI (one slot in redis.mode=cluster);
+        pipe.delete(names.rendezvous)  # not chained: redis-py's ClusterPipeline.delete
+        pipe.hset(names.rendezvous, mapping=rendezvous)  # returns None
+        pipe.execute()
         self.published = 0  # versions received whole by at least one actor
         self.unreceived = 0  # versions no actor received
         self.failures = 0

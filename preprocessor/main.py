@@ -128,7 +128,8 @@ def score_groups(
 def process(
     pool: Pool, scorers: list[Scorer], entries: list[tuple[str, RolloutGroup]], out=None
 ) -> dict:
-    """Score, pack and XADD batches to ``out`` (the rollouts' shard; default the primary)."""
+    """Score, pack and XADD batches to ``out`` (the rollouts' shard or partition, a
+    pipeline.streams.shards Part; default the primary)."""
     cfg = pool.cfg.preprocessor
     groups = [group for _id, group in entries]
     kept, dropped, counts = score_groups(scorers, groups, cfg.drop_no_signal)
@@ -137,8 +138,8 @@ def process(
     for b in batches:
         versions = np.concatenate([s.token_versions() for s in b.samples])
         publish(
-            out or pool.client,
-            pool.names.batches,
+            out.client if out else pool.client,
+            (out.names if out else pool.names).batches,
             encode(b),
             token=b.batch_id,  # XADD-once: a re-send adds no copy (pipeline/streams/durable.py)
             schema=SCHEMA_VERSION,
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         if not entries:
             pool.status.set(state="idle")
             continue
-        counts = process(pool, scorers, entries, out=consumer.client_for(entries[0][0]))
+        counts = process(pool, scorers, entries, out=consumer.part_for(entries[0][0]))
         consumer.ack([entry_id for entry_id, _ in entries])
         consumer.trim()
         pool.record(event="preprocessed", **counts)

@@ -57,7 +57,7 @@ def test_redis_mode_is_validated():
     validate(cfg)
     assert min_replicas_acked(cfg) == 0
     for mode, url, said in [
-        ("cluster", None, "redis.mode=cluster is not built yet: use redis.mode=single or"),
+        ("cluster", "redis://h:1/0", "redis.mode=cluster needs redis.url=redis\\+cluster"),
         ("raft", None, "redis.mode='raft' is not supported"),
         ("sentinel", "redis://h:1/0", "redis.mode=sentinel needs redis.url=redis\\+sentinel"),
         ("single", "redis+sentinel://h:1/s", "redis.mode=single"),

@@ -42,7 +42,7 @@ def two(rclient, second_server):
     other = connect(second_server.url, attempts=3)
     other.flushdb()
     try:
-        yield Shards([rclient, other])
+        yield Shards([rclient, other], names=NAMES)
     finally:
         other.close()
 
@@ -75,7 +75,8 @@ def group(gid: str, n_tokens: int = 5) -> RolloutGroup:
 
 def produce(shards: Shards, gids: list[str]) -> None:
     for gid in gids:
-        publish(shards.next(), NAMES.rollouts, encode(group(gid)), group=gid)
+        part = shards.next()
+        publish(part.client, part.names.rollouts, encode(group(gid)), group=gid)
 
 
 def test_producer_rotates_and_consumer_reads_every_shard(two):

@@ -21,6 +21,15 @@ the sentinels have promoted the replica (another server, new ``run_id``, answeri
 the primary); ``first_write_s`` is the time from the kill to the first write the new
 primary acknowledged (a key of the run's, ``<run>:faults_probe``).
 
+``cluster_primary_loss`` (``redis=cluster`` runs only, ``--set redis=cluster --faults
+cluster_primary_loss``; not in the default schedule): SIGKILL the cluster primary that
+serves the run's control keys (slot of ``{<run>}``; the partitions it also serves are
+recorded) and delete its data directory. It takes effect when another node, its replica,
+serves that slot; ``first_write_s`` is the time from the kill to the first write
+acknowledged there (``<run>:faults_probe``, in that slot), ``first_durable_write_s`` to
+the first one that also passed its WAIT (``redis.min_replicas_acked`` replicas: the lost
+node back as the promoted node's replica), as the pools' work writes must.
+
 After the last fault and ``--tail-steps`` steps, the run is drained: the actors
 stop producing (the ``drain`` field of ``<run>:run``, actor/room.py), the
 preprocessors and the trainer take what is in the streams and the pending lists,
@@ -61,6 +70,7 @@ from omegaconf import OmegaConf
 from pipeline.accounting import account, in_flight, problems
 from pipeline.bench.common import device_name, print_table, write_json
 from pipeline.streams import DRAIN_FIELD, Names, connect, wait_until
+from pipeline.streams.durable import Durability, attach, set_value
 from pipeline.telemetry import read_jsonl, read_statuses, surviving_steps
 
 DEFAULT_SCHEDULE = (
@@ -68,7 +78,10 @@ DEFAULT_SCHEDULE = (
     "60:restart:redis,80:kill:redis"
 )
 SIGNALS = {"kill": "sigkill", "stop": "sigstop", "restart": "restart", "lose": "loss"}
-EXTRA_FAULTS = {"redis_primary_loss": ("lose", "redis_primary")}  # not in the default
+EXTRA_FAULTS = {  # not in the default schedule
+    "redis_primary_loss": ("lose", "redis_primary"),
+    "cluster_primary_loss": ("lose", "cluster_primary"),
+}
 RECOVERY_TIMEOUT_S = 180.0
 DRAIN_TIMEOUT_S = 240.0  # for the preprocessors and the trainer to empty the streams
 QUIET_S = 5.0  # nothing in the streams moved this long: drained
@@ -127,7 +140,7 @@ def launcher_out(run_dir: str, chars: int = 3000) -> str:
 
 def run_names(run_dir: str) -> Names:
     cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
-    return Names(cfg.redis.prefix, cfg.run.name)
+    return Names.of(cfg)
 
 
 def count_steps(metrics: str) -> int:
@@ -190,10 +203,55 @@ def lose_primary(fault: dict, run_dir: str, client, names: Names) -> None:
     fault["first_write_s"] = round(time.monotonic() - killed, 2)
 
 
+def slot_primary_identity(client, key: str) -> dict:
+    """The cluster primary serving ``key``'s slot as the cluster client sees it: pid,
+    run_id, port, data directory (asked on that node alone)."""
+    node = client.get_node_from_key(key)
+    direct = client.get_redis_connection(node)
+    server = direct.info("server")
+    return {
+        "pid": int(server["process_id"]),
+        "run_id": server["run_id"],
+        "port": int(server["tcp_port"]),
+        "dir": direct.config_get("dir")["dir"],
+    }
+
+
+def lose_cluster_primary(fault: dict, run_dir: str, client, names: Names) -> None:
+    """SIGKILL the cluster primary serving the control keys and delete its data
+    directory; then time the first write acknowledged in that slot (the cluster client
+    follows the failover: pipeline/streams/cluster.py)."""
+    cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
+    if cfg.redis.mode != "cluster":
+        raise SystemExit(
+            f"cluster_primary_loss needs a redis=cluster run (redis.mode is {cfg.redis.mode})"
+        )
+    before = slot_primary_identity(client, names.run_marker)
+    node = client.get_node_from_key(names.run_marker)
+    fault.update(pid=before["pid"], run_id=before["run_id"], port=before["port"])
+    fault["partitions_there"] = [
+        k
+        for k in range(int(cfg.redis.shards))
+        if client.get_node_from_key(names.part(k).rollouts).name == node.name
+    ]
+    durable = attach(connect(run_redis(run_dir).url), Durability.from_config(cfg))
+    os.kill(before["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    shutil.rmtree(before["dir"], ignore_errors=True)
+    client.set(names.faults_probe, str(time.time()))  # retried until a primary takes it
+    fault["first_write_s"] = round(time.monotonic() - killed, 2)
+    # as the pools write: counted once WAIT saw a replica (the lost node back as one)
+    set_value(durable, names.faults_probe, str(time.time()))
+    fault["first_durable_write_s"] = round(time.monotonic() - killed, 2)
+    durable.close()
+
+
 def inject(fault: dict, run_dir: str, client, names: Names) -> None:
     """Apply one fault; record what it hit (pid, and the server's run_id for redis)."""
     if fault["target"] == "redis_primary":
         return lose_primary(fault, run_dir, client, names)
+    if fault["target"] == "cluster_primary":
+        return lose_cluster_primary(fault, run_dir, client, names)
     if fault["target"] == "redis":
         before = redis_identity(run_dir, client)
         fault["pid"], fault["run_id"] = before["pid"], before["run_id"]
@@ -210,14 +268,19 @@ def took_effect(fault: dict, run_dir: str, client, names: Names) -> bool:
     """The hit process stopped or died, and a new one (new pid; new run_id for
     redis) reports; fills ``fault["effect"]`` with what was seen."""
     effect = fault.setdefault("effect", {})
-    if fault["target"] == "redis_primary":  # promoted: another server answers as primary
-        try:
-            now = primary_identity(client)
+    if fault["target"] in ("redis_primary", "cluster_primary"):  # promoted: another server
+        try:  # answers as the primary (of the control keys' slot in a cluster)
+            if fault["target"] == "cluster_primary":
+                now = slot_primary_identity(client, names.run_marker)
+            else:
+                now = primary_identity(client)
         except redis.RedisError:
             return False
         effect.update(old_pid_state=pid_state(fault["pid"]), new_pid=now["pid"])
         effect.update(new_run_id=now["run_id"], new_port=now["port"])
         effect["first_write_s"] = fault["first_write_s"]
+        if "first_durable_write_s" in fault:
+            effect["first_durable_write_s"] = fault["first_durable_write_s"]
         return now["port"] != fault["port"] and effect["old_pid_state"] in ("gone", "zombie")
     if fault["target"] == "redis":
         try:
@@ -247,7 +310,7 @@ def recovered(fault: dict, client, names: Names, metrics: str) -> bool:
     t = fault["at"]
     if not any(r.get("event") == "step" and r["time"] > t for r in read_jsonl(metrics)):
         return False
-    if fault["target"] in ("redis", "redis_primary"):
+    if fault["target"] in ("redis", "redis_primary", "cluster_primary"):
         return True
     st = read_statuses(client, names).get(fault["target"], {})
     return int(st.get("pid", 0)) != fault["pid"] and float(st.get("progress", 0)) > t
@@ -275,8 +338,14 @@ def apply_fault(fault: dict, run_dir: str, client, names: Names, metrics: str) -
 # ------------------------------------------------------------------ drain and account
 
 
-def shard_clients(run_dir: str) -> list:
-    """Clients of redis.shards 1.. (the launcher writes their URLs), none with one shard."""
+def shard_clients(run_dir: str, client=None, names: Names | None = None):
+    """Clients of redis.shards 1.. (the launcher writes their URLs), none with one shard;
+    in redis.mode=cluster the partitions of the cluster ``client`` (a Shards)."""
+    cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
+    if cfg.redis.mode == "cluster" and client is not None and names is not None:
+        from pipeline.streams.shards import Shards
+
+        return Shards.cluster(client, names, int(cfg.redis.shards))
     target = run_redis(run_dir)
     return [connect(u, attempts=3, tls=target.tls) for u in target.shard_urls]
 
@@ -289,7 +358,7 @@ def drain(run_dir: str, client, names: Names, proc: subprocess.Popen) -> dict:
     unfinished step, in its pending list) have not changed for QUIET_S seconds."""
     t0 = time.time()
     client.hset(names.run_marker, DRAIN_FIELD, str(t0))
-    shards = shard_clients(run_dir)
+    shards = shard_clients(run_dir, client, names)
     per_step = int(OmegaConf.load(os.path.join(run_dir, "config.yaml")).trainer.samples_per_step)
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     last, since, actors, entries, trainer = None, time.monotonic(), {}, [], {}

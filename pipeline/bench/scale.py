@@ -115,8 +115,9 @@ def run_actor(argv: list[str]) -> None:
     args = p.parse_args(argv)
     cfg = load_config(args.config)
     client = connect(redis_url(cfg, "actor"))
-    shards = Shards.for_producer([client, *map(connect, shard_urls(cfg, "actor"))], args.name)
-    names = Names(cfg.redis.prefix, cfg.run.name)
+    names = Names.of(cfg)
+    extra = [connect(u) for u in shard_urls(cfg, "actor")]
+    shards = Shards.for_producer([client, *extra], args.name, names)
     rng = np.random.default_rng(sum(args.name.encode()))
     groups = sample_pool(rng, 16, args.group_size, args.completion_tokens)
     prompt = pack_i32(rng.integers(0, VOCAB, args.prompt_tokens))
@@ -148,8 +149,9 @@ def run_actor(argv: list[str]) -> None:
             )
             payload = encode(g)
             t0 = time.perf_counter()
+            part = shards.next()
             publish(  # the plain fields a real actor writes beside the payload
-                shards.next(), names.rollouts, payload, schema=SCHEMA_VERSION,
+                part.client, part.names.rollouts, payload, schema=SCHEMA_VERSION,
                 group=g.group_id, actor=args.name, problem="p", versions="0-1",
                 reward="0.500", tokens=tokens,
             )  # fmt: skip
@@ -199,7 +201,7 @@ def _raw_pool(argv: list[str], prog: str):
     urls = [redis_url(cfg, "trainer"), *shard_urls(cfg, "trainer")]
     client = connect(urls[args.shard])
     primary = client if args.shard == 0 else connect(urls[0])
-    names = Names(cfg.redis.prefix, cfg.run.name)
+    names = Names.of(cfg)
     return client, primary, names, names.status(args.name), args.name, cfg
 
 
@@ -357,7 +359,7 @@ class Setup:
         cfg.trainer.max_lag = 1000
         self.config = os.path.join(self.dir, "config.yaml")
         OmegaConf.save(cfg, self.config)
-        self.names = Names(cfg.redis.prefix, cfg.run.name)
+        self.names = Names.of(cfg)
         self.env = dict(os.environ, NONSTOP_REDIS_URL=self.servers[0].url)
         self.env["NONSTOP_REDIS_SHARD_URLS"] = ",".join(s.url for s in self.servers[1:])
         self.env["NONSTOP_RUN_SECRET"] = "scale-bench"

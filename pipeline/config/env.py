@@ -50,9 +50,10 @@ def redis_url(cfg: Any, role: str | None = None) -> str:
 def shard_urls(cfg: Any, role: str | None = None) -> list[str]:
     """The URLs of shards 1.. (``redis.shards - 1`` of them): a role's own
     ``NONSTOP_REDIS_SHARD_URLS_<ROLE>``, else ``NONSTOP_REDIS_SHARD_URLS`` (both
-    comma-joined; the embedded launcher sets it), else ``redis.shard_urls``."""
+    comma-joined; the embedded launcher sets it), else ``redis.shard_urls``. None in
+    redis.mode=cluster: its ``redis.shards`` partitions are on the one cluster."""
     n = _get(cfg, "redis.shards")
-    if n <= 1:
+    if n <= 1 or _get(cfg, "redis.mode") == "cluster":
         return []
     own = os.environ.get(f"NONSTOP_REDIS_SHARD_URLS_{role.upper()}") if role else None
     env = own or os.environ.get("NONSTOP_REDIS_SHARD_URLS")

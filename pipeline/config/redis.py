@@ -42,23 +42,27 @@ class RedisConfig:
     embedded_appendfsync: str = "always"
     # sharded work streams (pipeline/streams/shards.py): rollouts and batches over this many
     # Redis instances; the embedded launcher starts them all, an external redis.url
-    # needs shards - 1 more URLs in shard_urls (or NONSTOP_REDIS_SHARD_URLS, comma-joined)
+    # needs shards - 1 more URLs in shard_urls (or NONSTOP_REDIS_SHARD_URLS, comma-joined).
+    # redis.mode=cluster: this many partitions (hash-tagged key sets) on the one cluster
     shards: int = 1
     shard_urls: list[str] = field(default_factory=list)
     tls: TLSConfig = field(default_factory=TLSConfig)
     # single: one primary (redis://, or the embedded redis-server); sentinel: a primary
     # with replicas found through Redis Sentinel (redis.url=redis+sentinel://..., or
     # redis=ha: the launcher starts a primary, a replica and three sentinels,
-    # pipeline/redis_ha.py); cluster: not built yet
+    # pipeline/redis_ha.py); cluster: a Redis Cluster (redis.url=redis+cluster://..., or
+    # redis=cluster: the launcher starts 3 primaries with a replica each,
+    # pipeline/redis_cluster.py), the work streams in redis.shards partitions
     mode: str = "single"
     sentinel_service: str = "nonstop"  # the sentinels' name for the primary (redis=ha)
-    # sentinel mode: a write that creates or retires work counts once WAIT says this many
-    # replicas have it, waiting at most wait_timeout_ms (None: 1 in sentinel mode, else 0)
+    # sentinel and cluster mode: a write that creates or retires work counts once WAIT says
+    # this many replicas have it, waiting at most wait_timeout_ms (None: 1 in sentinel and
+    # cluster mode, else 0)
     min_replicas_acked: int | None = None
     wait_timeout_ms: int = 2000
 
 
-REDIS_MODES = ("single", "sentinel")  # redis.mode=cluster: not built yet
+REDIS_MODES = ("single", "sentinel", "cluster")
 
 
 def validate_redis(cfg: Any) -> None:
@@ -72,19 +76,22 @@ def validate_redis(cfg: Any) -> None:
 def validate_mode(cfg: Any) -> None:
     """``redis.mode`` against ``redis.url`` and the settings sentinel mode uses."""
     mode, url = _get(cfg, "redis.mode"), _get(cfg, "redis.url")
-    if mode == "cluster":
-        raise ValueError(
-            "redis.mode=cluster is not built yet: use redis.mode=single or "
-            "redis.mode=sentinel (redis=ha starts a local primary, replica and sentinels)"
-        )
     if mode not in REDIS_MODES:
         raise ValueError(f"redis.mode={mode!r} is not supported; use one of {REDIS_MODES}")
+    validate_cluster(cfg)
+    if mode == "cluster":
+        return
     sentinel_url = bool(url) and url.split("://", 1)[0].endswith("+sentinel")
     if mode == "sentinel" and url and not sentinel_url:
         raise ValueError(
             "redis.mode=sentinel needs redis.url=redis+sentinel://[USER:PASSWORD@]HOST:PORT,"
             "HOST:PORT,.../SERVICE[/DB] (the sentinels, not a node), or no redis.url "
             "(redis=ha starts a local one)"
+        )
+    if url and url.split("://", 1)[0].endswith("+cluster"):
+        raise ValueError(
+            f"redis.url is a redis+cluster:// URL but redis.mode={mode}: set "
+            "redis.mode=cluster (or redis=cluster), or give a redis:// URL"
         )
     if mode == "single" and sentinel_url:
         raise ValueError(
@@ -119,13 +126,50 @@ def validate_mode(cfg: Any) -> None:
         )
 
 
+def validate_cluster(cfg: Any) -> None:
+    """``redis.mode=cluster`` (pipeline/streams/cluster.py): a redis+cluster:// URL or none
+    (redis=cluster), ``redis.shards`` partitions, no shard URLs, no TLS; WAIT settings."""
+    if _get(cfg, "redis.mode") != "cluster":
+        return
+    url = _get(cfg, "redis.url")
+    if url and not url.split("://", 1)[0].endswith("+cluster"):
+        raise ValueError(
+            "redis.mode=cluster needs redis.url=redis+cluster://[USER:PASSWORD@]HOST:PORT,"
+            "HOST:PORT,.../ (cluster nodes), or no redis.url (redis=cluster starts a local one)"
+        )
+    if _get(cfg, "redis.shard_urls"):
+        raise ValueError(
+            "redis.shard_urls is set with redis.mode=cluster: the cluster holds every "
+            "partition (redis.shards is their count); drop redis.shard_urls"
+        )
+    if _get(cfg, "redis.tls.enabled"):
+        raise ValueError(
+            "redis.tls=true with redis.mode=cluster is not built yet: drop redis.tls, or use "
+            "redis.mode=single with rediss://"
+        )
+    acked = _get(cfg, "redis.min_replicas_acked")
+    if acked is not None and (not isinstance(acked, int) or acked < 0):
+        raise ValueError(f"redis.min_replicas_acked={acked!r} must be an integer >= 0")
+    if _get(cfg, "redis.wait_timeout_ms") <= 0:
+        raise ValueError(
+            f"redis.wait_timeout_ms={_get(cfg, 'redis.wait_timeout_ms')} must be > 0 "
+            "(how long a write waits for replicas)"
+        )
+    run = str(_get(cfg, "run.name"))
+    if "{" in run or "}" in run:
+        raise ValueError(
+            f"run.name={run!r} may not contain '{{' or '}}' with redis.mode=cluster: the key "
+            "names carry the run as a hash tag; rename the run"
+        )
+
+
 def min_replicas_acked(cfg: Any) -> int:
     """The replicas a work write waits for with WAIT: ``redis.min_replicas_acked``, or
-    1 in sentinel mode and 0 (no WAIT) in single mode when it is not set."""
+    1 in sentinel and cluster mode and 0 (no WAIT) in single mode when it is not set."""
     acked = _get(cfg, "redis.min_replicas_acked")
     if acked is not None:
         return acked
-    return 1 if _get(cfg, "redis.mode") == "sentinel" else 0
+    return 1 if _get(cfg, "redis.mode") in ("sentinel", "cluster") else 0
 
 
 def validate_shards(cfg: Any) -> None:
@@ -133,6 +177,8 @@ def validate_shards(cfg: Any) -> None:
     n, urls = _get(cfg, "redis.shards"), list(_get(cfg, "redis.shard_urls") or [])
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"redis.shards={n!r} must be an integer >= 1 (1: no sharding)")
+    if _get(cfg, "redis.mode") == "cluster":
+        return  # partitions of the one cluster: validate_cluster checks the rest
     if urls and not _get(cfg, "redis.url"):
         raise ValueError(
             "redis.shard_urls is set but redis.url is not: the embedded launcher starts "

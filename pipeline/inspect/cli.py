@@ -10,11 +10,12 @@ import time
 
 import redis
 
-from pipeline.inspect.gather import snapshot
+from pipeline.inspect.gather import cluster_partitions, snapshot
 from pipeline.inspect.render import render
 from pipeline.inspect.replication import replication_snapshot
 from pipeline.inspect.target import pick_run, resolve
 from pipeline.streams import Names, connect
+from pipeline.streams.cluster import is_cluster
 
 CLEAR = "\x1b[H\x1b[2J"
 
@@ -29,8 +30,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--url",
-        help="redis[s]://[:PASS@]host:port/db or redis+sentinel://[:PASS@]host:port,.../SERVICE"
-        " (default: $NONSTOP_REDIS_URL)",
+        help="redis[s]://[:PASS@]host:port/db, redis+sentinel://[:PASS@]host:port,.../SERVICE"
+        " or redis+cluster://[:PASS@]host:port,.../ (default: $NONSTOP_REDIS_URL)",
     )
     for what, help_ in (
         ("ca", "the CA that signs the server's certificate"),
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    names = Names(target.prefix, target.run)
+    names = Names(target.prefix, target.run, cluster=is_cluster(target.url))
     prev = None
     if args.watch is not None:
         # Ctrl-C ends the watch even where it started with SIGINT ignored (Python then
@@ -91,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while True:
             try:
-                snap = snapshot(client, names, args.stale_after, shards)
+                parts = cluster_partitions(client, names) if names.cluster else shards
+                snap = snapshot(client, names, args.stale_after, parts)
                 snap["replication"] = replication_snapshot(target.url, client)  # sentinel
                 text = json.dumps(snap) if args.json else render(snap, prev, target.url)
                 prev = snap

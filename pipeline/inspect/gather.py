@@ -161,16 +161,35 @@ def pool_info(fields: dict[str, str], now: float, stale_after_s: float) -> dict:
     }
 
 
-def shard_snapshot(shards: list[tuple[str, redis.Redis]], names: Names, now: float) -> list:
-    """The work streams (rollouts, batches) on each extra shard (redis.shards 1..)."""
-    return [
-        {
-            "shard": k,
-            "url": redact(url),
-            "streams": {n: stream_info(c, names.stream(n), now) for n in SHARDED},
-        }
-        for k, (url, c) in enumerate(shards, start=1)
-    ]
+def shard_snapshot(shards: list[tuple], names: Names, now: float) -> list:
+    """The work streams (rollouts, batches) on each extra shard (redis.shards 1..):
+    ``shards`` holds (url, client), or (where, client, names) for a partition of
+    redis.mode=cluster (its own stream names; ``where``: its slot and node)."""
+    out = []
+    for k, (url, c, *own) in enumerate(shards, start=1):
+        part = own[0] if own else names
+        streams = {n: stream_info(c, getattr(part, n), now) for n in SHARDED}
+        out.append({"shard": k, "url": redact(url), "streams": streams})
+    return out
+
+
+def cluster_partitions(client: redis.Redis, names: Names) -> list[tuple]:
+    """redis.mode=cluster: (where, client, names) of partitions 1.. (partition 0 is shown
+    as the plain rows), as many as the cluster holds rollouts or batches streams for
+    (``<prefix>:{<run>.p<k>}:...``); ``where``: the partition, its slot and node."""
+    found = set()
+    for key in client.scan_iter(match=f"{names.prefix}:{{{names.run}.p*}}:*", count=500):
+        tag = _s(key).split("{", 1)[1].split("}", 1)[0]
+        number = tag.rsplit(".p", 1)[1]
+        if number.isdigit():
+            found.add(int(number))
+    out = []
+    for k in range(1, max(found, default=0) + 1):
+        part = names.part(k)
+        node = client.get_node_from_key(part.rollouts)
+        where = f"partition {k}, slot {client.keyslot(part.rollouts)} on {node.name}"
+        out.append((where, client, part))
+    return out
 
 
 def work_totals(streams: dict, shards: list) -> dict:

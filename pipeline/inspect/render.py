@@ -114,7 +114,8 @@ def render(snap: dict, prev: dict | None = None, url: str = "") -> str:
     )
     if snap.get("shards"):
         where = ", ".join(f"shard{s['shard']} {s['url']}" for s in snap["shards"])
-        lines.append(f"(the rows without @ are shard0, the primary; {where})")
+        first = "partition 0" if snap["shards"][0]["url"].startswith("partition") else "shard0"
+        lines.append(f"(the rows without @ are {first}, the primary; {where})")
         for name, t in snap["work_totals"].items():
             groups = ", ".join(
                 f"{g} lag {v['lag']} pending {v['pending']}" for g, v in t["groups"].items()

@@ -46,7 +46,10 @@ def discover_runs(client: redis.Redis) -> list[tuple[str, str]]:
     for key in client.scan_iter(match="*:status:*", count=500):
         parts = key.decode().split(":")
         if len(parts) >= 4 and parts[-2] == "status":
-            found.add((":".join(parts[:-3]), parts[-3]))
+            run = parts[-3]  # redis.mode=cluster: the hash tag {run}
+            if run.startswith("{") and run.endswith("}"):
+                run = run[1:-1]
+            found.add((":".join(parts[:-3]), run))
     return sorted(found)
 
 

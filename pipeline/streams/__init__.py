@@ -16,7 +16,9 @@ Topology (names.py: ``<prefix>:<run>:<name>``)::
     status hash per pool
 
 With ``redis.shards`` > 1 the work streams (rollouts, batches) are spread over several
-Redis instances (shards.py); everything else lives on the primary, shard 0.
+Redis instances (shards.py); everything else lives on the primary, shard 0. With
+``redis.mode=cluster`` they are ``redis.shards`` partitions of one Redis Cluster, each
+under its own hash tag, the control keys under the run's (names.py, cluster.py).
 
 Layout (module: concern)::
 
@@ -26,18 +28,20 @@ Layout (module: concern)::
                    (check_permissions), wait_until
     sentinel.py    redis.mode=sentinel: the redis+sentinel:// URL, the client that
                    follows a failover, its start-up probe
+    cluster.py     redis.mode=cluster: the redis+cluster:// URL, the Redis Cluster
+                   client that follows a failover, its start-up probe
     durable.py     writes that count once replicas have them (WAIT), XADD-once,
                    publish, the Lua script runner
     counters.py    count-once counters: samples_produced, samples_retired
     consumer.py    Consumer: consumer groups, pending recovery and claims, dead
                    letters; the run marker (DataLost)
     trimming.py    trimming what every group has acknowledged
-    shards.py      the work streams over several Redis instances (Shards,
-                   ShardedConsumer)
+    shards.py      the work streams over several Redis instances or cluster
+                   partitions (Shards, ShardedConsumer)
 
 Import what a pool needs from here (``from pipeline.streams import Names, connect``);
-the sharding, sentinel and durable-write machinery from its own module
-(``pipeline.streams.shards``, ``.sentinel``, ``.durable``).
+the sharding, sentinel, cluster and durable-write machinery from its own module
+(``pipeline.streams.shards``, ``.sentinel``, ``.cluster``, ``.durable``).
 """
 
 from pipeline.streams.connection import check_permissions, cli_command, connect, wait_until

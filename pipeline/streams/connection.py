@@ -16,7 +16,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from pipeline.redis_tls import TLSFiles, explain, is_tls, settled
-from pipeline.streams import sentinel
+from pipeline.streams import cluster, sentinel
 from pipeline.streams.errors import RedisRefused, RedisUnavailable, redact
 from pipeline.streams.names import SHARDED, Names
 
@@ -47,9 +47,14 @@ def connect(
     ``redis+sentinel://`` URLs (redis.mode=sentinel; sentinel.py) give a client
     of the primary the sentinels name, found again on every reconnect, so it follows a
     failover with the same reconnect budget.
+
+    ``redis+cluster://`` URLs (redis.mode=cluster; cluster.py) give a Redis Cluster
+    client (redis-py's RedisCluster), which follows a failover within the same budget.
     """
     if sentinel.is_sentinel(url):
         return _connect_sentinel(url, startup_s, reconnect_s, tls)
+    if cluster.is_cluster(url):
+        return _connect_cluster(url, startup_s, reconnect_s, tls)
     tls, ssl_kwargs = _tls(url, tls)
     _probe(url, attempts, delay_s, startup_s, tls, ssl_kwargs)
     retry = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=max(1, int(reconnect_s / 2)))
@@ -81,6 +86,22 @@ def _connect_sentinel(
     client = sentinel.sentinel_client(
         parsed, retry, socket_timeout=30, socket_connect_timeout=5, health_check_interval=30
     )
+    client.ping()
+    return client
+
+
+def _connect_cluster(
+    url: str, startup_s: float, reconnect_s: float, tls: TLSFiles | None
+) -> redis.Redis:
+    """:func:`connect` for a ``redis+cluster://`` URL (cluster.py)."""
+    parsed = cluster.parse(url)  # ValueError: the form to use
+    if tls is not None and (tls.ca or tls.cert):
+        raise ValueError(
+            f"TLS files ({tls.named('ca')}, ...) given for the cluster URL {parsed.shown()}: "
+            "TLS to a Redis Cluster is not built yet; drop them"
+        )
+    cluster.probe(parsed, startup_s)
+    client = cluster.cluster_client(parsed, reconnect_s, health_check_interval=30)
     client.ping()
     return client
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
@@ -25,6 +25,15 @@ def ensure_group(client: redis.Redis, stream: str, group: str, start: str = "0")
     except redis.ResponseError as e:
         if "BUSYGROUP" not in str(e):
             raise
+
+
+class Part(NamedTuple):
+    """One shard or cluster partition of the work streams (pipeline/streams/shards.py):
+    its index, the client that reaches it and the names of its streams."""
+
+    k: int
+    client: redis.Redis
+    names: Names
 
 
 class DataLost(RuntimeError):
@@ -173,6 +182,10 @@ class Consumer:
     def client_for(self, entry_id: str) -> redis.Redis:
         """The Redis holding ``entry_id`` (where its follow-up writes go)."""
         return self.client
+
+    def part_for(self, entry_id: str) -> Part:
+        """The part holding ``entry_id``: this consumer's (where follow-up writes go)."""
+        return Part(0, self.client, self.names)
 
     def position(self, previous: str, ids: list[str]) -> str:
         """The read position after ``ids`` (newest entry id), ``previous`` without ids."""

@@ -7,6 +7,10 @@
                              version) is sent in one pipeline with ``WAIT replicas
                              timeout`` behind it, on one connection, and counts only
                              once WAIT says ``redis.min_replicas_acked`` replicas have it
+    redis.mode=cluster   ->  the same as sentinel mode, the pipeline sent to the primary
+                             serving the write's slot on a connection of that node
+                             (:meth:`Durability.write`), redirections and a failover
+                             retried within the same budget
     redis.mode=single    ->  the same commands, no pipeline around them, no WAIT
 
 **WAIT** covers the writes made earlier *on the same connection*, and redis-py's
@@ -32,14 +36,15 @@ tokens in arrival order in the list ``<stream>:once:order``; past ``ONCE_CAP`` t
 the oldest is forgotten (a re-send comes within seconds: reconnect_s, give_up_s).
 Both keys are named from the stream's name by appending a suffix, so a stream name
 with a Redis Cluster hash tag (``{...}``) gives them the same tag and the same slot,
-as a script's keys must share one (:func:`once_keys`; a future redis.mode=cluster
-must tag its stream names). Tokens: a rollout group's id; a preprocessor batch's id,
+as a script's keys must share one (:func:`once_keys`; redis.mode=cluster tags the work
+streams' names, pipeline/streams/names.py). Tokens: a rollout group's id; a preprocessor batch's id,
 derived from its sample ids (preprocessor/main.py). They may not start with ``~``
 (the fence fields). :func:`publish` is the pools' XADD: with a token it is XADD-once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
@@ -50,6 +55,8 @@ from typing import Any
 
 import redis
 from redis.client import Pipeline
+from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +106,8 @@ class Lua:
             except redis.exceptions.NoScriptError:
                 return client.eval(self.source, len(keys), *keys, *args)
         what = what or f"a script on {keys[0]}"
-        return durability.write(client, what, lambda p, c: self.queue(p, keys, args, c))[0]
+        queue = lambda p, c: self.queue(p, keys, args, c)  # noqa: E731
+        return durability.write(client, what, queue, key=keys[0])[0]
 
 
 @dataclass(frozen=True)
@@ -144,21 +152,43 @@ class Durability:
         return now >= deadline or (left is not None and left() <= 0)
 
     def write(
-        self, client: redis.Redis, what: str, queue: Callable[[Pipeline, bool], None]
+        self,
+        client: redis.Redis,
+        what: str,
+        queue: Callable[[Pipeline, bool], None],
+        key: str | None = None,
     ) -> list[Any]:
         """Queue the write's commands (``queue(pipe, cached)``: ``cached`` False means
         send scripts with EVAL, the server lost its script cache) and ``WAIT`` behind
         them, run them on one connection, and return the write's replies once enough
-        replicas have it (at once with ``replicas`` 0, which sends no WAIT)."""
+        replicas have it (at once with ``replicas`` 0, which sends no WAIT).
+
+        A Redis Cluster client (redis.mode=cluster): the pipeline goes to the primary
+        serving ``key``'s slot, on a connection of that node (a cluster pipeline would
+        send a keyless WAIT to any node); a dropped connection or a redirection (MOVED,
+        ASK, CLUSTERDOWN, TRYAGAIN: a failover moved the slot) reads the slot map again
+        and sends the write again, until ``give_up_s`` has passed."""
         deadline = time.monotonic() + self.give_up_s
         cached, tries, acked = True, 0, 0
+        cluster = isinstance(client, RedisCluster) and key is not None
         while True:
-            pipe = client.pipeline(transaction=False)
+            target = _slot_node(client, key) if cluster else client
+            pipe = target.pipeline(transaction=False)
             queue(pipe, cached)
             n = len(pipe)
             if self.replicas:
                 pipe.wait(self.replicas, self.timeout_ms)
-            replies = pipe.execute(raise_on_error=False)
+            try:
+                replies = pipe.execute(raise_on_error=False)
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                if not cluster:
+                    raise  # the client's own retry budget is spent
+                self._moved(client, what, e, deadline)
+                continue
+            moved = next((r for r in replies if isinstance(r, _MOVED)), None)
+            if cluster and moved is not None:
+                self._moved(client, what, moved, deadline)
+                continue
             written = replies[:n]
             if cached and any(isinstance(r, redis.exceptions.NoScriptError) for r in written):
                 cached = False  # the WAIT ran on nothing new: send the script itself
@@ -184,6 +214,32 @@ class Durability:
                 self.timeout_ms,
                 " (the primary refused it: NOREPLICAS)" if refused is not None else "",
             )
+
+    def _moved(self, client: RedisCluster, what: str, error: Exception, deadline: float) -> None:
+        """A cluster write met a dead node or a redirection: raise ``error`` when out of
+        time, else read the slot map again and wait a little (a failover takes seconds)."""
+        if self._out_of_time(deadline):
+            raise error
+        log.warning("%s: %s; reading the cluster's slot map again", what, error)
+        with contextlib.suppress(redis.RedisError, RedisClusterException):
+            client.nodes_manager.initialize()
+        left = getattr(self.stop, "left", None)
+        pause = min(0.25, max(0.0, deadline - time.monotonic()))
+        time.sleep(min(pause, left()) if left is not None else pause)
+
+
+# a cluster node's answer that the slot is served elsewhere, or not at the moment
+_MOVED = (
+    redis.exceptions.MovedError,
+    redis.exceptions.AskError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+)
+
+
+def _slot_node(client: RedisCluster, key: str) -> redis.Redis:
+    """The plain client of the primary serving ``key``'s slot (its own connections)."""
+    return client.get_redis_connection(client.get_node_from_key(key))
 
 
 def _noreplicas(error: redis.ResponseError) -> bool:
@@ -290,7 +346,7 @@ def xack(client: redis.Redis, stream: str, group: str, ids: list[str]) -> int:
         pipe.xack(stream, group, *ids)
         pipe.hset(once_keys(stream)[0], FENCE, f"{group}:{ids[-1]}")
 
-    return durability.write(client, f"XACK of {len(ids)} entries on {stream}", queue)[0]
+    return durability.write(client, f"XACK of {len(ids)} entries on {stream}", queue, stream)[0]
 
 
 def xadd(client: redis.Redis, stream: str, entry: dict[str, Any], maxlen: int | None = None) -> str:
@@ -305,6 +361,7 @@ def xadd(client: redis.Redis, stream: str, entry: dict[str, Any], maxlen: int | 
             client,
             f"XADD to {stream}",
             lambda p, _c: p.xadd(stream, entry, maxlen=maxlen, approximate=approximate),
+            stream,
         )[0]
     return reply.decode() if isinstance(reply, bytes) else str(reply)
 
@@ -315,4 +372,4 @@ def set_value(client: redis.Redis, key: str, value: Any) -> None:
     if not durability.replicas:
         client.set(key, value)
         return
-    durability.write(client, f"SET {key}", lambda p, _c: p.set(key, value))
+    durability.write(client, f"SET {key}", lambda p, _c: p.set(key, value), key)

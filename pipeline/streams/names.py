@@ -1,6 +1,9 @@
 """Every stream and key name of a run, and the form of its entry ids.
 
-Streams and keys are named ``<prefix>:<run>:<name>`` (:class:`Names`); an entry holds
+Streams and keys are named ``<prefix>:<run>:<name>`` (:class:`Names`); in
+``redis.mode=cluster`` the run part is a Redis Cluster hash tag, ``{<run>}`` for the
+control keys and ``{<run>.p<k>}`` for partition k's work streams (:meth:`Names.part`), so
+every script and transaction touches one slot. An entry holds
 a few plain fields an operator can read with ``redis-cli XRANGE`` beside the binary
 ``DATA`` payload; entry ids are ``ms-seq`` (:func:`id_tuple` orders them).
 """
@@ -25,10 +28,33 @@ class Names:
     ROLLOUTS_GROUP = "preprocessor"  # the consumer group reading rollouts
     BATCHES_GROUP = "trainer"  # the consumer group reading batches
 
-    def __init__(self, prefix: str, run: str):
-        self.base = f"{prefix}:{run}"
+    def __init__(self, prefix: str, run: str, cluster: bool = False, partition: int = 0):
+        if cluster and ("{" in run or "}" in run or "{" in prefix or "}" in prefix):
+            raise ValueError(
+                f"run.name={run!r} / redis.prefix={prefix!r} may not contain '{{' or '}}' in "
+                "redis.mode=cluster: the key names carry a hash tag {run}; rename the run"
+            )
+        self.prefix, self.run, self.cluster, self.partition = prefix, run, cluster, partition
+        # cluster: control keys in slot {run}, partition k's work streams in {run.pk}
+        self.base = f"{prefix}:{{{run}}}" if cluster else f"{prefix}:{run}"
+        self.work_base = f"{prefix}:{{{run}.p{partition}}}" if cluster else self.base
+
+    @classmethod
+    def of(cls, cfg) -> Names:
+        """The run's names from its config (``redis.prefix``, ``run.name``, and hash
+        tags when ``redis.mode=cluster``)."""
+        mode = getattr(cfg.redis, "mode", "single")
+        return cls(cfg.redis.prefix, cfg.run.name, cluster=mode == "cluster")
+
+    def part(self, k: int) -> Names:
+        """The names of partition (shard) ``k``: its work streams (rollouts, batches and
+        their once keys) are ``<prefix>:{<run>.p<k>}:...`` in cluster mode, every other
+        name is the run's; with independent shards every shard uses the same names."""
+        return Names(self.prefix, self.run, self.cluster, k) if self.cluster else self
 
     def stream(self, name: str) -> str:
+        if name in SHARDED:  # the work streams: partition k's slot in cluster mode
+            return f"{self.work_base}:{name}"
         return f"{self.base}:{name}"
 
     def key(self, name: str) -> str:

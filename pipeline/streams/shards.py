@@ -8,12 +8,17 @@
                           shards 1..N-1 (redis.shard_urls / NONSTOP_REDIS_SHARD_URLS):
                           their part of rollouts and batches, nothing else
 
-Independent instances, not a Redis Cluster: a stream is one key, and a Cluster
-puts one key on one node, so sharding a stream there also means several keys
-(one per shard, hash-tagged apart) read by per-shard consumer groups - which
-is what this module does, without cluster mode, its slot bookkeeping, or a
-client that must follow MOVED redirections. The streams and groups keep their
-names on every shard (same ACL patterns, same ``redis-cli`` habits).
+    redis.mode=cluster, redis.shards = N  ->  N partitions on one Redis Cluster
+                          (pipeline/streams/cluster.py): partition k's rollouts and
+                          batches are ``<prefix>:{<run>.p<k>}:...`` (their own hash tag,
+                          so their slot and node), the control keys ``<prefix>:{<run>}:...``
+
+One implementation for both: a shard is a *part*, a (client, Names) pair
+(:class:`Part`). With independent instances every part has its own client and the
+same names (same ACL patterns, same ``redis-cli`` habits on every instance); in
+cluster mode every part shares the one cluster client and has its own names
+(:meth:`pipeline.streams.names.Names.part`). The routing, the ``k@`` ids and the
+positions below do not know which.
 
 Who writes where: an actor sends each group to the next shard in turn (from a
 start that differs per actor), a preprocessor writes a read's batches to the
@@ -31,20 +36,34 @@ from typing import Any
 
 import redis
 
-from pipeline.streams.consumer import Consumer
-from pipeline.streams.names import Names, id_tuple
+from pipeline.streams.consumer import Consumer, Part
+from pipeline.streams.names import SHARDED, Names, id_tuple
 
 SEP = "@"
 
 
 class Shards:
-    """The run's Redis clients, the primary first; ``next()`` rotates over them."""
+    """The run's parts (shards or cluster partitions), the primary's first; ``next()``
+    rotates over them. ``names``: the run's names (each part's are ``names.part(k)``);
+    ``clients``: one per part (the same cluster client for every partition)."""
 
-    def __init__(self, clients: list[redis.Redis], start: int = 0):
+    def __init__(self, clients: list[redis.Redis], start: int = 0, names: Names | None = None):
         if not clients:
             raise ValueError("Shards needs at least the primary Redis client")
         self.clients = list(clients)
+        self.names = [names.part(k) if names else None for k in range(len(clients))]
         self._turn = start
+
+    @classmethod
+    def of(cls, client: redis.Redis, shards: Any = ()) -> Shards:
+        """``shards`` if it is a :class:`Shards`, else the primary ``client`` and the
+        clients of independent shards 1.. as one."""
+        return shards if isinstance(shards, Shards) else cls([client, *shards])
+
+    @classmethod
+    def cluster(cls, client: redis.Redis, names: Names, partitions: int, start: int = 0) -> Shards:
+        """``partitions`` partitions of one Redis Cluster client (redis.mode=cluster)."""
+        return cls([client] * partitions, start, names)
 
     def __len__(self) -> int:
         return len(self.clients)
@@ -53,25 +72,70 @@ class Shards:
     def primary(self) -> redis.Redis:
         return self.clients[0]
 
-    def next(self) -> redis.Redis:
-        """The shard for the next entry a producer writes (round robin)."""
-        client = self.clients[self._turn % len(self.clients)]
+    @property
+    def instances(self) -> list[redis.Redis]:
+        """The distinct clients (one for a cluster, one per independent shard)."""
+        out: list[redis.Redis] = []
+        for c in self.clients:
+            if not any(c is o for o in out):
+                out.append(c)
+        return out
+
+    def part(self, k: int) -> Part:
+        names = self.names[k]
+        if names is None:
+            raise ValueError("Shards was made without the run's Names: pass names=")
+        return Part(k, self.clients[k], names)
+
+    @property
+    def parts(self) -> list[Part]:
+        return [self.part(k) for k in range(len(self))]
+
+    def next(self) -> Part:
+        """The part for the next entry a producer writes (round robin)."""
+        part = self.part(self._turn % len(self.clients))
         self._turn += 1
-        return client
+        return part
 
     @classmethod
-    def for_producer(cls, clients: list[redis.Redis], name: str) -> Shards:
+    def for_producer(
+        cls, clients: list[redis.Redis], name: str, names: Names | None = None
+    ) -> Shards:
         """Producers start their rotation at different shards (by name)."""
-        return cls(clients, start=zlib.crc32(name.encode()) % len(clients))
+        return cls(clients, start=start_for(name, len(clients)), names=names)
+
+
+def start_for(name: str, parts: int) -> int:
+    """Where a producer named ``name`` starts its rotation over ``parts`` parts."""
+    return zlib.crc32(name.encode()) % parts
+
+
+def parts_of(client: redis.Redis, names: Names, shards: Any = ()) -> list[Part]:
+    """Every part of a run: ``shards`` a :class:`Shards` (its parts), or the clients of
+    independent shards 1.. beside the primary ``client`` (the same names on each)."""
+    if isinstance(shards, Shards):
+        return shards.parts
+    return [Part(k, c, names) for k, c in enumerate([client, *shards])]
 
 
 def open_consumer(
     shards: Shards, names: Names, stream: str, group: str, consumer: str, cls: type, **kw: Any
 ) -> Consumer | ShardedConsumer:
     """A Consumer on the primary with one shard, a ShardedConsumer over all with more."""
-    if len(shards) == 1:
-        return Consumer(shards.primary, names, stream, group, consumer, cls, **kw)
+    if len(shards) == 1:  # partition 0's names (cluster mode) for a work stream
+        part = shards.names[0] or names
+        if stream in (getattr(names, s) for s in SHARDED):
+            stream = getattr(part, _logical(names, stream))
+        return Consumer(shards.primary, part, stream, group, consumer, cls, **kw)
     return ShardedConsumer(shards, names, stream, group, consumer, cls, **kw)
+
+
+def _logical(names: Names, stream: str) -> str:
+    """Which work stream ``stream`` is (``rollouts`` or ``batches``) by its name."""
+    for logical in SHARDED:
+        if getattr(names, logical) == stream:
+            return logical
+    raise ValueError(f"{stream!r} is not a sharded work stream ({', '.join(SHARDED)})")
 
 
 def parse_position(position: str, shards: int) -> list[str]:
@@ -117,11 +181,13 @@ class ShardedConsumer:
     ):
         self.shards, self.stream, self.group = shards, stream, group
         wait_ms = max(10, block_ms // len(shards))  # a blocked read leaves the others waiting
+        logical = _logical(names, stream)  # "rollouts" or "batches": each part's own name
+        part_names = [n or names for n in shards.names]
         self.parts = [
             Consumer(
                 c,
-                names,
-                stream,
+                part_names[k],
+                getattr(part_names[k], logical),
                 group,
                 consumer,
                 cls,
@@ -171,6 +237,12 @@ class ShardedConsumer:
 
     def client_for(self, entry_id: str) -> redis.Redis:
         return self.shards.clients[split_id(entry_id)[0]]
+
+    def part_for(self, entry_id: str) -> Part:
+        """The part holding ``entry_id`` (a preprocessor writes its batches there)."""
+        k = split_id(entry_id)[0]
+        part = self.parts[k]
+        return Part(k, part.client, part.names)
 
     # ---- positions: one entry id per shard, comma-joined
     def parse(self, position: str) -> list[str]:

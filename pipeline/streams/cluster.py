@@ -1,0 +1,277 @@
+"""Redis Cluster for ``redis.mode=cluster``: the URL form, the client that follows a
+failover, and the start-up probe that says in one line what is wrong.
+
+URL (it travels in ``redis.url`` / ``NONSTOP_REDIS_URL`` like a ``redis://`` one)::
+
+    redis+cluster://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/
+
+``HOST:PORT`` are cluster nodes to start from (6379 when the port is left out); the
+client learns every other node from them (CLUSTER SLOTS). The same user and password
+authenticate on every node. TLS to a cluster (``rediss+cluster://``) is not built yet.
+
+What lives where (pipeline/streams/names.py): the control keys share the hash tag
+``{<run>}`` (one slot), partition k's work streams and their once keys
+``{<run>.p<k>}`` (``redis.shards`` partitions, pipeline/streams/shards.py), so each Lua
+script and each MULTI touches one slot; the cluster spreads the partitions' slots over
+its primaries.
+
+The client (:class:`ClusterClient`, redis-py's RedisCluster) refreshes the slot map
+after a dropped connection, MOVED or CLUSTERDOWN; redis-py 8.1 tries a failing command
+again at once a few times, which a failover (``cluster-node-timeout`` plus an election,
+seconds) outlasts, so :meth:`ClusterClient.execute_command` goes on trying, with
+backoff, for ``redis.reconnect_s`` (and, once the pool is told to stop, only for its
+final-writes budget: pipeline/stopping.py) before the error reaches the caller.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote
+
+import redis
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import RedisClusterException
+from redis.retry import Retry
+
+from pipeline.streams.errors import RedisRefused, RedisUnavailable
+
+SCHEME = "redis+cluster"
+DEFAULT_PORT = 6379
+FORM = "redis+cluster://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/"
+SLOTS = 16384
+
+
+def is_cluster(url: str | None) -> bool:
+    """Whether ``url`` names cluster nodes (``redis+cluster://``, ``rediss+cluster://``)."""
+    return bool(url) and url.split("://", 1)[0].lower().endswith("+cluster")
+
+
+@dataclass
+class ClusterURL:
+    nodes: list[tuple[str, int]]
+    username: str | None = None
+    password: str | None = None
+
+    def shown(self) -> str:
+        """The URL with the password hidden."""
+        who = "***@" if self.password else (f"{self.username}@" if self.username else "")
+        return f"{SCHEME}://{who}{','.join(f'{h}:{p}' for h, p in self.nodes)}/"
+
+    def hosts(self) -> str:
+        return ", ".join(f"{h}:{p}" for h, p in self.nodes)
+
+
+def format_url(nodes: list[tuple[str, int]], password: str = "", username: str = "") -> str:
+    """The URL :func:`parse` reads (the launcher's ``redis=cluster`` gives it to the pools)."""
+    cred = f"{username}:{password}@" if password or username else ""
+    return f"{SCHEME}://{cred}{','.join(f'{h}:{p}' for h, p in nodes)}/"
+
+
+def parse(url: str) -> ClusterURL:
+    """Read a cluster URL; ValueError naming what is wrong and the form to use."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in (SCHEME, "rediss+cluster"):
+        raise ValueError(f"not a cluster URL: use {FORM}")
+    if scheme.lower() == "rediss+cluster":
+        raise ValueError(
+            f"rediss+cluster:// (TLS to cluster nodes) is not built yet: use {FORM} on a "
+            "trusted network, or redis.mode=single with rediss://"
+        )
+    username = password = None
+    if "@" in rest:
+        cred, rest = rest.rsplit("@", 1)
+        user, has_pw, pw = cred.partition(":")
+        username, password = unquote(user) or None, unquote(pw) if has_pw else None
+    hosts, _, path = rest.partition("/")
+    if path.strip("/"):
+        raise ValueError(
+            f"bad cluster URL {_shown(url)}: a cluster has one database, so nothing goes "
+            f"after the hosts but '/' ({FORM})"
+        )
+    if not hosts:
+        raise ValueError(f"bad cluster URL {_shown(url)}: give at least one node, {FORM}")
+    nodes = []
+    for item in hosts.split(","):
+        host, colon, port = item.strip().rpartition(":")
+        if not colon:
+            host, port = item.strip(), str(DEFAULT_PORT)
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"bad cluster node address {item!r} in {_shown(url)}: write HOST:PORT ({FORM})"
+            )
+        nodes.append((host.strip("[]"), int(port)))
+    return ClusterURL(nodes, username, password)
+
+
+def _shown(url: str) -> str:
+    if "@" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+    return url
+
+
+class ClusterClient(RedisCluster):
+    """redis-py's RedisCluster with a time budget for failovers (module docstring) and
+    the ``get_retry``/``set_retry`` pair pipeline/stopping.py's ``guard`` uses."""
+
+    def __init__(self, *args: Any, reconnect_s: float = 60.0, **kwargs: Any):
+        self.reconnect_s = reconnect_s  # before: the constructor sends COMMAND
+        super().__init__(*args, **kwargs)
+
+    def get_retry(self) -> Retry:
+        return self.retry
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        deadline, failures = time.monotonic() + self.reconnect_s, 0
+        while True:
+            try:
+                return super().execute_command(*args, **kwargs)
+            except self.ERRORS_ALLOW_RETRY:
+                failures += 1
+                left = deadline - time.monotonic()
+                stop = getattr(self.retry, "stop", None)  # StopAwareRetry: the pool stops
+                if stop is not None:
+                    left = min(left, stop.left())
+                if left <= 0:
+                    raise
+                time.sleep(min(0.1 * 2 ** min(failures, 4), 1.0, left))
+
+
+def cluster_client(
+    parsed: ClusterURL, reconnect_s: float, socket_timeout: float = 30.0, **kwargs: Any
+) -> ClusterClient:
+    """A client of the cluster ``parsed`` names; every socket has a deadline."""
+    return ClusterClient(
+        startup_nodes=[ClusterNode(h, p) for h, p in parsed.nodes],
+        username=parsed.username,
+        password=parsed.password,
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=5,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.1), retries=1),
+        reconnect_s=reconnect_s,
+        **kwargs,
+    )
+
+
+def probe(parsed: ClusterURL, startup_s: float, delay_s: float = 0.25) -> dict[str, str]:
+    """CLUSTER INFO at the nodes of ``parsed`` until one says the cluster is whole
+    (``cluster_state:ok``, all 16384 slots assigned) within ``startup_s``; returns that
+    node's CLUSTER INFO. One line for each way it fails (errors.py): RedisRefused when a
+    node refuses the credentials or is not in cluster mode (waiting will not fix those),
+    RedisUnavailable when no node answers or the cluster stays incomplete."""
+    deadline, i = time.monotonic() + startup_s, 0
+    while True:
+        left = max(0.2, min(2.0, deadline - time.monotonic()))
+        infos, errors = ask_nodes(parsed, left)
+        whole = next((info for info in infos.values() if not gap(info)), None)
+        if whole is not None:
+            return whole
+        if time.monotonic() + delay_s >= deadline:
+            break
+        time.sleep(min(delay_s * 2**i, 2.0))
+        i += 1
+    if infos:
+        name, info = next(iter(infos.items()))
+        raise RedisUnavailable(
+            f"the redis cluster of {parsed.shown()} is not whole after {startup_s:.0f} s: node "
+            f"{name} says {gap(info)}; every slot must be served (`redis-cli --cluster check "
+            f"{name}`, then `--cluster fix`, or add the node that serves them)"
+        )
+    why = "; ".join(f"{k}: {e}" for k, e in errors.items())
+    raise RedisUnavailable(
+        f"no node of the redis cluster {parsed.shown()} answered within {startup_s:.0f} s "
+        f"({why}): check that redis-server runs with cluster-enabled yes at {parsed.hosts()}, "
+        "the hosts and ports in the URL (redis.url or NONSTOP_REDIS_URL) and any firewall "
+        "between, and try `redis-cli -c -h HOST -p PORT cluster info`"
+    )
+
+
+def gap(info: dict[str, str]) -> str | None:
+    """None for a whole cluster, else what CLUSTER INFO says is missing (one phrase)."""
+    state = info.get("cluster_state")
+    assigned = int(info.get("cluster_slots_assigned", 0))
+    failing = int(info.get("cluster_slots_fail", 0))
+    if state == "ok" and assigned == SLOTS and not failing:
+        return None
+    return (
+        f"cluster_state:{state}, {assigned} of {SLOTS} slots assigned"
+        + (f", {failing} failing" if failing else "")
+        + (f" ({SLOTS - assigned} uncovered)" if assigned < SLOTS else "")
+    )
+
+
+def ask_nodes(
+    parsed: ClusterURL, timeout_s: float
+) -> tuple[dict[str, dict[str, str]], dict[str, Exception]]:
+    """CLUSTER INFO at every node of ``parsed``: (infos by "host:port", errors by
+    "host:port"). Refused credentials and a node without cluster mode raise RedisRefused."""
+    infos: dict[str, dict[str, str]] = {}
+    errors: dict[str, Exception] = {}
+    for host, port in parsed.nodes:
+        name = f"{host}:{port}"
+        node = redis.Redis(
+            host,
+            port,
+            username=parsed.username,
+            password=parsed.password,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
+        try:
+            text = node.execute_command("CLUSTER INFO")
+            if isinstance(text, bytes):
+                text = text.decode()
+            if isinstance(text, dict):  # a parsed reply
+                infos[name] = {k: str(v) for k, v in text.items()}
+            else:
+                infos[name] = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+        except redis.AuthenticationError as e:
+            raise RedisRefused(
+                f"the redis cluster node {name} ({parsed.shown()}) refused the credentials "
+                f"({e}): check the user and password in the URL against the nodes' "
+                "requirepass or ACL (deploy/redis/users.acl)"
+            ) from None
+        except redis.ResponseError as e:
+            if "cluster support disabled" in str(e):
+                raise RedisRefused(
+                    f"redis at {name} is not a cluster node (cluster-enabled no) but "
+                    f"redis.mode=cluster: use redis.mode=single with redis://{name}/0, or "
+                    "point the redis+cluster:// URL at cluster nodes"
+                ) from None
+            errors[name] = e
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            errors[name] = e
+        finally:
+            node.close()
+    return infos, errors
+
+
+def silent(client: RedisCluster, timeout_s: float) -> str | None:
+    """None when every primary of ``client``'s cluster answers a PING within
+    ``timeout_s`` (the slot map read again first: a failover may have moved it), else
+    why not (pipeline/summary.py asks before reading the run's totals)."""
+    try:
+        client.nodes_manager.initialize()
+    except (redis.RedisError, RedisClusterException) as e:
+        return " ".join(str(e).split())[:300] or type(e).__name__
+    for node in client.get_primaries():
+        probe = redis.Redis(
+            node.host,
+            node.port,
+            username=client.nodes_manager.connection_kwargs.get("username"),
+            password=client.nodes_manager.connection_kwargs.get("password"),
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
+        try:
+            probe.ping()
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            return f"cluster node {node.name}: " + (" ".join(str(e).split())[:300])
+        finally:
+            probe.close()
+    return None
