@@ -34,6 +34,7 @@ from omegaconf import OmegaConf
 
 from pipeline.config import (
     check_embedded_tls,
+    check_experiment_sections,
     expand_shorthands,
     redis_tls,
     register,
@@ -55,6 +56,7 @@ from pipeline.supervisor import Supervisor
 from pipeline.telemetry import read_statuses
 
 register()
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
 
 def trainer_names(cfg) -> list[str]:
@@ -275,6 +277,7 @@ def main(cfg) -> None:
 if __name__ == "__main__":
     try:  # redis.tls=true: redis.tls.enabled=true; engine.X: refused, naming sampling.X
         sys.argv[1:] = expand_shorthands(sys.argv[1:])
+        check_experiment_sections(sys.argv[1:], CONF_DIR)  # an exp file's engine: section
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -126,3 +126,12 @@ def test_the_old_engine_section_is_refused_naming_sampling(tmp_path):
         load_config(str(old))
     assert f"{old}: {moved}, engine.top_p is now sampling.top_p" in str(e.value)
     assert "rename the file's `engine:` section to `sampling:`" in str(e.value)
+    # an experiment file of the user's own (hydra.searchpath) with the old section
+    (tmp_path / "conf" / "mine").mkdir(parents=True)
+    (tmp_path / "conf" / "mine" / "old.yaml").write_text(
+        "# @package _global_\nengine:\n  temperature: 0.5\n"
+    )
+    search = f"hydra.searchpath=[file://{tmp_path / 'conf'}]"
+    code, out = run_tiny(tmp_path, tmp_path / "run2", search, "+mine=old", timeout=120)
+    assert code == 2 and "has an `engine:` section: it is now `sampling:`" in out, out
+    assert not (tmp_path / "run2").exists()

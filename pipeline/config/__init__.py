@@ -42,7 +42,12 @@ from pipeline.config.actor import (
 from pipeline.config.checks import POOL_DTYPES, pool_dtype
 from pipeline.config.env import redis_tls, redis_url, run_secret, shard_urls, tls_files
 from pipeline.config.eval import EvalConfig
-from pipeline.config.load import expand_shorthands, load_config, register
+from pipeline.config.load import (
+    check_experiment_sections,
+    expand_shorthands,
+    load_config,
+    register,
+)
 from pipeline.config.model import LoraConfig, ModelConfig
 from pipeline.config.preprocessor import (
     PRM_KINDS,
@@ -105,6 +110,7 @@ __all__ = [
     "VLLMConfig",
     "WeightsConfig",
     "check_embedded_tls",
+    "check_experiment_sections",
     "expand_shorthands",
     "load_config",
     "min_replicas_acked",

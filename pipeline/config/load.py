@@ -62,6 +62,33 @@ def expand_shorthands(overrides: list[str]) -> list[str]:
     return out
 
 
+def check_experiment_sections(argv: list[str], config_dir: str) -> None:
+    """An experiment file (conf/exp/, or one on the user's ``hydra.searchpath``) that
+    still has a renamed section (``engine:``): Hydra would say only "Key 'engine' not
+    in 'Config'", so compose once with ``argv``'s overrides and, for that failure
+    alone, raise a ValueError naming the new section. Any other composition problem
+    is left to Hydra, which reports it as it always does."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import ConfigKeyError
+
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    try:
+        with initialize_config_dir(version_base=None, config_dir=config_dir):
+            compose(config_name="config", overrides=overrides)
+    except HydraException as e:
+        cause = e.__cause__ or e.__context__
+        key = getattr(cause, "full_key", "") if isinstance(cause, ConfigKeyError) else ""
+        head = (key or "").partition(".")[0]
+        if head in RENAMED_SECTIONS:
+            new = RENAMED_SECTIONS[head]
+            raise ValueError(
+                f"an experiment file in {' '.join(overrides)} has an `{head}:` section: it "
+                f"is now `{new}:` ({head}.KEY is now {new}.KEY; actor.engine picks the "
+                "engine); rename the section in that file"
+            ) from None
+
+
 def check_renamed(raw: DictConfig, path: str) -> None:
     """A config file's keys that changed name: ValueError naming the new ones."""
     if OmegaConf.select(raw, "engine.kind") is not None:
