@@ -185,12 +185,14 @@ def run(cfg) -> int:
     server, env, tls = None, dict(os.environ), None
     if cfg.redis.url:
         url = cfg.redis.url
-    elif cfg.redis.mode == "sentinel":  # redis=ha: primary, replica, sentinels
-        server = start_local_ha(cfg, run_dir)
-        url = server.url
-    elif cfg.redis.mode == "cluster":  # redis=cluster: 3 primaries with a replica each
-        server = start_local_cluster(cfg, run_dir)
-        url = server.url
+    elif cfg.redis.mode in ("sentinel", "cluster"):  # redis=ha: primary, replica, sentinels;
+        for var in TLS_ENV.values():  # redis=cluster: 3 primaries with a replica each
+            env.pop(var, None)
+        begin = start_local_ha if cfg.redis.mode == "sentinel" else start_local_cluster
+        server = begin(cfg, run_dir)  # redis.tls=true: TLS only, with the run's certificates
+        url, client_tls = server.url, server.client_tls
+        if client_tls is not None:
+            env.update(client_tls.env())  # the pools' rediss+... client files
     else:
         for var in TLS_ENV.values():  # files of some other Redis: not this run's
             env.pop(var, None)

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import redis
 
 from pipeline.redis_server import EmbeddedRedis, free_port
+from pipeline.redis_tls import TLSFiles, make_run_certs
 from pipeline.streams import RedisUnavailable
 from pipeline.streams.cluster import format_url, gap
 
@@ -46,12 +47,18 @@ class LocalCluster:
         primaries: int = 3,
         replicas: int = 1,
         node_timeout_ms: int = NODE_TIMEOUT_MS,
+        tls: tuple[TLSFiles, TLSFiles] | None = None,
     ):
         self.data_dir = os.path.abspath(data_dir)
+        # (server, client) files: every node on TLS only, the cluster bus and replication
+        # included (tls-cluster, tls-replication; redis.tls=true)
+        self.server_tls, self.client_tls = tls if tls else (None, None)
         self.primaries, self.replicas = primaries, replicas
         self.node_timeout_ms = node_timeout_ms
         self.nodes = [
-            EmbeddedRedis(os.path.join(self.data_dir, f"node-{k}"), appendfsync, port=bus_port())
+            EmbeddedRedis(
+                os.path.join(self.data_dir, f"node-{k}"), appendfsync, port=bus_port(), tls=tls
+            )
             for k in range(primaries * (1 + replicas))
         ]
         self.password = self.nodes[0].password
@@ -63,7 +70,7 @@ class LocalCluster:
                 "--cluster-node-timeout", str(node_timeout_ms),
                 "--masterauth", self.password,
                 "--repl-diskless-sync-delay", "0",
-            ]  # fmt: skip
+            ] + (["--tls-cluster", "yes"] if tls else [])  # fmt: skip
         self.down_since: dict[int, float] = {}  # node index -> when it was found dead
         self.reported: set[int] = set()  # failovers already reported
         self.replica_of: dict[int, int] = {}  # replica index -> primary index (kept current)
@@ -71,7 +78,11 @@ class LocalCluster:
 
     @property
     def url(self) -> str:
-        return format_url([("127.0.0.1", n.port) for n in self.nodes], self.password)
+        return format_url(
+            [("127.0.0.1", n.port) for n in self.nodes],
+            self.password,
+            tls=self.server_tls is not None,
+        )
 
     def start(self, timeout_s: float = 60.0) -> None:
         """Start the nodes, create the cluster and wait, at most ``timeout_s``, until every
@@ -86,6 +97,8 @@ class LocalCluster:
             node.start()
         cmd = [exe, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes)]
         cmd += ["--cluster-replicas", str(self.replicas), "--cluster-yes"]
+        if self.client_tls is not None:
+            cmd[1:1] = self.client_tls.cli_args().split()
         env = dict(os.environ, REDISCLI_AUTH=self.password)
         try:
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -325,7 +338,8 @@ def start_local_cluster(cfg, run_dir: str) -> LocalCluster:
     write the password (``redis/auth``) and the cluster URL (``redis/url``, read by
     ``pipeline.inspect --run-dir`` and the faults bench), both mode 0600."""
     d = os.path.join(run_dir, "redis")
-    local = LocalCluster(d, cfg.redis.embedded_appendfsync)
+    tls = make_run_certs(os.path.join(d, "tls")) if cfg.redis.tls.enabled else None
+    local = LocalCluster(d, cfg.redis.embedded_appendfsync, tls=tls)
     local.start()
     for name, text in (("auth", local.password), ("url", local.url)):
         with open(
@@ -334,10 +348,13 @@ def start_local_cluster(cfg, run_dir: str) -> LocalCluster:
             f.write(text + "\n")
     roles = local.roles()
     nodes = ", ".join(f"node-{k} :{n.port} {roles.get(k, '?')}" for k, n in enumerate(local.nodes))
+    tls_note = f", TLS only, certificates in {d}/tls" if tls else ""
+    cli_tls = f" {tls[1].cli_args()}" if tls else ""
     print(
         f"local redis cluster on 127.0.0.1 ({nodes}; password in {d}/auth, cluster URL in "
-        f"{d}/url, AOF in {d}/node-*), {cfg.redis.shards} partition(s) of the work streams\n"
-        f'  redis-cli: redis-cli -c -p {local.nodes[0].port} -a "$(cat {d}/auth)" '
+        f"{d}/url, AOF in {d}/node-*{tls_note}), {cfg.redis.shards} partition(s) of the work "
+        "streams\n"
+        f'  redis-cli: redis-cli -c -p {local.nodes[0].port}{cli_tls} -a "$(cat {d}/auth)" '
         "--no-auth-warning cluster info"
     )
     return local

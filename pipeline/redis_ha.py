@@ -30,6 +30,7 @@ from collections.abc import Callable
 import redis
 
 from pipeline.redis_server import EmbeddedRedis, free_port
+from pipeline.redis_tls import TLSFiles, make_run_certs
 from pipeline.streams import RedisUnavailable
 from pipeline.streams.sentinel import SentinelURL, failover_gap, format_url
 
@@ -50,10 +51,13 @@ class RedisHA:
         appendfsync: str = "always",
         replicas: int = 1,
         sentinels: int = 3,
+        tls: tuple[TLSFiles, TLSFiles] | None = None,
     ):
         self.data_dir, self.service = os.path.abspath(data_dir), service
+        # (server, client) files: every node and sentinel on TLS only (redis.tls=true)
+        self.server_tls, self.client_tls = tls if tls else (None, None)
         self.nodes = [
-            EmbeddedRedis(os.path.join(self.data_dir, f"node-{k}"), appendfsync)
+            EmbeddedRedis(os.path.join(self.data_dir, f"node-{k}"), appendfsync, tls=tls)
             for k in range(1 + replicas)
         ]
         self.password = self.nodes[0].password
@@ -67,7 +71,18 @@ class RedisHA:
     @property
     def url(self) -> str:
         return format_url(
-            [("127.0.0.1", p) for p in self.sentinel_ports], self.service, self.password
+            [("127.0.0.1", p) for p in self.sentinel_ports],
+            self.service,
+            self.password,
+            tls=self.server_tls is not None,
+        )
+
+    def parsed(self) -> SentinelURL:
+        """The sentinel URL read, with the client's TLS files."""
+        hosts = [("127.0.0.1", port) for port in self.sentinel_ports]
+        tls = self.server_tls is not None
+        return SentinelURL(
+            hosts, self.service, password=self.password, tls=tls, files=self.client_tls
         )
 
     # ------------------------------------------------------------------ start, stop
@@ -98,8 +113,22 @@ class RedisHA:
         os.makedirs(d, exist_ok=True)
         path = os.path.join(d, "sentinel.conf")
         s, pw = self.service, self.password
-        lines = [
-            f"port {self.sentinel_ports[k]}",
+        port = self.sentinel_ports[k]
+        lines = [f"port {port}"]
+        if self.server_tls is not None:  # TLS only, to clients, nodes and other sentinels
+            t, c = self.server_tls, self.client_tls
+            lines = [
+                "port 0",
+                f"tls-port {port}",
+                f"tls-cert-file {t.cert}",
+                f"tls-key-file {t.key}",
+                f"tls-ca-cert-file {t.ca}",
+                f"tls-client-cert-file {c.cert}",
+                f"tls-client-key-file {c.key}",
+                "tls-auth-clients yes",
+                "tls-replication yes",
+            ]
+        lines += [
             "bind 127.0.0.1",
             "protected-mode yes",
             f"dir {d}",
@@ -174,9 +203,7 @@ class RedisHA:
         want = len(self.nodes) - 1
         if len(online) < want:
             return f"{len(online)} of {want} replicas in sync with the primary"
-        hosts = [("127.0.0.1", port) for port in self.sentinel_ports]
-        parsed = SentinelURL(hosts, self.service, password=self.password)
-        return failover_gap(parsed, want, primary_port=self.primary.port)
+        return failover_gap(self.parsed(), want, primary_port=self.primary.port)
 
     def node_client(self, node: EmbeddedRedis, timeout_s: float = 2.0) -> redis.Redis:
         return node.client(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
@@ -188,6 +215,7 @@ class RedisHA:
             password=self.password,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
+            **self.parsed().ssl_kwargs(),
         )
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -278,7 +306,8 @@ def start_local_ha(cfg, run_dir: str) -> RedisHA:
     write the password (``redis/auth``) and the sentinel URL (``redis/url``, read by
     ``pipeline.inspect --run-dir`` and the faults bench), both mode 0600."""
     d = os.path.join(run_dir, "redis")
-    ha = RedisHA(d, cfg.redis.sentinel_service, cfg.redis.embedded_appendfsync)
+    tls = make_run_certs(os.path.join(d, "tls")) if cfg.redis.tls.enabled else None
+    ha = RedisHA(d, cfg.redis.sentinel_service, cfg.redis.embedded_appendfsync, tls=tls)
     ha.start()
     for name, text in (("auth", ha.password), ("url", ha.url)):
         with open(
@@ -287,11 +316,13 @@ def start_local_ha(cfg, run_dir: str) -> RedisHA:
             f.write(text + "\n")
     nodes = ", ".join(f"node-{k} :{n.port}" for k, n in enumerate(ha.nodes))
     sentinels = ", ".join(f":{p}" for p in ha.sentinel_ports)
+    tls_note = f", TLS only (certificates in {d}/tls)" if tls else ""
+    cli_tls = f" {tls[1].cli_args()}" if tls else ""
     print(
         f"local redis primary and replica on 127.0.0.1 ({nodes}; node-0 is the primary), "
-        f"sentinels on {sentinels} (service {ha.service!r}; password in {d}/auth, "
+        f"sentinels on {sentinels}{tls_note} (service {ha.service!r}; password in {d}/auth, "
         f"sentinel URL in {d}/url, AOF in {d}/node-*)\n"
-        f'  redis-cli: redis-cli -p {ha.sentinel_ports[0]} -a "$(cat {d}/auth)" '
+        f'  redis-cli: redis-cli -p {ha.sentinel_ports[0]}{cli_tls} -a "$(cat {d}/auth)" '
         f"--no-auth-warning sentinel get-master-addr-by-name {ha.service}"
     )
     return ha

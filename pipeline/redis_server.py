@@ -72,11 +72,19 @@ class EmbeddedRedis:
         return f"{scheme}://:{self.password}@127.0.0.1:{self.port}/0"
 
     def _listen_args(self) -> list[str]:
-        """Plain text on ``port``, or (TLS) no plain port and TLS on ``port``."""
+        """Plain text on ``port``, or (TLS) no plain port and TLS on ``port``; a replica
+        reaches its primary over TLS too (``tls-replication``), presenting the client
+        certificate (the server's is for serverAuth only)."""
         if self.server_tls is None:
             return ["--port", str(self.port)]
-        t = self.server_tls
+        t, c = self.server_tls, self.client_tls or self.server_tls
         return [
+            "--tls-replication",
+            "yes",
+            "--tls-client-cert-file",
+            c.cert,
+            "--tls-client-key-file",
+            c.key,
             "--port",
             "0",
             "--tls-port",

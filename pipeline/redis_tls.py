@@ -70,8 +70,13 @@ class TLSFiles:
         return {ENV[k]: getattr(self, k) for k in ENV if getattr(self, k)}
 
 
+TLS_SCHEMES = ("rediss", "rediss+sentinel", "rediss+cluster")
+
+
 def is_tls(url: str) -> bool:
-    return url.startswith("rediss://")
+    """Whether ``url`` speaks TLS: ``rediss://``, ``rediss+sentinel://`` (the sentinels
+    and the nodes they name) or ``rediss+cluster://`` (every cluster node)."""
+    return url.split("://", 1)[0].lower() in TLS_SCHEMES
 
 
 # ------------------------------------------------------------- per-run certificates
@@ -230,18 +235,24 @@ def settled(error: BaseException) -> bool:
     return "EOF occurred in violation of protocol" not in str(error)
 
 
-def explain(url: str, error: BaseException, tls: TLSFiles | None, shown_url: str) -> str | None:
+def explain(
+    url: str, error: BaseException, tls: TLSFiles | None, shown_url: str, scheme: str = "redis"
+) -> str | None:
     """One line saying what is wrong with the TLS (or plain-text) connection to ``url``
-    and how to fix it; None when ``error`` is not about TLS (the caller may retry it).
-    ``shown_url``: the URL as the message shows it (password hidden)."""
+    (one server: ``redis://`` or ``rediss://``) and how to fix it; None when ``error``
+    is not about TLS (the caller may retry it). ``shown_url``: the URL as the message
+    shows it (password hidden); ``scheme``: the plain-text scheme the user writes
+    (``redis+sentinel``, ``redis+cluster``: a sentinel or cluster node), whose TLS form
+    (``rediss+sentinel``) the fixes name."""
     text = str(error)
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 6379
+    plain, tls_scheme = scheme, "rediss" + scheme.removeprefix("redis")
     if not is_tls(url):
         closed = any(s in text.lower() for s in ("closed", "reset by peer", "broken pipe"))
         if closed and speaks_tls(host, port):
             return (
-                f"redis at {shown_url} speaks TLS: use rediss:// in the URL (redis.url or "
+                f"redis at {shown_url} speaks TLS: use {tls_scheme}:// in the URL (redis.url or "
                 "NONSTOP_REDIS_URL) and redis.tls.ca (NONSTOP_REDIS_TLS_CA) for the CA that "
                 "signs its certificate, with redis.tls.cert/key when it asks for a client "
                 "certificate"
@@ -281,7 +292,7 @@ def explain(url: str, error: BaseException, tls: TLSFiles | None, shown_url: str
         host, port
     ):
         return (
-            f"redis at {shown_url} does not speak TLS: use redis:// in the URL, or turn on "
+            f"redis at {shown_url} does not speak TLS: use {plain}:// in the URL, or turn on "
             "TLS on the server (tls-port; deploy/redis/nonstop-redis.conf)"
         )
     return None

@@ -69,18 +69,20 @@ def test_cluster_urls_parse_and_hide_the_password():
         ("redis+cluster:///", "give at least one node"),
         ("redis+cluster://h1:x/", "bad cluster node address"),
         ("redis+cluster://:pw@h1:1/0", "a cluster has one database"),
-        ("rediss+cluster://h1:1/", "not built yet"),
         ("redis://h1:1/0", "not a cluster URL"),
     ]:
         with pytest.raises(ValueError, match=said) as e:
             parse(bad)
         assert "pw" not in str(e.value)
+    tls = parse("rediss+cluster://:pw@h1:1/")  # TLS: pipeline/redis_tls.py
+    assert tls.tls and tls.shown() == "rediss+cluster://***@h1:1/"
+    assert not p.tls and p.ssl_kwargs() == {}
 
 
 def test_cluster_mode_is_validated():
     cfg = OmegaConf.structured(Config)
     for url, overrides, said in [
-        ("redis://h:1/0", {}, "redis.mode=cluster needs redis.url=redis\\+cluster"),
+        ("redis://h:1/0", {}, "redis.mode=cluster needs redis.url=redis\\[s\\]\\+cluster"),
         (None, {"shard_urls": ["redis://h:1/0"]}, "drop redis.shard_urls"),
         (None, {"min_replicas_acked": -1}, "must be an integer >= 0"),
     ]:

@@ -46,10 +46,12 @@ def test_sentinel_urls_parse_and_hide_the_password():
         ("redis+sentinel://h1:26379", "give the sentinels and the service"),
         ("redis+sentinel://h1:x/svc", "bad sentinel address"),
         ("redis+sentinel://h1:1/svc/db", "bad database"),
-        ("rediss+sentinel://h1:1/svc", "not built yet"),
     ]:
         with pytest.raises(ValueError, match=said):
             parse(bad)
+    tls = parse("rediss+sentinel://:pw@h1:1/svc")  # TLS: pipeline/redis_tls.py
+    assert tls.tls and tls.shown() == "rediss+sentinel://***@h1:1/svc/0"
+    assert not p.tls and p.ssl_kwargs() == {}
 
 
 def test_redis_mode_is_validated():
@@ -57,9 +59,13 @@ def test_redis_mode_is_validated():
     validate(cfg)
     assert min_replicas_acked(cfg) == 0
     for mode, url, said in [
-        ("cluster", "redis://h:1/0", "redis.mode=cluster needs redis.url=redis\\+cluster"),
+        ("cluster", "redis://h:1/0", "redis.mode=cluster needs redis.url=redis\\[s\\]\\+cluster"),
         ("raft", None, "redis.mode='raft' is not supported"),
-        ("sentinel", "redis://h:1/0", "redis.mode=sentinel needs redis.url=redis\\+sentinel"),
+        (
+            "sentinel",
+            "redis://h:1/0",
+            "redis.mode=sentinel needs redis.url=redis\\[s\\]\\+sentinel",
+        ),
         ("single", "redis+sentinel://h:1/s", "redis.mode=single"),
     ]:
         bad = cfg.copy()

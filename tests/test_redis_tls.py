@@ -6,9 +6,12 @@ by deploy/bin/nonstop-redis-start with the shipped ACL users."""
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import redis
@@ -23,8 +26,10 @@ from pipeline.config import (
     validate,
 )
 from pipeline.launch import cli_recipe
+from pipeline.redis_cluster import LocalCluster
+from pipeline.redis_ha import RedisHA
 from pipeline.redis_server import EmbeddedRedis, free_port
-from pipeline.redis_tls import TLSFiles, make_run_certs, speaks_plain
+from pipeline.redis_tls import TLSFiles, make_run_certs, speaks_plain, speaks_tls
 from pipeline.streams import RedisRefused, connect
 from tests.launching import ROOT, run_tiny
 
@@ -272,3 +277,162 @@ def test_the_tiny_pipeline_over_tls_with_the_shipped_acl_users(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+# ------------------------------------------------- sentinel and cluster mode over TLS
+
+
+class _Rounds:
+    """The supervisor's rounds (RedisHA.watch, LocalCluster.watch) in a thread."""
+
+    def __init__(self, topology, lines: list[str]):
+        self.done = threading.Event()
+
+        def loop():
+            while not self.done.is_set():
+                topology.watch(lines.append, lambda *a, **k: None)
+                time.sleep(0.2)
+
+        self.thread = threading.Thread(target=loop, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.done.set()
+        self.thread.join(30)
+
+
+def _until(check, timeout_s: float, why=lambda: "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, why()
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def tls_ha(tmp_path, monkeypatch):
+    """redis=ha redis.tls=true's topology: a primary, a replica, three sentinels, TLS only."""
+    for var in TLS_ENV:
+        monkeypatch.delenv(var, raising=False)
+    certs = make_run_certs(str(tmp_path / "ha" / "tls"))
+    ha = RedisHA(str(tmp_path / "ha"), tls=certs)
+    ha.start()
+    yield ha
+    ha.stop()
+
+
+@pytest.fixture
+def tls_cluster(tmp_path, monkeypatch):
+    """redis=cluster redis.tls=true's cluster: 3 primaries with a replica each, TLS only."""
+    for var in TLS_ENV:
+        monkeypatch.delenv(var, raising=False)
+    certs = make_run_certs(str(tmp_path / "cluster" / "tls"))
+    local = LocalCluster(str(tmp_path / "cluster"), tls=certs)
+    local.start()
+    yield local
+    local.stop()
+
+
+def test_sentinel_mode_over_tls_follows_a_failover(tls_ha):
+    """Every node and sentinel speaks TLS only; a rediss+sentinel:// client (CA, client
+    certificate) finds the primary, and after a SIGKILL of the primary (its data deleted)
+    the same client writes to the promoted replica; the lost node comes back as its
+    replica, replicating over TLS."""
+    ha, files = tls_ha, tls_ha.client_tls
+    assert ha.url.startswith("rediss+sentinel://")
+    for port in [n.port for n in ha.nodes] + ha.sentinel_ports:
+        assert speaks_tls("127.0.0.1", port) and not speaks_plain("127.0.0.1", port), port
+    client = connect(ha.url, reconnect_s=60, tls=files)
+    old = ha.nodes[0]
+    assert client.connection_pool.get_master_address() == ("127.0.0.1", old.port)
+    for i in range(10):
+        client.xadd("s", {"i": i})
+    assert client.execute_command("WAIT", 1, 2000) == 1  # the replica has them, over TLS
+    os.kill(old.proc.pid, signal.SIGKILL)
+    old.proc.wait()
+    shutil.rmtree(old.data_dir)
+    killed, lines = time.monotonic(), []
+    rounds = _Rounds(ha, lines)
+    try:
+        client.xadd("s", {"i": 10})  # retried until the sentinels name the new primary
+        first_write_s = time.monotonic() - killed
+        _until(lambda: ha.not_ready() is None, 30, lambda: f"{ha.not_ready()} {lines}")
+    finally:
+        rounds.stop()
+    print(f"\nTLS sentinel mode: kill to first write on the new primary {first_write_s:.2f} s")
+    assert client.connection_pool.get_master_address() == ("127.0.0.1", ha.nodes[1].port)
+    assert [int(e[1][b"i"]) for e in client.xrange("s")] == list(range(11))
+    role = ha.node_client(old).execute_command("ROLE")  # back as a replica, over TLS
+    assert role[0] == b"slave" and role[2] == ha.nodes[1].port
+    assert ha.node_client(old).xlen("s") == 11
+
+
+def test_cluster_mode_over_tls_follows_a_failover(tls_cluster):
+    """Every node speaks TLS only, its cluster bus too (tls-cluster); a rediss+cluster://
+    client follows a primary's SIGKILL to its promoted replica, and the lost node comes
+    back, empty, as that node's replica (replication and CLUSTER MEET over TLS)."""
+    local, files = tls_cluster, tls_cluster.client_tls
+    assert local.url.startswith("rediss+cluster://")
+    for node in local.nodes:
+        for port in (node.port, node.port + 10000):  # the client port and the cluster bus
+            assert speaks_tls("127.0.0.1", port) and not speaks_plain("127.0.0.1", port), port
+    client = connect(local.url, reconnect_s=60, tls=files)
+    key = "{p0}:s"
+    for i in range(10):
+        client.xadd(key, {"i": i})
+    k = next(i for i, n in enumerate(local.nodes) if n.port == client.get_node_from_key(key).port)
+    replica = next(r for r, p in local.replica_of.items() if p == k)
+    victim = local.nodes[k]
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait()
+    shutil.rmtree(victim.data_dir)
+    killed, lines = time.monotonic(), []
+    rounds = _Rounds(local, lines)
+    try:
+        client.xadd(key, {"i": 10})
+        first_write_s = time.monotonic() - killed
+        _until(lambda: local.not_ready() is None and not local.down_since, 40, lambda: lines)
+    finally:
+        rounds.stop()
+    print(f"\nTLS cluster mode: kill to first write on the promoted replica {first_write_s:.2f} s")
+    assert client.get_node_from_key(key).port == local.nodes[replica].port
+    assert [int(f[b"i"]) for _, f in client.xrange(key)] == list(range(11))
+    role = local.node_client(victim).execute_command("ROLE")
+    assert role[0] == b"slave" and role[2] == local.nodes[replica].port
+
+
+def test_sentinel_and_cluster_tls_mismatches_are_one_line(tls_ha, tls_cluster, tmp_path):
+    """A plain-text client at the TLS-only sentinels or cluster nodes, and a CA that does
+    not sign their certificates: one line each (redis_tls.explain), naming the fix."""
+    _, other = make_run_certs(str(tmp_path / "other"))
+    for url, files, plain in (
+        (tls_ha.url, tls_ha.client_tls, "redis+sentinel"),
+        (tls_cluster.url, tls_cluster.client_tls, "redis+cluster"),
+    ):
+        with pytest.raises(RedisRefused) as info:
+            connect(url.replace("rediss+", "redis+"), startup_s=8)
+        msg = _one_line(info.value)
+        assert f"({plain}://***@127.0.0.1:" in msg and " speaks TLS: use rediss+" in msg, msg
+        assert "redis.tls.ca (NONSTOP_REDIS_TLS_CA)" in msg
+        wrong = TLSFiles(other.ca, files.cert, files.key)
+        with pytest.raises(RedisRefused) as info:
+            connect(url, tls=wrong, startup_s=8)
+        msg = _one_line(info.value)
+        assert msg.startswith(f"certificate verify failed: redis.tls.ca={other.ca} does not sign")
+        assert f"(rediss+{plain.split('+')[1]}://***@" in msg, msg
+        with pytest.raises(RedisRefused) as info:  # no client certificate
+            connect(url, tls=TLSFiles(ca=files.ca), startup_s=8)
+        assert "asks for a client certificate" in _one_line(info.value)
+
+
+def test_the_tiny_pipeline_on_redis_ha_over_tls(tmp_path):
+    """redis=ha redis.tls=true: the launcher starts the primary, replica and sentinels on
+    TLS only with the run's certificates, and every pool runs through them."""
+    run_dir = tmp_path / "run"
+    code, out = run_tiny(tmp_path, run_dir, "redis=ha", "redis.tls=true", timeout=500)
+    assert code == 0, out[-3000:]
+    assert "sentinels on" in out and "TLS only" in out and "--tls --cacert" in out
+    assert (run_dir / "redis" / "url").read_text().startswith("rediss+sentinel://")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    acc = summary["accounting"]
+    assert summary["outcome"] == "finished" and summary["trainer_steps"] == 4, summary
+    assert acc["groups_lost"] == 0 and acc["groups_duplicated"] == 0, acc

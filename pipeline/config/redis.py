@@ -16,9 +16,10 @@ class TLSConfig:
     """``redis.tls``: Redis over TLS (pipeline/redis_tls.py). ``redis.tls=true`` is short
     for ``redis.tls.enabled=true``."""
 
-    # true with no redis.url: the embedded redis-server listens on TLS only, with a CA and
+    # true with no redis.url: the embedded redis-server (redis=ha: the nodes and sentinels;
+    # redis=cluster: the nodes, cluster bus included) listens on TLS only, with a CA and
     # server and client certificates made per run in RUN_DIR/redis/tls; with redis.url:
-    # the URL must be rediss://
+    # the URL must be rediss:// (rediss+sentinel://, rediss+cluster://)
     enabled: bool = False
     # an operator's rediss:// Redis (NONSTOP_REDIS_TLS_CA/_CERT/_KEY override these): the
     # CA file that signs its certificate ("": the system's CAs), and a client certificate
@@ -84,7 +85,7 @@ def validate_mode(cfg: Any) -> None:
     sentinel_url = bool(url) and url.split("://", 1)[0].endswith("+sentinel")
     if mode == "sentinel" and url and not sentinel_url:
         raise ValueError(
-            "redis.mode=sentinel needs redis.url=redis+sentinel://[USER:PASSWORD@]HOST:PORT,"
+            "redis.mode=sentinel needs redis.url=redis[s]+sentinel://[USER:PASSWORD@]HOST:PORT,"
             "HOST:PORT,.../SERVICE[/DB] (the sentinels, not a node), or no redis.url "
             "(redis=ha starts a local one)"
         )
@@ -97,11 +98,6 @@ def validate_mode(cfg: Any) -> None:
         raise ValueError(
             "redis.url is a redis+sentinel:// URL but redis.mode=single: set "
             "redis.mode=sentinel (or redis=ha), or give a redis:// URL"
-        )
-    if mode == "sentinel" and not url and _get(cfg, "redis.tls.enabled"):
-        raise ValueError(
-            "redis.tls=true with redis=ha (local sentinels) is not built yet: drop "
-            "redis.tls, or use the single embedded server (+redis=embedded) for TLS"
         )
     if mode == "sentinel" and _get(cfg, "redis.shards") != 1:
         raise ValueError(
@@ -128,24 +124,19 @@ def validate_mode(cfg: Any) -> None:
 
 def validate_cluster(cfg: Any) -> None:
     """``redis.mode=cluster`` (pipeline/streams/cluster.py): a redis+cluster:// URL or none
-    (redis=cluster), ``redis.shards`` partitions, no shard URLs, no TLS; WAIT settings."""
+    (redis=cluster), ``redis.shards`` partitions, no shard URLs; WAIT settings."""
     if _get(cfg, "redis.mode") != "cluster":
         return
     url = _get(cfg, "redis.url")
     if url and not url.split("://", 1)[0].endswith("+cluster"):
         raise ValueError(
-            "redis.mode=cluster needs redis.url=redis+cluster://[USER:PASSWORD@]HOST:PORT,"
+            "redis.mode=cluster needs redis.url=redis[s]+cluster://[USER:PASSWORD@]HOST:PORT,"
             "HOST:PORT,.../ (cluster nodes), or no redis.url (redis=cluster starts a local one)"
         )
     if _get(cfg, "redis.shard_urls"):
         raise ValueError(
             "redis.shard_urls is set with redis.mode=cluster: the cluster holds every "
             "partition (redis.shards is their count); drop redis.shard_urls"
-        )
-    if _get(cfg, "redis.tls.enabled"):
-        raise ValueError(
-            "redis.tls=true with redis.mode=cluster is not built yet: drop redis.tls, or use "
-            "redis.mode=single with rediss://"
         )
     acked = _get(cfg, "redis.min_replicas_acked")
     if acked is not None and (not isinstance(acked, int) or acked < 0):

@@ -7,7 +7,10 @@ URL (it travels in ``redis.url`` / ``NONSTOP_REDIS_URL`` like a ``redis://`` one
 
 ``HOST:PORT`` are cluster nodes to start from (6379 when the port is left out); the
 client learns every other node from them (CLUSTER SLOTS). The same user and password
-authenticate on every node. TLS to a cluster (``rediss+cluster://``) is not built yet.
+authenticate on every node. ``rediss+cluster://`` speaks TLS to every node, as
+``rediss://`` does to one server (``redis.tls.ca``/``cert``/``key`` or the
+``NONSTOP_REDIS_TLS_*`` variables: pipeline/redis_tls.py); the nodes then run
+``tls-cluster yes`` so CLUSTER SLOTS names their TLS ports.
 
 What lives where (pipeline/streams/names.py): the control keys share the hash tag
 ``{<run>}`` (one slot), partition k's work streams and their once keys
@@ -36,11 +39,13 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
+from pipeline.redis_tls import TLSFiles, explain, settled
 from pipeline.streams.errors import RedisRefused, RedisUnavailable
 
 SCHEME = "redis+cluster"
+TLS_SCHEME = "rediss+cluster"
 DEFAULT_PORT = 6379
-FORM = "redis+cluster://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/"
+FORM = "redis[s]+cluster://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/"
 SLOTS = 16384
 
 
@@ -54,32 +59,42 @@ class ClusterURL:
     nodes: list[tuple[str, int]]
     username: str | None = None
     password: str | None = None
+    tls: bool = False  # rediss+cluster://
+    files: TLSFiles | None = None  # the client's TLS files (tls only)
 
     def shown(self) -> str:
         """The URL with the password hidden."""
         who = "***@" if self.password else (f"{self.username}@" if self.username else "")
-        return f"{SCHEME}://{who}{','.join(f'{h}:{p}' for h, p in self.nodes)}/"
+        scheme = TLS_SCHEME if self.tls else SCHEME
+        return f"{scheme}://{who}{','.join(f'{h}:{p}' for h, p in self.nodes)}/"
+
+    def ssl_kwargs(self) -> dict:
+        """redis-py's TLS arguments for a node ({} without TLS)."""
+        return {"ssl": True, **(self.files or TLSFiles()).client_kwargs()} if self.tls else {}
+
+    def explain(self, name: str, error: BaseException) -> str | None:
+        """redis_tls.explain for node ``name`` ("host:port"); None: not about TLS."""
+        url = f"{'rediss' if self.tls else 'redis'}://{name}"
+        return explain(url, error, self.files, f"{name} ({self.shown()})", SCHEME)
 
     def hosts(self) -> str:
         return ", ".join(f"{h}:{p}" for h, p in self.nodes)
 
 
-def format_url(nodes: list[tuple[str, int]], password: str = "", username: str = "") -> str:
+def format_url(
+    nodes: list[tuple[str, int]], password: str = "", username: str = "", tls: bool = False
+) -> str:
     """The URL :func:`parse` reads (the launcher's ``redis=cluster`` gives it to the pools)."""
     cred = f"{username}:{password}@" if password or username else ""
-    return f"{SCHEME}://{cred}{','.join(f'{h}:{p}' for h, p in nodes)}/"
+    scheme = TLS_SCHEME if tls else SCHEME
+    return f"{scheme}://{cred}{','.join(f'{h}:{p}' for h, p in nodes)}/"
 
 
 def parse(url: str) -> ClusterURL:
     """Read a cluster URL; ValueError naming what is wrong and the form to use."""
     scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() not in (SCHEME, "rediss+cluster"):
+    if not sep or scheme.lower() not in (SCHEME, TLS_SCHEME):
         raise ValueError(f"not a cluster URL: use {FORM}")
-    if scheme.lower() == "rediss+cluster":
-        raise ValueError(
-            f"rediss+cluster:// (TLS to cluster nodes) is not built yet: use {FORM} on a "
-            "trusted network, or redis.mode=single with rediss://"
-        )
     username = password = None
     if "@" in rest:
         cred, rest = rest.rsplit("@", 1)
@@ -103,7 +118,7 @@ def parse(url: str) -> ClusterURL:
                 f"bad cluster node address {item!r} in {_shown(url)}: write HOST:PORT ({FORM})"
             )
         nodes.append((host.strip("[]"), int(port)))
-    return ClusterURL(nodes, username, password)
+    return ClusterURL(nodes, username, password, scheme.lower() == TLS_SCHEME)
 
 
 def _shown(url: str) -> str:
@@ -152,6 +167,7 @@ def cluster_client(
         socket_connect_timeout=5,
         retry=Retry(ExponentialBackoff(cap=1.0, base=0.1), retries=1),
         reconnect_s=reconnect_s,
+        **parsed.ssl_kwargs(),
         **kwargs,
     )
 
@@ -163,12 +179,20 @@ def probe(parsed: ClusterURL, startup_s: float, delay_s: float = 0.25) -> dict[s
     node refuses the credentials or is not in cluster mode (waiting will not fix those),
     RedisUnavailable when no node answers or the cluster stays incomplete."""
     deadline, i = time.monotonic() + startup_s, 0
+    seen: set[str] = set()  # TLS lines seen once (redis_tls.settled)
     while True:
         left = max(0.2, min(2.0, deadline - time.monotonic()))
         infos, errors = ask_nodes(parsed, left)
         whole = next((info for info in infos.values() if not gap(info)), None)
         if whole is not None:
             return whole
+        if not infos:  # no node answered: a TLS mismatch says so in one line
+            for name, e in errors.items():
+                line = parsed.explain(name, e)
+                if line is not None and (line in seen or settled(e)):
+                    raise RedisRefused(line)
+                if line is not None:
+                    seen.add(line)
         if time.monotonic() + delay_s >= deadline:
             break
         time.sleep(min(delay_s * 2**i, 2.0))
@@ -220,6 +244,7 @@ def ask_nodes(
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),
+            **parsed.ssl_kwargs(),
         )
         try:
             text = node.execute_command("CLUSTER INFO")
@@ -258,12 +283,15 @@ def silent(client: RedisCluster, timeout_s: float) -> str | None:
         client.nodes_manager.initialize()
     except (redis.RedisError, RedisClusterException) as e:
         return " ".join(str(e).split())[:300] or type(e).__name__
+    kwargs = client.nodes_manager.connection_kwargs
+    ssl = {k: v for k, v in kwargs.items() if k.startswith("ssl")}  # rediss+cluster://
     for node in client.get_primaries():
         probe = redis.Redis(
             node.host,
             node.port,
-            username=client.nodes_manager.connection_kwargs.get("username"),
-            password=client.nodes_manager.connection_kwargs.get("password"),
+            username=kwargs.get("username"),
+            password=kwargs.get("password"),
+            **ssl,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),

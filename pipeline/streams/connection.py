@@ -44,11 +44,13 @@ def connect(
     restarting) is retried with exponential backoff for about ``reconnect_s``
     seconds before the error reaches the caller.
 
-    ``redis+sentinel://`` URLs (redis.mode=sentinel; sentinel.py) give a client
+    ``redis+sentinel://`` URLs (redis.mode=sentinel; sentinel.py; ``rediss+sentinel://``
+    over TLS with ``tls``'s files, to the sentinels and the nodes) give a client
     of the primary the sentinels name, found again on every reconnect, so it follows a
     failover with the same reconnect budget.
 
-    ``redis+cluster://`` URLs (redis.mode=cluster; cluster.py) give a Redis Cluster
+    ``redis+cluster://`` URLs (redis.mode=cluster; cluster.py; ``rediss+cluster://`` over
+    TLS) give a Redis Cluster
     client (redis-py's RedisCluster), which follows a failover within the same budget.
     """
     if sentinel.is_sentinel(url):
@@ -76,11 +78,7 @@ def _connect_sentinel(
 ) -> redis.Redis:
     """:func:`connect` for a ``redis+sentinel://`` URL (sentinel.py)."""
     parsed = sentinel.parse(url)  # ValueError: the form to use
-    if tls is not None and (tls.ca or tls.cert):
-        raise ValueError(
-            f"TLS files ({tls.named('ca')}, ...) given for the sentinel URL {parsed.shown()}: "
-            "TLS with sentinels is not built yet; drop them"
-        )
+    parsed.files, _ = _tls(url, tls)
     sentinel.probe(parsed, startup_s)
     retry = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=max(1, int(reconnect_s / 2)))
     client = sentinel.sentinel_client(
@@ -95,11 +93,7 @@ def _connect_cluster(
 ) -> redis.Redis:
     """:func:`connect` for a ``redis+cluster://`` URL (cluster.py)."""
     parsed = cluster.parse(url)  # ValueError: the form to use
-    if tls is not None and (tls.ca or tls.cert):
-        raise ValueError(
-            f"TLS files ({tls.named('ca')}, ...) given for the cluster URL {parsed.shown()}: "
-            "TLS to a Redis Cluster is not built yet; drop them"
-        )
+    parsed.files, _ = _tls(url, tls)
     cluster.probe(parsed, startup_s)
     client = cluster.cluster_client(parsed, reconnect_s, health_check_interval=30)
     client.ping()
@@ -112,7 +106,8 @@ def _tls(url: str, tls: TLSFiles | None) -> tuple[TLSFiles | None, dict[str, str
         if tls is not None and (tls.ca or tls.cert):
             raise ValueError(
                 f"TLS files ({tls.named('ca')}, ...) given for the plain-text URL "
-                f"{redact(url)}: use rediss:// for TLS, or drop them"
+                f"{redact(url)}: use rediss:// (rediss+sentinel://, rediss+cluster://) for "
+                "TLS, or drop them"
             )
         return None, {}
     if tls is None:

@@ -9,7 +9,10 @@ URL (it travels in ``redis.url`` / ``NONSTOP_REDIS_URL`` like a ``redis://`` one
 they monitor the primary under (``redis.sentinel_service``), ``DB`` the database (0).
 The same user and password authenticate on the nodes (the primary and its replicas) and
 on the sentinels (``requirepass``, or the same ACL user defined there: deploy/redis/
-sentinel.conf). TLS to sentinels (``rediss+sentinel://``) is not built yet.
+sentinel.conf). ``rediss+sentinel://`` speaks TLS to the sentinels and to the nodes
+they name, as ``rediss://`` does to one server: the client checks every certificate
+against ``redis.tls.ca`` and presents ``redis.tls.cert``/``key`` (or the
+``NONSTOP_REDIS_TLS_*`` variables: pipeline/redis_tls.py) to both.
 
 The client (:func:`sentinel_client`) asks the sentinels for the primary whenever it
 (re)connects, so after a failover the same client object carries on with the promoted
@@ -28,14 +31,17 @@ from urllib.parse import unquote
 
 import redis
 from redis.backoff import NoBackoff
+from redis.connection import SSLConnection
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
+from pipeline.redis_tls import TLSFiles, explain, settled
 from pipeline.streams.errors import RedisRefused, RedisUnavailable
 
 SCHEME = "redis+sentinel"
+TLS_SCHEME = "rediss+sentinel"
 DEFAULT_PORT = 26379
-FORM = "redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]"
+FORM = "redis[s]+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]"
 
 
 def is_sentinel(url: str | None) -> bool:
@@ -50,12 +56,27 @@ class SentinelURL:
     db: int = 0
     username: str | None = None
     password: str | None = None
+    tls: bool = False  # rediss+sentinel://
+    files: TLSFiles | None = None  # the client's TLS files (tls only)
 
     def shown(self) -> str:
         """The URL with the password hidden."""
         hosts = ",".join(f"{h}:{p}" for h, p in self.sentinels)
         who = "***@" if self.password else (f"{self.username}@" if self.username else "")
-        return f"{SCHEME}://{who}{hosts}/{self.service}/{self.db}"
+        return f"{self.scheme}://{who}{hosts}/{self.service}/{self.db}"
+
+    @property
+    def scheme(self) -> str:
+        return TLS_SCHEME if self.tls else SCHEME
+
+    def ssl_kwargs(self) -> dict:
+        """redis-py's TLS arguments for a sentinel or a node ({} without TLS)."""
+        return {"ssl": True, **(self.files or TLSFiles()).client_kwargs()} if self.tls else {}
+
+    def explain(self, host: str, port: int, error: BaseException) -> str | None:
+        """redis_tls.explain for one sentinel or node of this URL (None: not about TLS)."""
+        url = f"{'rediss' if self.tls else 'redis'}://{host}:{port}"
+        return explain(url, error, self.files, f"{host}:{port} ({self.shown()})", SCHEME)
 
     def hosts(self) -> str:
         return ", ".join(f"{h}:{p}" for h, p in self.sentinels)
@@ -67,23 +88,19 @@ def format_url(
     password: str = "",
     username: str = "",
     db: int = 0,
+    tls: bool = False,
 ) -> str:
     """The URL :func:`parse` reads (the launcher's ``redis=ha`` hands it to the pools)."""
     cred = f"{username}:{password}@" if password or username else ""
     hosts = ",".join(f"{h}:{p}" for h, p in sentinels)
-    return f"{SCHEME}://{cred}{hosts}/{service}/{db}"
+    return f"{TLS_SCHEME if tls else SCHEME}://{cred}{hosts}/{service}/{db}"
 
 
 def parse(url: str) -> SentinelURL:
     """Read a sentinel URL; ValueError naming what is wrong and the form to use."""
     scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() not in (SCHEME, "rediss+sentinel"):
+    if not sep or scheme.lower() not in (SCHEME, TLS_SCHEME):
         raise ValueError(f"not a sentinel URL: use {FORM}")
-    if scheme.lower() == "rediss+sentinel":
-        raise ValueError(
-            "rediss+sentinel:// (TLS to sentinels and nodes) is not built yet: use "
-            f"{FORM} on a trusted network, or redis.mode=single with rediss://"
-        )
     username = password = None
     if "@" in rest:
         cred, rest = rest.rsplit("@", 1)
@@ -108,7 +125,8 @@ def parse(url: str) -> SentinelURL:
     db = parts[1] if len(parts) == 2 else "0"
     if not db.isdigit():
         raise ValueError(f"bad database {db!r} in {_shown(url)}: a number ({FORM})")
-    return SentinelURL(sentinels, unquote(parts[0]), int(db), username, password)
+    tls = scheme.lower() == TLS_SCHEME
+    return SentinelURL(sentinels, unquote(parts[0]), int(db), username, password, tls)
 
 
 def _shown(url: str) -> str:
@@ -161,6 +179,11 @@ class NodeConnection(SentinelManagedConnection):
             raise
 
 
+class NodeSSLConnection(NodeConnection, SSLConnection):
+    """:class:`NodeConnection` over TLS (``rediss+sentinel://``; redis-py's pool picks
+    its SSL class only when no connection class is given)."""
+
+
 def _sentinel_kwargs(parsed: SentinelURL, timeout_s: float) -> dict:
     return {
         "socket_timeout": timeout_s,
@@ -168,6 +191,7 @@ def _sentinel_kwargs(parsed: SentinelURL, timeout_s: float) -> dict:
         "username": parsed.username,
         "password": parsed.password,
         "retry": Retry(NoBackoff(), 0),
+        **parsed.ssl_kwargs(),
     }
 
 
@@ -176,9 +200,11 @@ def sentinel_client(parsed: SentinelURL, retry: Retry, **node_kwargs) -> redis.R
     (re)connects; ``retry`` and ``node_kwargs`` (socket deadlines, health checks) apply
     to the node connections, a 2 s deadline to each sentinel query."""
     manager = Sentinel(parsed.sentinels, sentinel_kwargs=_sentinel_kwargs(parsed, 2.0))
+    tls = {k: v for k, v in parsed.ssl_kwargs().items() if k != "ssl"}
     return manager.master_for(
         parsed.service,
-        connection_class=NodeConnection,
+        connection_class=NodeSSLConnection if parsed.tls else NodeConnection,
+        **tls,
         username=parsed.username,
         password=parsed.password,
         db=parsed.db,
@@ -194,9 +220,12 @@ def probe(parsed: SentinelURL, startup_s: float, delay_s: float = 0.25) -> tuple
     the credentials or no answering sentinel knows the service (waiting will not fix
     those), RedisUnavailable when no sentinel answers or the primary does not."""
     deadline, why, i = time.monotonic() + startup_s, "", 0
+    seen: set[str] = set()  # TLS lines seen once (redis_tls.settled)
     while True:
         left = max(0.2, min(2.0, deadline - time.monotonic()))
         answers, errors = ask_sentinels(parsed, left)
+        if not any(answers.values()):
+            tls_why(parsed, errors, seen)
         refused = [e for e in errors.values() if isinstance(e, redis.AuthenticationError)]
         if refused and not any(answers.values()):
             raise RedisRefused(
@@ -212,7 +241,7 @@ def probe(parsed: SentinelURL, startup_s: float, delay_s: float = 0.25) -> tuple
             )
         address = next((a for a in answers.values() if a), None)
         if address is not None:
-            why = _ping_primary(parsed, address, left)
+            why = _ping_primary(parsed, address, left, seen)
             if why is None:
                 return address
         else:
@@ -235,6 +264,19 @@ def probe(parsed: SentinelURL, startup_s: float, delay_s: float = 0.25) -> tuple
         "check that redis-server runs there and that this host can reach it (the sentinels "
         "announce the address the nodes were given, `replica-announce-ip`)"
     )
+
+
+def tls_why(parsed: SentinelURL, errors: dict[str, Exception], seen: set[str]) -> None:
+    """RedisRefused with redis_tls.explain's line when a sentinel's or node's error is a
+    TLS mismatch (plain text at a TLS-only server, a CA that does not sign its
+    certificate, a refused client certificate); an ambiguous one once seen twice."""
+    for name, e in errors.items():
+        host, _, port = name.rpartition(":")
+        line = parsed.explain(host, int(port), e)
+        if line is not None and (line in seen or settled(e)):
+            raise RedisRefused(line)
+        if line is not None:
+            seen.add(line)
 
 
 def ask_sentinels(
@@ -285,9 +327,11 @@ def failover_gap(
     return None
 
 
-def _ping_primary(parsed: SentinelURL, address: tuple[str, int], timeout_s: float) -> str | None:
+def _ping_primary(
+    parsed: SentinelURL, address: tuple[str, int], timeout_s: float, seen: set[str]
+) -> str | None:
     """None when the primary answers PING as this user; else why not. Refused
-    credentials raise RedisRefused."""
+    credentials and a TLS mismatch (:func:`tls_why`) raise RedisRefused."""
     node = redis.Redis(
         address[0],
         address[1],
@@ -297,6 +341,7 @@ def _ping_primary(parsed: SentinelURL, address: tuple[str, int], timeout_s: floa
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         retry=Retry(NoBackoff(), 0),
+        **parsed.ssl_kwargs(),
     )
     try:
         node.ping()
@@ -308,6 +353,7 @@ def _ping_primary(parsed: SentinelURL, address: tuple[str, int], timeout_s: floa
             "the nodes' ACL (deploy/redis/users.acl)"
         ) from None
     except (redis.ConnectionError, redis.TimeoutError) as e:
+        tls_why(parsed, {f"{address[0]}:{address[1]}": e}, seen)
         return str(e)
     finally:
         node.close()
