@@ -424,6 +424,32 @@ def test_sentinel_and_cluster_tls_mismatches_are_one_line(tls_ha, tls_cluster, t
         assert "asks for a client certificate" in _one_line(info.value)
 
 
+def test_inspect_reads_tls_sentinel_and_cluster_run_dirs(tls_ha, tls_cluster, capsys):
+    """pipeline.inspect --run-dir of a redis=ha or redis=cluster run on TLS: the URL from
+    redis/url, the run's client files from redis/tls; the sentinels answer over TLS."""
+    from pipeline.inspect.cli import main
+
+    for topology in (tls_ha, tls_cluster):
+        run_dir = os.path.dirname(topology.data_dir)
+        rd = os.path.join(run_dir, "run-" + os.path.basename(topology.data_dir))
+        os.makedirs(os.path.join(rd, "redis"))
+        shutil.copytree(os.path.join(topology.data_dir, "tls"), os.path.join(rd, "redis", "tls"))
+        with open(os.path.join(rd, "redis", "url"), "w") as f:
+            f.write(topology.url + "\n")
+        assert main(["--run-dir", rd, "--prefix", "nonstop", "--run", "r", "--json"]) == 0
+        snap = json.loads(capsys.readouterr().out)
+        if topology is tls_ha:
+            rep = snap["replication"]
+            assert rep["primary"] == f"127.0.0.1:{tls_ha.nodes[0].port}", rep
+            assert [s["error"] for s in rep["sentinels"]] == [None] * 3, rep
+            assert rep["replicas"][0]["state"] == "online"
+        else:
+            assert snap["run"] == "nonstop:{r}" and snap["redis"]["version"], snap  # over TLS
+        args = ["--url", topology.url, "--tls-ca", topology.client_tls.ca, "--run", "r"]
+        args += ["--tls-cert", topology.client_tls.cert, "--tls-key", topology.client_tls.key]
+        assert main(args) == 0 and topology.password not in capsys.readouterr().out
+
+
 def test_the_tiny_pipeline_on_redis_ha_over_tls(tmp_path):
     """redis=ha redis.tls=true: the launcher starts the primary, replica and sentinels on
     TLS only with the run's certificates, and every pool runs through them."""

@@ -30,8 +30,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--url",
-        help="redis[s]://[:PASS@]host:port/db, redis+sentinel://[:PASS@]host:port,.../SERVICE"
-        " or redis+cluster://[:PASS@]host:port,.../ (default: $NONSTOP_REDIS_URL)",
+        help="redis[s]://[:PASS@]host:port/db, redis[s]+sentinel://[:PASS@]host:port,.../"
+        "SERVICE or redis[s]+cluster://[:PASS@]host:port,.../ (default: $NONSTOP_REDIS_URL)",
     )
     for what, help_ in (
         ("ca", "the CA that signs the server's certificate"),
@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.add_argument(
             f"--tls-{what}",
             metavar="FILE",
-            help=f"rediss://: {help_} (default: the run dir's redis/tls, "
+            help=f"rediss[+sentinel|+cluster]://: {help_} (default: the run dir's redis/tls, "
             f"$NONSTOP_REDIS_TLS_{what.upper()} or the config's redis.tls.{what})",
         )
     p.add_argument("--config", help="a config.yaml to take redis.prefix and run.name from")
@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 parts = cluster_partitions(client, names) if names.cluster else shards
                 snap = snapshot(client, names, args.stale_after, parts)
-                snap["replication"] = replication_snapshot(target.url, client)  # sentinel
+                rep = replication_snapshot(target.url, client, target.tls)  # sentinel mode
+                snap["replication"] = rep
                 text = json.dumps(snap) if args.json else render(snap, prev, target.url)
                 prev = snap
             except (redis.ConnectionError, redis.TimeoutError) as e:

@@ -7,15 +7,21 @@ from __future__ import annotations
 
 import redis
 
+from pipeline.redis_tls import TLSFiles
 from pipeline.streams.sentinel import ask_sentinels, is_sentinel, parse
 
 
-def replication_snapshot(url: str, client: redis.Redis) -> dict | None:
+def replication_snapshot(url: str, client: redis.Redis, tls: TLSFiles | None = None) -> dict | None:
     """None for a URL that is not a sentinel URL; else plain data (``--json`` prints
-    it). ``client``: the run's client, connected to the primary the sentinels name."""
+    it). ``client``: the run's client, connected to the primary the sentinels name;
+    ``tls``: the client's files for ``rediss+sentinel://`` (None: NONSTOP_REDIS_TLS_*)."""
     if not is_sentinel(url):
         return None
     parsed = parse(url)
+    if parsed.tls:
+        from pipeline.config import tls_files
+
+        parsed.files = tls or tls_files(None)
     answers, errors = ask_sentinels(parsed, 2.0)
     sentinels = [
         {"address": name, "primary": f"{a[0]}:{a[1]}" if a else None, "error": None}

@@ -64,7 +64,12 @@ def resolve(args: argparse.Namespace) -> Target:
             raise ValueError(f"--run-dir {rd} is not a directory")
         url_f = os.path.join(rd, "redis", "url")  # written by the Slurm scripts (deploy/slurm)
         port_f, auth_f = os.path.join(rd, "redis", "port"), os.path.join(rd, "redis", "auth")
-        if url is None and os.path.exists(url_f):
+        tls_dir = os.path.join(rd, "redis", "tls")  # redis.tls=true: the run's certificates
+        run_tls = os.path.exists(os.path.join(tls_dir, "ca.crt"))
+        if run_tls:
+            files = {k: os.path.join(tls_dir, f) for k, f in RUN_TLS.items()}
+            tls = TLSFiles(**files, origin={k: "--run-dir" for k in files})
+        if url is None and os.path.exists(url_f):  # redis=ha, redis=cluster: their URL
             url = _read(url_f)
         elif url is None:
             if not os.path.exists(port_f):
@@ -73,12 +78,8 @@ def resolve(args: argparse.Namespace) -> Target:
                     "pass --url redis://... for a run on an external Redis"
                 )
             auth = _read(auth_f) if os.path.exists(auth_f) else ""
-            tls_dir = os.path.join(rd, "redis", "tls")  # redis.tls=true: the run's certificates
-            scheme = "rediss" if os.path.exists(os.path.join(tls_dir, "ca.crt")) else "redis"
+            scheme = "rediss" if run_tls else "redis"
             url = f"{scheme}://:{auth}@127.0.0.1:{_read(port_f)}/0"
-            if scheme == "rediss":
-                files = {k: os.path.join(tls_dir, f) for k, f in RUN_TLS.items()}
-                tls = TLSFiles(**files, origin={k: "--run-dir" for k in files})
         shards_f = os.path.join(rd, "redis", "shard_urls")  # embedded shards (launcher)
         if not shards and os.path.exists(shards_f):
             shards = [u for u in _read(shards_f).split(",") if u]
@@ -96,8 +97,8 @@ def resolve(args: argparse.Namespace) -> Target:
         raise ValueError(
             "no Redis to inspect: pass --run-dir DIR, --url redis://... or set NONSTOP_REDIS_URL"
         )
-    if is_tls(url):
-        tls = _tls(args, config) or tls
+    # rediss://, rediss+sentinel://, rediss+cluster://: the files given, else the run's
+    tls = (_tls(args, config) or tls) if is_tls(url) else None
     return Target(url=url, prefix=prefix or "", run=run or "", shard_urls=shards, tls=tls)
 
 
