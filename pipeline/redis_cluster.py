@@ -7,7 +7,10 @@ node-K`` with ``cluster-enabled yes`` and its own ``nodes.conf``; ``redis-cli --
 create ... --cluster-replicas 1`` joins them (the password reaches redis-cli in its
 environment, ``REDISCLI_AUTH``, never on a command line). A primary silent for
 ``cluster-node-timeout`` (:data:`NODE_TIMEOUT_MS`) is failed over to its replica by the
-other primaries; the pools' client (pipeline/streams/cluster.py) follows.
+other primaries; the pools' client (pipeline/streams/cluster.py) follows. With
+``redis.tls=true`` every node is on TLS only with the run's certificates
+(RUN_DIR/redis/tls): clients, replication (``tls-replication``) and the cluster bus
+(``tls-cluster``); the URL is ``rediss+cluster://``.
 
 A dead node is restarted as a replica (:meth:`LocalCluster.watch`, called by the
 supervisor): a dead primary once the cluster has promoted its replica, as the replica of

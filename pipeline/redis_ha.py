@@ -10,6 +10,10 @@ own ``sentinel.conf``, which they rewrite) monitor the primary as
 ``redis.sentinel_service`` with quorum 2, authenticate to the nodes (``auth-pass``) and
 to each other (``sentinel-pass``) and require the same password of their clients
 (``requirepass``). The pools get the ``redis+sentinel://`` URL (pipeline/streams/sentinel.py).
+With ``redis.tls=true`` every node and sentinel listens on TLS only (``port 0``,
+``tls-port``, client certificates required), replicates and talks to the other
+sentinels over TLS (``tls-replication``), with the run's certificates (RUN_DIR/redis/tls),
+and the URL is ``rediss+sentinel://``.
 
 A dead node is never restarted as it was (:meth:`RedisHA.watch`, called by the
 supervisor): a primary that came back on its port with an empty or older data set would

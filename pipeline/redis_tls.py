@@ -9,6 +9,9 @@ so nobody can sign another certificate with it), starts redis-server on TLS only
 ``rediss://`` and the client's files through the environment (``NONSTOP_REDIS_URL``,
 ``NONSTOP_REDIS_TLS_CA``/``_CERT``/``_KEY``). An operator's Redis: ``redis.url=rediss://...``
 with ``redis.tls.ca``/``cert``/``key`` (or those variables; deploy/README.md).
+``rediss+sentinel://`` and ``rediss+cluster://`` use the same files for every sentinel
+and node; ``redis=ha``/``redis=cluster`` with ``redis.tls=true`` put the local nodes and
+sentinels on TLS only with the run's certificates (pipeline/redis_ha.py, redis_cluster.py).
 """
 
 from __future__ import annotations

@@ -113,11 +113,12 @@ def redis_tls(cfg: Any | None, url: str) -> TLSFiles | None:
     if given:
         raise ValueError(
             f"{', '.join(given)} set but the Redis URL is plain-text redis://: use rediss:// "
-            "(redis.url or NONSTOP_REDIS_URL) for TLS, or unset them"
+            "(rediss+sentinel://, rediss+cluster://; redis.url or NONSTOP_REDIS_URL) for TLS, "
+            "or unset them"
         )
     if cfg is not None and _get(cfg, "redis.tls.enabled"):
         raise ValueError(
             "redis.tls=true but the Redis URL is plain-text redis:// (redis.url or "
-            "NONSTOP_REDIS_URL): use rediss://"
+            "NONSTOP_REDIS_URL): use rediss:// (rediss+sentinel://, rediss+cluster://)"
         )
     return None
