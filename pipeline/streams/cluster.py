@@ -121,6 +121,11 @@ def parse(url: str) -> ClusterURL:
     return ClusterURL(nodes, username, password, scheme.lower() == TLS_SCHEME)
 
 
+def _cli_tls(parsed: ClusterURL) -> str:
+    """redis-cli's TLS arguments (`` --tls --cacert ...``) for a TLS URL, else ""."""
+    return f" {(parsed.files or TLSFiles()).cli_args()}" if parsed.tls else ""
+
+
 def _shown(url: str) -> str:
     if "@" in url:
         scheme, rest = url.split("://", 1)
@@ -209,7 +214,7 @@ def probe(parsed: ClusterURL, startup_s: float, delay_s: float = 0.25) -> dict[s
         f"no node of the redis cluster {parsed.shown()} answered within {startup_s:.0f} s "
         f"({why}): check that redis-server runs with cluster-enabled yes at {parsed.hosts()}, "
         "the hosts and ports in the URL (redis.url or NONSTOP_REDIS_URL) and any firewall "
-        "between, and try `redis-cli -c -h HOST -p PORT cluster info`"
+        f"between, and try `redis-cli -c -h HOST -p PORT{_cli_tls(parsed)} cluster info`"
     )
 
 

@@ -129,6 +129,11 @@ def parse(url: str) -> SentinelURL:
     return SentinelURL(sentinels, unquote(parts[0]), int(db), username, password, tls)
 
 
+def _cli_tls(files: TLSFiles | None, tls: bool) -> str:
+    """redis-cli's TLS arguments (`` --tls --cacert ...``) for a TLS URL, else ""."""
+    return f" {(files or TLSFiles()).cli_args()}" if tls else ""
+
+
 def _shown(url: str) -> str:
     if "@" in url:
         scheme, rest = url.split("://", 1)
@@ -255,7 +260,8 @@ def probe(parsed: SentinelURL, startup_s: float, delay_s: float = 0.25) -> tuple
             f"none of the sentinels of {parsed.shown()} answered within {startup_s:.0f} s "
             f"({why}): check that redis-sentinel runs at {parsed.hosts()}, the hosts and "
             "ports in the URL (redis.url or NONSTOP_REDIS_URL) and any firewall between, "
-            f"and try `redis-cli -h HOST -p PORT sentinel get-master-addr-by-name "
+            f"and try `redis-cli -h HOST -p PORT{_cli_tls(parsed.files, parsed.tls)} "
+            "sentinel get-master-addr-by-name "
             f"{parsed.service}`"
         )
     raise RedisUnavailable(
