@@ -1,9 +1,14 @@
 """Redis servers built for tests: one with the shipped ACL users, less a command
-(tests/test_redis_errors.py, tests/test_durable.py)."""
+(tests/test_redis_errors.py, tests/test_durable.py); the supervisor's rounds over a
+local sentinel or cluster topology in a thread (tests/test_redis_ha.py, test_redis_cluster.py,
+test_redis_tls.py)."""
 
 from __future__ import annotations
 
 import subprocess
+import sys
+import threading
+import time
 
 from pipeline.redis_server import free_port
 from pipeline.streams import connect
@@ -29,3 +34,37 @@ def acl_server(tmp_path, drop: str = "") -> dict[str, str]:
 
 
 ROLES = ("actor", "preprocessor", "trainer", "operator")
+
+
+class WatchRounds:
+    """The supervisor's rounds (RedisHA.watch, LocalCluster.watch) over ``topology`` in a
+    thread, as the launcher runs them: a dead node is brought back as a replica."""
+
+    def __init__(self, topology, lines: list[str]):
+        self.done = threading.Event()
+
+        def loop():
+            while not self.done.is_set():
+                topology.watch(lines.append, lambda *a, **k: None)
+                time.sleep(0.2)
+
+        self.thread = threading.Thread(target=loop, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.done.set()
+        self.thread.join(30)
+
+
+def pool_start_line(url: str) -> subprocess.CompletedProcess:
+    """What a pool prints and returns when ``connect(url)`` fails at start-up: one
+    ``error:`` line and exit 2 (the caller asserts on it)."""
+    code = (
+        "from pipeline.streams import connect, RedisUnavailable\n"
+        "import sys\n"
+        "try:\n    connect(sys.argv[1], startup_s=1)\n"
+        "except RedisUnavailable as e:\n    print(f'error: {e}'); sys.exit(2)\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, url], capture_output=True, text=True, cwd=ROOT, timeout=30
+    )

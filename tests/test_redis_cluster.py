@@ -13,9 +13,6 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
@@ -38,6 +35,7 @@ from pipeline.streams import (
 from pipeline.streams.cluster import parse, silent
 from pipeline.streams.durable import Durability, Lua, NotReplicated, attach
 from tests.launching import ROOT, run_tiny
+from tests.redis_builders import WatchRounds, pool_start_line
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
 
@@ -255,15 +253,7 @@ def test_bad_cluster_urls_fail_in_one_line(cluster, redis_server, tmp_path):
     finally:
         lone.stop()
     # and from the command line: a pool's one line, exit 2, no traceback
-    code = (
-        "from pipeline.streams import connect, RedisUnavailable\n"
-        "import sys\n"
-        "try:\n    connect(sys.argv[1], startup_s=1)\n"
-        "except RedisUnavailable as e:\n    print(f'error: {e}'); sys.exit(2)\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code, dead], capture_output=True, text=True, cwd=ROOT, timeout=30
-    )
+    out = pool_start_line(dead)
     assert out.returncode == 2 and "Traceback" not in out.stdout + out.stderr
     assert out.stdout.count("\n") == 1 and "cluster-enabled yes" in out.stdout
 
@@ -291,7 +281,7 @@ def test_failover_keeps_the_same_client_writing(tmp_path):
         shutil.rmtree(victim.data_dir)
         killed = time.monotonic()
         lines: list[str] = []
-        watcher = _Watcher(local, lines)  # the supervisor's rounds, as the launcher runs them
+        watcher = WatchRounds(local, lines)  # the supervisor's rounds, as the launcher runs them
         try:
             publish(client, stream, b"x", token="g20", i=20)  # waits for the new replica
             first_write_s = time.monotonic() - killed
@@ -326,25 +316,6 @@ def test_failover_keeps_the_same_client_writing(tmp_path):
     t = time.monotonic()
     why = silent(client, 1.0)  # every node gone: the summary is written from disk
     assert why and time.monotonic() - t < 10, why
-
-
-class _Watcher:
-    """The supervisor's rounds (LocalCluster.watch) in a thread."""
-
-    def __init__(self, local: LocalCluster, lines: list[str]):
-        self.done = threading.Event()
-
-        def loop():
-            while not self.done.is_set():
-                local.watch(lines.append, lambda *a, **k: None)
-                time.sleep(0.2)
-
-        self.thread = threading.Thread(target=loop, daemon=True)
-        self.thread.start()
-
-    def stop(self):
-        self.done.set()
-        self.thread.join(30)
 
 
 @pytest.mark.slow

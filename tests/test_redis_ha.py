@@ -25,6 +25,7 @@ from pipeline.redis_server import free_port
 from pipeline.streams import RedisRefused, RedisUnavailable, connect
 from pipeline.streams.sentinel import NotEnoughReplicas, parse
 from tests.launching import ROOT, run_tiny
+from tests.redis_builders import WatchRounds, pool_start_line
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
 
@@ -99,7 +100,7 @@ def test_failover_keeps_the_same_client_writing(ha):
     shutil.rmtree(old.data_dir)
     killed = time.monotonic()
     lines: list[str] = []
-    watcher = _Watcher(ha, lines)
+    watcher = WatchRounds(ha, lines)
     try:
         client.xadd("s", {"i": 20})  # blocks in the retry until the new primary takes it
         first_write_s = time.monotonic() - killed
@@ -130,25 +131,6 @@ def _read_one(client, out: dict) -> None:
 
 def _blocked_clients(ha, node) -> int:
     return int(ha.node_client(node).info("clients")["blocked_clients"])
-
-
-class _Watcher:
-    """The supervisor's rounds (RedisHA.watch) in a thread, as the launcher runs them."""
-
-    def __init__(self, ha: RedisHA, lines: list[str]):
-        self.done = threading.Event()
-
-        def loop():
-            while not self.done.is_set():
-                ha.watch(lines.append, lambda *a, **k: None)
-                time.sleep(0.2)
-
-        self.thread = threading.Thread(target=loop, daemon=True)
-        self.thread.start()
-
-    def stop(self):
-        self.done.set()
-        self.thread.join(10)
 
 
 def _wait(check, timeout, why=lambda: ""):
@@ -199,15 +181,7 @@ def test_bad_sentinel_urls_fail_in_one_line(ha):
     with pytest.raises(RedisRefused, match="refused the credentials"):
         connect(wrong, startup_s=2)
     # and from the command line: a pool's one line, exit 2/4, no traceback
-    code = (
-        "from pipeline.streams import connect, RedisUnavailable\n"
-        "import sys\n"
-        "try:\n    connect(sys.argv[1], startup_s=1)\n"
-        "except RedisUnavailable as e:\n    print(f'error: {e}'); sys.exit(2)\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code, dead], capture_output=True, text=True, cwd=ROOT, timeout=30
-    )
+    out = pool_start_line(dead)
     assert out.returncode == 2 and "Traceback" not in out.stdout + out.stderr
     assert out.stdout.count("\n") == 1 and "redis-sentinel" in out.stdout
 

@@ -10,7 +10,6 @@ import signal
 import stat
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -32,6 +31,7 @@ from pipeline.redis_server import EmbeddedRedis, free_port
 from pipeline.redis_tls import TLSFiles, make_run_certs, speaks_plain, speaks_tls
 from pipeline.streams import RedisRefused, connect
 from tests.launching import ROOT, run_tiny
+from tests.redis_builders import WatchRounds
 
 TLS_ENV = ("NONSTOP_REDIS_TLS_CA", "NONSTOP_REDIS_TLS_CERT", "NONSTOP_REDIS_TLS_KEY")
 
@@ -282,25 +282,6 @@ def test_the_tiny_pipeline_over_tls_with_the_shipped_acl_users(tmp_path):
 # ------------------------------------------------- sentinel and cluster mode over TLS
 
 
-class _Rounds:
-    """The supervisor's rounds (RedisHA.watch, LocalCluster.watch) in a thread."""
-
-    def __init__(self, topology, lines: list[str]):
-        self.done = threading.Event()
-
-        def loop():
-            while not self.done.is_set():
-                topology.watch(lines.append, lambda *a, **k: None)
-                time.sleep(0.2)
-
-        self.thread = threading.Thread(target=loop, daemon=True)
-        self.thread.start()
-
-    def stop(self):
-        self.done.set()
-        self.thread.join(30)
-
-
 def _until(check, timeout_s: float, why=lambda: "") -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
@@ -351,7 +332,7 @@ def test_sentinel_mode_over_tls_follows_a_failover(tls_ha):
     old.proc.wait()
     shutil.rmtree(old.data_dir)
     killed, lines = time.monotonic(), []
-    rounds = _Rounds(ha, lines)
+    rounds = WatchRounds(ha, lines)
     try:
         client.xadd("s", {"i": 10})  # retried until the sentinels name the new primary
         first_write_s = time.monotonic() - killed
@@ -386,7 +367,7 @@ def test_cluster_mode_over_tls_follows_a_failover(tls_cluster):
     victim.proc.wait()
     shutil.rmtree(victim.data_dir)
     killed, lines = time.monotonic(), []
-    rounds = _Rounds(local, lines)
+    rounds = WatchRounds(local, lines)
     try:
         client.xadd(key, {"i": 10})
         first_write_s = time.monotonic() - killed

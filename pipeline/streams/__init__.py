@@ -30,6 +30,7 @@ Layout (module: concern)::
                    follows a failover, its start-up probe
     cluster.py     redis.mode=cluster: the redis+cluster:// URL, the Redis Cluster
                    client that follows a failover, its start-up probe
+    urls.py        the multi-host URLs both read: scheme, credentials, HOST:PORT list
     durable.py     writes that count once replicas have them (WAIT), XADD-once,
                    publish, the Lua script runner
     counters.py    count-once counters: samples_produced, samples_retired

@@ -31,7 +31,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
@@ -40,7 +39,9 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from pipeline.redis_tls import TLSFiles, explain, settled
+from pipeline.streams import urls
 from pipeline.streams.errors import RedisRefused, RedisUnavailable
+from pipeline.streams.urls import shown as _shown
 
 SCHEME = "redis+cluster"
 TLS_SCHEME = "rediss+cluster"
@@ -92,15 +93,7 @@ def format_url(
 
 def parse(url: str) -> ClusterURL:
     """Read a cluster URL; ValueError naming what is wrong and the form to use."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() not in (SCHEME, TLS_SCHEME):
-        raise ValueError(f"not a cluster URL: use {FORM}")
-    username = password = None
-    if "@" in rest:
-        cred, rest = rest.rsplit("@", 1)
-        user, has_pw, pw = cred.partition(":")
-        username, password = unquote(user) or None, unquote(pw) if has_pw else None
-    hosts, _, path = rest.partition("/")
+    tls, username, password, hosts, path = urls.split(url, "cluster", (SCHEME, TLS_SCHEME), FORM)
     if path.strip("/"):
         raise ValueError(
             f"bad cluster URL {_shown(url)}: a cluster has one database, so nothing goes "
@@ -108,29 +101,13 @@ def parse(url: str) -> ClusterURL:
         )
     if not hosts:
         raise ValueError(f"bad cluster URL {_shown(url)}: give at least one node, {FORM}")
-    nodes = []
-    for item in hosts.split(","):
-        host, colon, port = item.strip().rpartition(":")
-        if not colon:
-            host, port = item.strip(), str(DEFAULT_PORT)
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(
-                f"bad cluster node address {item!r} in {_shown(url)}: write HOST:PORT ({FORM})"
-            )
-        nodes.append((host.strip("[]"), int(port)))
-    return ClusterURL(nodes, username, password, scheme.lower() == TLS_SCHEME)
+    nodes = urls.host_ports(hosts, url, DEFAULT_PORT, "cluster node", FORM)
+    return ClusterURL(nodes, username, password, tls)
 
 
 def _cli_tls(parsed: ClusterURL) -> str:
     """redis-cli's TLS arguments (`` --tls --cacert ...``) for a TLS URL, else ""."""
     return f" {(parsed.files or TLSFiles()).cli_args()}" if parsed.tls else ""
-
-
-def _shown(url: str) -> str:
-    if "@" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
-    return url
 
 
 class ClusterClient(RedisCluster):

@@ -36,7 +36,9 @@ from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
 from pipeline.redis_tls import TLSFiles, explain, settled
+from pipeline.streams import urls
 from pipeline.streams.errors import RedisRefused, RedisUnavailable
+from pipeline.streams.urls import shown as _shown
 
 SCHEME = "redis+sentinel"
 TLS_SCHEME = "rediss+sentinel"
@@ -98,47 +100,22 @@ def format_url(
 
 def parse(url: str) -> SentinelURL:
     """Read a sentinel URL; ValueError naming what is wrong and the form to use."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() not in (SCHEME, TLS_SCHEME):
-        raise ValueError(f"not a sentinel URL: use {FORM}")
-    username = password = None
-    if "@" in rest:
-        cred, rest = rest.rsplit("@", 1)
-        user, has_pw, pw = cred.partition(":")
-        username, password = unquote(user) or None, unquote(pw) if has_pw else None
-    hosts, _, path = rest.partition("/")
+    tls, username, password, hosts, path = urls.split(url, "sentinel", (SCHEME, TLS_SCHEME), FORM)
     parts = [p for p in path.split("/") if p] if path else []
     if not hosts or not parts or len(parts) > 2:
         raise ValueError(
             f"bad sentinel URL {_shown(url)}: give the sentinels and the service, {FORM}"
         )
-    sentinels = []
-    for item in hosts.split(","):
-        host, colon, port = item.strip().rpartition(":")
-        if not colon:
-            host, port = item.strip(), str(DEFAULT_PORT)
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(
-                f"bad sentinel address {item!r} in {_shown(url)}: write HOST:PORT ({FORM})"
-            )
-        sentinels.append((host.strip("[]"), int(port)))
+    sentinels = urls.host_ports(hosts, url, DEFAULT_PORT, "sentinel", FORM)
     db = parts[1] if len(parts) == 2 else "0"
     if not db.isdigit():
         raise ValueError(f"bad database {db!r} in {_shown(url)}: a number ({FORM})")
-    tls = scheme.lower() == TLS_SCHEME
     return SentinelURL(sentinels, unquote(parts[0]), int(db), username, password, tls)
 
 
 def _cli_tls(files: TLSFiles | None, tls: bool) -> str:
     """redis-cli's TLS arguments (`` --tls --cacert ...``) for a TLS URL, else ""."""
     return f" {(files or TLSFiles()).cli_args()}" if tls else ""
-
-
-def _shown(url: str) -> str:
-    if "@" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
-    return url
 
 
 class NotEnoughReplicas(redis.ConnectionError):
