@@ -48,7 +48,7 @@ from pipeline.redis_cluster import start_local_cluster
 from pipeline.redis_ha import start_local_ha
 from pipeline.redis_server import EmbeddedRedis, check_no_eviction
 from pipeline.redis_tls import ENV as TLS_ENV
-from pipeline.redis_tls import TLSFiles, make_run_certs
+from pipeline.redis_tls import TLSFiles, make_run_certs, write_private
 from pipeline.streams import DRAIN_FIELD, Names, RedisUnavailable, connect, mark_run
 from pipeline.streams.shards import Shards
 from pipeline.summary import newest_published, status_version, write_summary
@@ -142,8 +142,7 @@ def start_shards(
         env["NONSTOP_REDIS_SHARD_URLS"] = ",".join(urls)
         os.makedirs(os.path.join(run_dir, "redis"), exist_ok=True)
         path = os.path.join(run_dir, "redis", "shard_urls")  # for pipeline.inspect
-        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            f.write(",".join(urls) + "\n")
+        write_private(path, ",".join(urls) + "\n")
     return servers, [connect(u, reconnect_s=2.0, tls=tls and tls[1]) for u in urls]
 
 

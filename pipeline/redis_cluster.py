@@ -32,7 +32,7 @@ from collections.abc import Callable
 import redis
 
 from pipeline.redis_server import EmbeddedRedis, free_port
-from pipeline.redis_tls import TLSFiles, make_run_certs
+from pipeline.redis_tls import TLSFiles, make_run_certs, write_private
 from pipeline.streams import RedisUnavailable
 from pipeline.streams.cluster import format_url, gap
 
@@ -345,10 +345,7 @@ def start_local_cluster(cfg, run_dir: str) -> LocalCluster:
     local = LocalCluster(d, cfg.redis.embedded_appendfsync, tls=tls)
     local.start()
     for name, text in (("auth", local.password), ("url", local.url)):
-        with open(
-            os.open(os.path.join(d, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w"
-        ) as f:
-            f.write(text + "\n")
+        write_private(os.path.join(d, name), text + "\n")
     roles = local.roles()
     nodes = ", ".join(f"node-{k} :{n.port} {roles.get(k, '?')}" for k, n in enumerate(local.nodes))
     tls_note = f", TLS only, certificates in {d}/tls" if tls else ""

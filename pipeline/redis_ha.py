@@ -34,7 +34,7 @@ from collections.abc import Callable
 import redis
 
 from pipeline.redis_server import EmbeddedRedis, free_port
-from pipeline.redis_tls import TLSFiles, make_run_certs
+from pipeline.redis_tls import TLSFiles, make_run_certs, write_private
 from pipeline.streams import RedisUnavailable
 from pipeline.streams.sentinel import SentinelURL, failover_gap, format_url
 
@@ -146,9 +146,7 @@ class RedisHA:
             f"sentinel failover-timeout {s} {FAILOVER_TIMEOUT_MS}",
             f"sentinel parallel-syncs {s} 1",
         ]
-        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            f.write("\n".join(lines) + "\n")
-        return path
+        return write_private(path, "\n".join(lines) + "\n")
 
     def start_sentinel(self, k: int, primary: EmbeddedRedis | None = None) -> None:
         """Start sentinel ``k`` from its configuration file (written anew when missing,
@@ -314,10 +312,7 @@ def start_local_ha(cfg, run_dir: str) -> RedisHA:
     ha = RedisHA(d, cfg.redis.sentinel_service, cfg.redis.embedded_appendfsync, tls=tls)
     ha.start()
     for name, text in (("auth", ha.password), ("url", ha.url)):
-        with open(
-            os.open(os.path.join(d, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w"
-        ) as f:
-            f.write(text + "\n")
+        write_private(os.path.join(d, name), text + "\n")
     nodes = ", ".join(f"node-{k} :{n.port}" for k, n in enumerate(ha.nodes))
     sentinels = ", ".join(f":{p}" for p in ha.sentinel_ports)
     tls_note = f", TLS only (certificates in {d}/tls)" if tls else ""

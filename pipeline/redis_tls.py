@@ -88,6 +88,16 @@ def is_tls(url: str) -> bool:
 LOOPBACK = ("127.0.0.1", "localhost")
 
 
+def write_private(path: str, data: str | bytes) -> str:
+    """Write ``data`` to ``path`` readable by its owner only (0600: secrets, URLs with
+    passwords, keys); return ``path``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+    os.chmod(path, 0o600)  # an older file of the same name keeps its mode otherwise
+    return path
+
+
 def make_run_certs(
     folder: str, hosts: tuple[str, ...] | list[str] = LOOPBACK, days: int = 365
 ) -> tuple[TLSFiles, TLSFiles]:
@@ -142,14 +152,7 @@ def make_run_certs(
         .sign(ca_key, hashes.SHA256())
     )
 
-    def write(path: str, data: bytes) -> str:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(path, 0o600)  # an older file of the same name keeps its mode otherwise
-        return path
-
-    ca_path = write(
+    ca_path = write_private(
         os.path.join(folder, "ca.crt"), ca_cert.public_bytes(serialization.Encoding.PEM)
     )
     aki = x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key())
@@ -169,10 +172,10 @@ def make_run_certs(
         )
         return TLSFiles(
             ca=ca_path,
-            cert=write(
+            cert=write_private(
                 os.path.join(folder, f"{stem}.crt"), cert.public_bytes(serialization.Encoding.PEM)
             ),
-            key=write(os.path.join(folder, f"{stem}.key"), key_pem),
+            key=write_private(os.path.join(folder, f"{stem}.key"), key_pem),
         )
 
     san = []
