@@ -33,6 +33,7 @@ from pipeline.streams import RedisUnavailable
 from pipeline.streams.cluster import format_url, gap
 
 NODE_TIMEOUT_MS = 2000  # cluster-node-timeout: a primary silent this long is failed over
+ADMIN = "nonstop-admin"  # with an ACL file: the launcher's own user on every node
 
 
 class LocalCluster:
@@ -46,8 +47,10 @@ class LocalCluster:
         primaries: int = 3,
         replicas: int = 1,
         node_timeout_ms: int = NODE_TIMEOUT_MS,
+        acl_file: str | None = None,
     ):
         self.data_dir = os.path.abspath(data_dir)
+        self.acl_file = acl_file
         self.primaries, self.replicas = primaries, replicas
         self.node_timeout_ms = node_timeout_ms
         self.nodes = [
@@ -55,8 +58,12 @@ class LocalCluster:
             for k in range(primaries * (1 + replicas))
         ]
         self.password = self.nodes[0].password
+        # with an ACL file (its users, e.g. deploy/redis/users.acl with `user default off`):
+        # the launcher, redis-cli and the replicas' link to their primary use ADMIN
+        self.username = ADMIN if acl_file else ""
         for node in self.nodes:
             node.password = self.password  # one per-run password for every node
+            node.username = self.username
             node.extra_args = [
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", "nodes.conf",  # in the node's --dir
@@ -64,6 +71,9 @@ class LocalCluster:
                 "--masterauth", self.password,
                 "--repl-diskless-sync-delay", "0",
             ]  # fmt: skip
+            if acl_file:
+                path = os.path.join(node.data_dir, "users.acl")  # the node's own (ACL SAVE)
+                node.extra_args += ["--aclfile", path, "--masteruser", ADMIN]
         self.down_since: dict[int, float] = {}  # node index -> when it was found dead
         self.reported: set[int] = set()  # failovers already reported
         self.replica_of: dict[int, int] = {}  # replica index -> primary index (kept current)
@@ -71,7 +81,26 @@ class LocalCluster:
 
     @property
     def url(self) -> str:
-        return format_url([("127.0.0.1", n.port) for n in self.nodes], self.password)
+        return format_url([("127.0.0.1", n.port) for n in self.nodes], self.password, self.username)
+
+    def _write_acl(self, nodes: list[EmbeddedRedis]) -> None:
+        """Each node's ACL file: the users of ``acl_file`` and ADMIN (every command, key
+        and channel; the per-run password), mode 0600. A replica promoted in a failover
+        has the same users, since every node loads the same file."""
+        with open(self.acl_file) as f:
+            users = [ln.strip() for ln in f if ln.strip()]
+        if any(ln.split()[:2] == ["user", ADMIN] for ln in users):
+            raise ValueError(
+                f"{self.acl_file} defines the user {ADMIN}, which redis=cluster "
+                "keeps for itself: rename that user"
+            )
+        users.append(f"user {ADMIN} on >{self.password} ~* &* +@all")
+        for node in nodes:
+            os.makedirs(node.data_dir, exist_ok=True)
+            path = os.path.join(node.data_dir, "users.acl")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with open(fd, "w") as f:
+                f.write("\n".join(users) + "\n")
 
     def start(self, timeout_s: float = 60.0) -> None:
         """Start the nodes, create the cluster and wait, at most ``timeout_s``, until every
@@ -82,10 +111,13 @@ class LocalCluster:
             raise ValueError(
                 "redis-cli is not installed: run `make setup` (or `apt-get install redis-tools`)"
             )
+        if self.acl_file:
+            self._write_acl(self.nodes)
         for node in self.nodes:
             node.start()
         cmd = [exe, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes)]
         cmd += ["--cluster-replicas", str(self.replicas), "--cluster-yes"]
+        cmd += ["--user", self.username] if self.username else []
         env = dict(os.environ, REDISCLI_AUTH=self.password)
         try:
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -239,6 +271,8 @@ class LocalCluster:
         node, lead = self.nodes[k], self.nodes[primary]
         fresh = not os.path.exists(os.path.join(node.data_dir, "nodes.conf"))
         if node.proc is None or node.proc.poll() is not None:
+            if self.acl_file and fresh:  # its data directory (and ACL file) lost
+                self._write_acl([node])
             node.start()
         c = self.node_client(node)
         lead_id = _text(self.node_client(lead).execute_command("CLUSTER MYID"))
