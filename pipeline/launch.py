@@ -191,6 +191,8 @@ def run(cfg) -> int:
     elif cfg.redis.mode == "cluster":  # redis=cluster: 3 primaries with a replica each
         server = start_local_cluster(cfg, run_dir)
         url = server.url
+        for role, role_url in server.role_urls.items():  # redis.acl_file: each its own user
+            env[f"NONSTOP_REDIS_URL_{role.upper()}"] = role_url
     else:
         for var in TLS_ENV.values():  # files of some other Redis: not this run's
             env.pop(var, None)

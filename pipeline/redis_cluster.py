@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -78,6 +79,7 @@ class LocalCluster:
         self.reported: set[int] = set()  # failovers already reported
         self.replica_of: dict[int, int] = {}  # replica index -> primary index (kept current)
         self.ids: dict[int, str] = {}  # node index -> cluster node id
+        self.role_urls: dict[str, str] = {}  # redis.acl_file: pool role -> its user's URL
 
     @property
     def url(self) -> str:
@@ -354,13 +356,52 @@ def cluster_info(client: redis.Redis) -> dict[str, str]:
     return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
 
 
+POOL_ROLES = ("actor", "preprocessor", "trainer", "evaluator")  # users a pool connects as
+
+
+def per_run_users(src: str, dest: str) -> dict[str, str]:
+    """Copy the ACL file ``src`` (deploy/redis/users.acl) to ``dest`` (mode 0600) with a
+    new password for each user but ``default`` (its passwords and hashes dropped, so the
+    file's placeholders never become real); returns {user: password}."""
+    if not os.path.isfile(src):
+        raise ValueError(
+            f"redis.acl_file={src!r} is not a file: give the path of an ACL file of per-role "
+            "users, e.g. redis.acl_file=deploy/redis/users.acl"
+        )
+    users, out = {}, []
+    with open(src) as f:
+        for line in f:
+            words = line.split()
+            if len(words) >= 2 and words[0] == "user" and words[1] != "default":
+                users[words[1]] = secrets.token_hex(16)
+                rules = [w for w in words[2:] if w[0] not in "><#!" and w != "nopass"]
+                words = ["user", words[1], *rules, f">{users[words[1]]}"]
+            if words:
+                out.append(" ".join(words))
+    with open(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write("\n".join(out) + "\n")
+    return users
+
+
 def start_local_cluster(cfg, run_dir: str) -> LocalCluster:
     """``redis=cluster`` in the launcher: start the cluster under ``RUN_DIR/redis`` and
     write the password (``redis/auth``) and the cluster URL (``redis/url``, read by
-    ``pipeline.inspect --run-dir`` and the faults bench), both mode 0600."""
+    ``pipeline.inspect --run-dir`` and the faults bench), both mode 0600.
+
+    With ``redis.acl_file`` (per-role users, deploy/redis/users.acl) every node loads
+    those users with per-run passwords (``RUN_DIR/redis/users.acl``, 0600) and the
+    launcher its own user (:data:`ADMIN`); ``role_urls`` holds each pool role's URL,
+    which the launcher gives the pools as ``NONSTOP_REDIS_URL_<ROLE>``."""
     d = os.path.join(run_dir, "redis")
-    local = LocalCluster(d, cfg.redis.embedded_appendfsync)
+    os.makedirs(d, exist_ok=True)
+    acl = getattr(cfg.redis, "acl_file", None)
+    users = per_run_users(os.path.abspath(acl), os.path.join(d, "users.acl")) if acl else {}
+    local = LocalCluster(
+        d, cfg.redis.embedded_appendfsync, acl_file=os.path.join(d, "users.acl") if acl else None
+    )
     local.start()
+    nodes = [("127.0.0.1", n.port) for n in local.nodes]
+    local.role_urls = {r: format_url(nodes, pw, r) for r, pw in users.items() if r in POOL_ROLES}
     for name, text in (("auth", local.password), ("url", local.url)):
         with open(
             os.open(os.path.join(d, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w"
@@ -371,7 +412,14 @@ def start_local_cluster(cfg, run_dir: str) -> LocalCluster:
     print(
         f"local redis cluster on 127.0.0.1 ({nodes}; password in {d}/auth, cluster URL in "
         f"{d}/url, AOF in {d}/node-*), {cfg.redis.shards} partition(s) of the work streams\n"
-        f'  redis-cli: redis-cli -c -p {local.nodes[0].port} -a "$(cat {d}/auth)" '
-        "--no-auth-warning cluster info"
+        f"  redis-cli: redis-cli -c -p {local.nodes[0].port}"
+        + (f" --user {local.username}" if local.username else "")
+        + f' -a "$(cat {d}/auth)" --no-auth-warning cluster info'
+        + (
+            f"\n  ACL users of {acl} on every node (per-run passwords in {d}/users.acl): "
+            f"the pools connect as {', '.join(sorted(local.role_urls))}"
+            if acl
+            else ""
+        )
     )
     return local

@@ -46,6 +46,7 @@ def acl_cluster(tmp_path, drop: str = "", role: str = "actor"):
     acl = "\n".join(lines) + "\n"
     for r in ROLES:
         acl = acl.replace(f"CHANGE-ME-{r}", f"pw-{r}")
+    tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "users.acl").write_text(acl)
     local = LocalCluster(str(tmp_path / "cluster"), acl_file=str(tmp_path / "users.acl"))
     local.start()

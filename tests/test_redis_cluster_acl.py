@@ -14,9 +14,13 @@ import time
 
 import pytest
 import redis
+from omegaconf import OmegaConf
 
+from pipeline.config import Config, validate
+from pipeline.redis_cluster import ADMIN, per_run_users
 from pipeline.streams import Names, RedisRefused, check_permissions, connect, wait_until
-from tests.launching import run_tiny
+from pipeline.streams.cluster import parse
+from tests.launching import ROOT, launch_tiny, wait_for_step
 from tests.redis_builders import acl_cluster
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
@@ -198,31 +202,60 @@ def test_a_promoted_replica_has_the_same_users(tmp_path):
         local.stop()
 
 
+def test_acl_file_is_for_redis_cluster_and_gets_per_run_passwords(tmp_path):
+    cfg = OmegaConf.structured(Config)
+    acl = str(ROOT / "deploy" / "redis" / "users.acl")
+    for mode, url in (("single", None), ("cluster", "redis+cluster://h:1/")):
+        bad = cfg.copy()
+        bad.redis.mode, bad.redis.url, bad.redis.acl_file = mode, url, acl
+        with pytest.raises(ValueError, match="redis.acl_file is for redis=cluster"):
+            validate(bad)
+    ok = cfg.copy()
+    ok.redis.mode, ok.redis.acl_file = "cluster", acl
+    validate(ok)
+    users = per_run_users(acl, str(tmp_path / "u.acl"))
+    assert sorted(users) == ["actor", "evaluator", "operator", "preprocessor", "trainer"]
+    text = (tmp_path / "u.acl").read_text()
+    assert "CHANGE-ME" not in text and all(f">{pw}" in text for pw in users.values())
+    assert "user default off" in text and oct((tmp_path / "u.acl").stat().st_mode)[-3:] == "600"
+    with pytest.raises(ValueError, match="is not a file"):
+        per_run_users(str(tmp_path / "missing.acl"), str(tmp_path / "x.acl"))
+
+
 @pytest.mark.slow
-def test_tiny_pipeline_on_a_cluster_with_the_shipped_users(tmp_path):
-    """An operator's cluster with deploy/redis/users.acl on every node: the launcher as
-    the operator user, each pool as its own user (NONSTOP_REDIS_URL_<ROLE>), three
-    partitions; the run finishes with nothing lost or duplicated."""
-    local, urls = acl_cluster(tmp_path / "acl")
+def test_tiny_pipeline_on_redis_cluster_with_the_shipped_users(tmp_path):
+    """redis=cluster with redis.acl_file=deploy/redis/users.acl: every node loads the
+    shipped users with per-run passwords, each pool connects as its role's user
+    (NONSTOP_REDIS_URL_<ROLE>) and passes its start-up probes on every partition; the run
+    finishes with nothing lost or duplicated."""
+    run_dir = tmp_path / "run"
+    acl = ROOT / "deploy" / "redis" / "users.acl"
+    proc = launch_tiny(tmp_path, run_dir, "redis=cluster", f"redis.acl_file={acl}")
     try:
-        env = {
-            f"NONSTOP_REDIS_URL_{r.upper()}": urls[r] for r in ("actor", "preprocessor", "trainer")
-        }
-        run_dir = tmp_path / "run"
-        code, out = run_tiny(
-            tmp_path,
-            run_dir,
-            "redis.mode=cluster",
-            f"redis.url={urls['operator']}",
-            f"redis.shards={PARTITIONS}",
-            env_extra=env,
-            timeout=400,
-        )
-        assert code == 0, out[-3000:]
-        summary = json.loads((run_dir / "summary.json").read_text())
-        acc = summary["accounting"]
-        assert summary["outcome"] == "finished" and summary["trainer_steps"] == 4, summary
-        assert acc["groups_lost"] == 0 and acc["groups_duplicated"] == 0, acc
-        # (the operator user, the launcher's, may not XADD: the pools wrote as their own)
+        wait_for_step(run_dir, proc, timeout=300)
+        users = set()  # who is connected to the nodes (CLIENT LIST as the launcher's user)
+        admin = parse((run_dir / "redis" / "url").read_text().strip())
+        for host, port in admin.nodes:
+            node = redis.Redis(host, port, username=admin.username, password=admin.password)
+            users |= {c["user"] for c in node.client_list()}
+            node.close()
+        out, _ = proc.communicate(timeout=400)
     finally:
-        local.stop()
+        if proc.poll() is None:
+            proc.kill()
+    assert {"actor", "preprocessor", "trainer"} <= users, users
+    # (superuser): a replica's link to its primary, as CLIENT LIST shows it on the replica
+    assert users <= {"actor", "preprocessor", "trainer", "evaluator", ADMIN, "(superuser)"}, users
+    assert proc.returncode == 0, out[-3000:]
+    assert "the pools connect as actor, evaluator, preprocessor, trainer" in out, out[:3000]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    acc = summary["accounting"]
+    assert summary["outcome"] == "finished" and summary["trainer_steps"] == 4, summary
+    assert acc["groups_lost"] == 0 and acc["groups_duplicated"] == 0, acc
+    users = (run_dir / "redis" / "users.acl").read_text()
+    assert (
+        "CHANGE-ME" not in users
+        and oct((run_dir / "redis" / "users.acl").stat().st_mode)[-3:] == "600"
+    )
+    for node in sorted((run_dir / "redis").glob("node-*")):  # the same users on every node
+        assert (node / "users.acl").read_text().startswith(users), node
