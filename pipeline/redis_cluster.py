@@ -14,6 +14,11 @@ supervisor): a dead primary once the cluster has promoted its replica, as the re
 that node, so every primary has a replica again; a dead replica under its primary. A
 node whose data directory was lost comes back empty under a new id and is introduced
 (CLUSTER MEET, CLUSTER REPLICATE); one that kept its ``nodes.conf`` rejoins by itself.
+
+With ``redis.acl_file`` (per-role users, deploy/redis/users.acl) every node loads those
+users with per-run passwords (:func:`per_run_users`) plus :data:`ADMIN`, the launcher's,
+redis-cli's and the replicas' user (``user default off`` leaves no other); each pool
+connects as its role's user (``LocalCluster.role_urls``).
 """
 
 from __future__ import annotations
