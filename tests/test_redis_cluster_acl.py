@@ -10,6 +10,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -222,6 +224,38 @@ def test_acl_file_is_for_redis_cluster_and_gets_per_run_passwords(tmp_path):
     assert "user default off" in text and oct((tmp_path / "u.acl").stat().st_mode)[-3:] == "600"
     with pytest.raises(ValueError, match="is not a file"):
         per_run_users(str(tmp_path / "missing.acl"), str(tmp_path / "x.acl"))
+
+
+@pytest.mark.slow
+def test_an_actor_refused_on_one_partitions_node_exits_4_naming_it(tmp_path):
+    """The actor's user lacks XADD only on the primary (and replica) serving partition
+    2's slot: the actor stops at start-up (exit 4, no traceback) naming that node and
+    partition 2's stream, since the runtime probes every partition, not only the first."""
+    from tests.config_builders import actor_config
+
+    local, urls = acl_cluster(tmp_path / "acl")
+    try:
+        key = Names("nonstop", "tiny", cluster=True).part(2).rollouts
+        probe = connect(urls["operator"], startup_s=8)
+        node = probe.get_node_from_key(key)
+        probe.close()
+        k = next(i for i, n in enumerate(local.nodes) if n.port == node.port)
+        for j in (k, *(r for r, p in local.replica_of.items() if p == k)):
+            local.node_client(local.nodes[j]).acl_setuser("actor", enabled=True, commands=["-xadd"])
+        env = dict(os.environ, NONSTOP_REDIS_URL_ACTOR=urls["actor"], HF_HUB_OFFLINE="1")
+        env.update(NONSTOP_CACHE=str(tmp_path / "cache"), NONSTOP_RUN_SECRET="s" * 32)
+        env["NONSTOP_REDIS_URL"] = urls["operator"]
+        cfg = actor_config(tmp_path, "null")
+        cmd = [sys.executable, "-m", "actor", "--config", cfg, "redis.mode=cluster"]
+        cmd += [f"redis.shards={PARTITIONS}"]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 4, out
+        assert "Traceback" not in out and "pw-actor" not in out, out
+        line = next(ln for ln in out.splitlines() if "may not run XADD" in ln)
+        assert f"cluster node {node.name})" in line and key in line, line
+    finally:
+        local.stop()
 
 
 @pytest.mark.slow
