@@ -137,6 +137,24 @@ def test_every_role_does_its_work_on_every_partition_and_no_more(acl):
             c.close()
 
 
+def test_inspect_runs_as_the_operator_user(acl, capsys):
+    """pipeline.inspect with the operator user (read-only: SCAN, XINFO, ...) finds the run
+    by its hash-tagged keys on every node and reads every partition."""
+    from pipeline.inspect.cli import main
+
+    _, urls = acl
+    names = Names("nonstop", "seen", cluster=True)
+    actor = _client(urls, "actor")
+    actor.hset(names.status("actor-0"), mapping={"role": "actor", "heartbeat": time.time()})
+    for k in range(PARTITIONS):
+        actor.xadd(names.part(k).rollouts, {"data": b"x"})
+    actor.close()
+    assert main(["--url", urls["operator"], "--run", "seen", "--json"]) == 0
+    snap = json.loads(capsys.readouterr().out)
+    assert snap["run"] == "nonstop:{seen}"
+    assert [s["streams"]["rollouts"]["length"] for s in snap["shards"]] == [1, 1]
+
+
 def test_a_missing_grant_is_named_with_the_node_that_refused(tmp_path):
     """A user without +xadd: the pool's start-up probe names XADD, the partition's key,
     the cluster node serving it and users.acl; a user without +cluster|slots cannot even
