@@ -191,7 +191,7 @@ def test_a_promoted_replica_has_the_same_users(tmp_path):
     replica, loads the users again."""
     local, urls = acl_cluster(tmp_path)
     try:
-        actor = _client(urls, "actor")
+        actor = connect(urls["actor"], reconnect_s=30)  # a failover under load: seconds
         actor.incrby(NAMES.samples_produced, 1)
         node = actor.get_node_from_key(NAMES.samples_produced)
         k = next(i for i, n in enumerate(local.nodes) if n.port == node.port)
