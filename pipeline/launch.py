@@ -192,6 +192,8 @@ def run(cfg) -> int:
         url, client_tls = server.url, server.client_tls
         if client_tls is not None:
             env.update(client_tls.env())  # the pools' rediss+... client files
+        for role, role_url in getattr(server, "role_urls", {}).items():  # redis.acl_file
+            env[f"NONSTOP_REDIS_URL_{role.upper()}"] = role_url  # each pool its own user
     else:
         for var in TLS_ENV.values():  # files of some other Redis: not this run's
             env.pop(var, None)

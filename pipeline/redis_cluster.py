@@ -17,12 +17,18 @@ supervisor): a dead primary once the cluster has promoted its replica, as the re
 that node, so every primary has a replica again; a dead replica under its primary. A
 node whose data directory was lost comes back empty under a new id and is introduced
 (CLUSTER MEET, CLUSTER REPLICATE); one that kept its ``nodes.conf`` rejoins by itself.
+
+With ``redis.acl_file`` (per-role users, deploy/redis/users.acl) every node loads those
+users with per-run passwords (:func:`per_run_users`) plus :data:`ADMIN`, the launcher's,
+redis-cli's and the replicas' user (``user default off`` leaves no other); each pool
+connects as its role's user (``LocalCluster.role_urls``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -37,6 +43,7 @@ from pipeline.streams import RedisUnavailable
 from pipeline.streams.cluster import format_url, gap
 
 NODE_TIMEOUT_MS = 2000  # cluster-node-timeout: a primary silent this long is failed over
+ADMIN = "nonstop-admin"  # with an ACL file: the launcher's own user on every node
 
 
 class LocalCluster:
@@ -51,11 +58,13 @@ class LocalCluster:
         replicas: int = 1,
         node_timeout_ms: int = NODE_TIMEOUT_MS,
         tls: tuple[TLSFiles, TLSFiles] | None = None,
+        acl_file: str | None = None,
     ):
         self.data_dir = os.path.abspath(data_dir)
         # (server, client) files: every node on TLS only, the cluster bus and replication
         # included (tls-cluster, tls-replication; redis.tls=true)
         self.server_tls, self.client_tls = tls if tls else (None, None)
+        self.acl_file = acl_file
         self.primaries, self.replicas = primaries, replicas
         self.node_timeout_ms = node_timeout_ms
         self.nodes = [
@@ -65,8 +74,12 @@ class LocalCluster:
             for k in range(primaries * (1 + replicas))
         ]
         self.password = self.nodes[0].password
+        # with an ACL file (its users, e.g. deploy/redis/users.acl with `user default off`):
+        # the launcher, redis-cli and the replicas' link to their primary use ADMIN
+        self.username = ADMIN if acl_file else ""
         for node in self.nodes:
             node.password = self.password  # one per-run password for every node
+            node.username = self.username
             node.extra_args = [
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", "nodes.conf",  # in the node's --dir
@@ -74,18 +87,39 @@ class LocalCluster:
                 "--masterauth", self.password,
                 "--repl-diskless-sync-delay", "0",
             ] + (["--tls-cluster", "yes"] if tls else [])  # fmt: skip
+            if acl_file:
+                path = os.path.join(node.data_dir, "users.acl")  # the node's own (ACL SAVE)
+                node.extra_args += ["--aclfile", path, "--masteruser", ADMIN]
         self.down_since: dict[int, float] = {}  # node index -> when it was found dead
         self.reported: set[int] = set()  # failovers already reported
         self.replica_of: dict[int, int] = {}  # replica index -> primary index (kept current)
         self.ids: dict[int, str] = {}  # node index -> cluster node id
+        self.role_urls: dict[str, str] = {}  # redis.acl_file: pool role -> its user's URL
 
     @property
     def url(self) -> str:
         return format_url(
             [("127.0.0.1", n.port) for n in self.nodes],
             self.password,
+            self.username,
             tls=self.server_tls is not None,
         )
+
+    def _write_acl(self, nodes: list[EmbeddedRedis]) -> None:
+        """Each node's ACL file: the users of ``acl_file`` and ADMIN (every command, key
+        and channel; the per-run password), mode 0600. A replica promoted in a failover
+        has the same users, since every node loads the same file."""
+        with open(self.acl_file) as f:
+            users = [ln.strip() for ln in f if ln.strip()]
+        if any(ln.split()[:2] == ["user", ADMIN] for ln in users):
+            raise ValueError(
+                f"{self.acl_file} defines the user {ADMIN}, which redis=cluster "
+                "keeps for itself: rename that user"
+            )
+        users.append(f"user {ADMIN} on >{self.password} ~* &* +@all")
+        for node in nodes:
+            os.makedirs(node.data_dir, exist_ok=True)
+            write_private(os.path.join(node.data_dir, "users.acl"), "\n".join(users) + "\n")
 
     def start(self, timeout_s: float = 60.0) -> None:
         """Start the nodes, create the cluster and wait, at most ``timeout_s``, until every
@@ -96,12 +130,15 @@ class LocalCluster:
             raise ValueError(
                 "redis-cli is not installed: run `make setup` (or `apt-get install redis-tools`)"
             )
+        if self.acl_file:
+            self._write_acl(self.nodes)
         for node in self.nodes:
             node.start()
         cmd = [exe, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes)]
         cmd += ["--cluster-replicas", str(self.replicas), "--cluster-yes"]
         if self.client_tls is not None:
             cmd[1:1] = self.client_tls.cli_args().split()
+        cmd += ["--user", self.username] if self.username else []
         env = dict(os.environ, REDISCLI_AUTH=self.password)
         try:
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -255,6 +292,8 @@ class LocalCluster:
         node, lead = self.nodes[k], self.nodes[primary]
         fresh = not os.path.exists(os.path.join(node.data_dir, "nodes.conf"))
         if node.proc is None or node.proc.poll() is not None:
+            if self.acl_file and fresh:  # its data directory (and ACL file) lost
+                self._write_acl([node])
             node.start()
         c = self.node_client(node)
         lead_id = _text(self.node_client(lead).execute_command("CLUSTER MYID"))
@@ -336,14 +375,59 @@ def cluster_info(client: redis.Redis) -> dict[str, str]:
     return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
 
 
+POOL_ROLES = ("actor", "preprocessor", "trainer", "evaluator")  # users a pool connects as
+
+
+def per_run_users(src: str, dest: str) -> dict[str, str]:
+    """Copy the ACL file ``src`` (deploy/redis/users.acl) to ``dest`` (mode 0600) with a
+    new password for each user but ``default`` (its passwords and hashes dropped, so the
+    file's placeholders never become real); returns {user: password}."""
+    if not os.path.isfile(src):
+        raise ValueError(
+            f"redis.acl_file={src!r} is not a file: give the path of an ACL file of per-role "
+            "users, e.g. redis.acl_file=deploy/redis/users.acl"
+        )
+    users, out = {}, []
+    with open(src) as f:
+        for line in f:
+            words = line.split()
+            if len(words) >= 2 and words[0] == "user" and words[1] != "default":
+                users[words[1]] = secrets.token_hex(16)
+                rules = [w for w in words[2:] if w[0] not in "><#!" and w != "nopass"]
+                words = ["user", words[1], *rules, f">{users[words[1]]}"]
+            if words:
+                out.append(" ".join(words))
+    write_private(dest, "\n".join(out) + "\n")
+    return users
+
+
 def start_local_cluster(cfg, run_dir: str) -> LocalCluster:
     """``redis=cluster`` in the launcher: start the cluster under ``RUN_DIR/redis`` and
     write the password (``redis/auth``) and the cluster URL (``redis/url``, read by
-    ``pipeline.inspect --run-dir`` and the faults bench), both mode 0600."""
+    ``pipeline.inspect --run-dir`` and the faults bench), both mode 0600.
+
+    With ``redis.acl_file`` (per-role users, deploy/redis/users.acl) every node loads
+    those users with per-run passwords (``RUN_DIR/redis/users.acl``, 0600) and the
+    launcher its own user (:data:`ADMIN`); ``role_urls`` holds each pool role's URL,
+    which the launcher gives the pools as ``NONSTOP_REDIS_URL_<ROLE>``."""
     d = os.path.join(run_dir, "redis")
+    os.makedirs(d, exist_ok=True)
     tls = make_run_certs(os.path.join(d, "tls")) if cfg.redis.tls.enabled else None
-    local = LocalCluster(d, cfg.redis.embedded_appendfsync, tls=tls)
+    acl = getattr(cfg.redis, "acl_file", None)
+    users = per_run_users(os.path.abspath(acl), os.path.join(d, "users.acl")) if acl else {}
+    local = LocalCluster(
+        d,
+        cfg.redis.embedded_appendfsync,
+        tls=tls,
+        acl_file=os.path.join(d, "users.acl") if acl else None,
+    )
     local.start()
+    nodes = [("127.0.0.1", n.port) for n in local.nodes]
+    local.role_urls = {
+        r: format_url(nodes, pw, r, tls=tls is not None)
+        for r, pw in users.items()
+        if r in POOL_ROLES
+    }
     for name, text in (("auth", local.password), ("url", local.url)):
         write_private(os.path.join(d, name), text + "\n")
     roles = local.roles()
@@ -354,7 +438,14 @@ def start_local_cluster(cfg, run_dir: str) -> LocalCluster:
         f"local redis cluster on 127.0.0.1 ({nodes}; password in {d}/auth, cluster URL in "
         f"{d}/url, AOF in {d}/node-*{tls_note}), {cfg.redis.shards} partition(s) of the work "
         "streams\n"
-        f'  redis-cli: redis-cli -c -p {local.nodes[0].port}{cli_tls} -a "$(cat {d}/auth)" '
-        "--no-auth-warning cluster info"
+        f"  redis-cli: redis-cli -c -p {local.nodes[0].port}{cli_tls}"
+        + (f" --user {local.username}" if local.username else "")
+        + f' -a "$(cat {d}/auth)" --no-auth-warning cluster info'
+        + (
+            f"\n  ACL users of {acl} on every node (per-run passwords in {d}/users.acl): "
+            f"the pools connect as {', '.join(sorted(local.role_urls))}"
+            if acl
+            else ""
+        )
     )
     return local

@@ -65,11 +65,12 @@ class EmbeddedRedis:
         # pipeline/redis_tls.make_run_certs), clients need a certificate of the same CA
         self.server_tls, self.client_tls = tls if tls else (None, None)
         self.extra_args: list[str] = []  # more redis-server options (pipeline/redis_ha.py)
+        self.username = ""  # the user of url and client() ("": default; redis_cluster.py)
 
     @property
     def url(self) -> str:
         scheme = "rediss" if self.server_tls else "redis"
-        return f"{scheme}://:{self.password}@127.0.0.1:{self.port}/0"
+        return f"{scheme}://{self.username}:{self.password}@127.0.0.1:{self.port}/0"
 
     def _listen_args(self) -> list[str]:
         """Plain text on ``port``, or (TLS) no plain port and TLS on ``port``; a replica

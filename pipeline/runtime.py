@@ -135,6 +135,9 @@ def start_pool(
         attach(c, durability)
     names = Names.of(cfg)
     check_permissions(client, names, role, redis_url(cfg, role))  # NOPERM: exit 4 now
+    if cfg.redis.mode == "cluster":  # the other partitions: their slots' nodes
+        for k in range(1, cfg.redis.shards):
+            check_permissions(client, names.part(k), role, redis_url(cfg, role), shard=True)
     for url, shard in zip(shard_urls(cfg, role), extra, strict=True):
         check_permissions(shard, names, role, url, shard=True)
     for shard in [client, *extra]:

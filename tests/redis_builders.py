@@ -68,3 +68,26 @@ def pool_start_line(url: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", code, url], capture_output=True, text=True, cwd=ROOT, timeout=30
     )
+
+
+def acl_cluster(tmp_path, drop: str = "", role: str = "actor"):
+    """A 6-node redis=cluster (pipeline/redis_cluster.py LocalCluster) loading
+    deploy/redis/users.acl on every node, ``pw-<role>`` passwords (``drop`` removed from
+    ``role``'s line). Returns (the LocalCluster, redis+cluster:// URLs per role); the
+    caller stops the cluster."""
+    from pipeline.redis_cluster import LocalCluster
+    from pipeline.streams.cluster import format_url
+
+    lines = (ROOT / "deploy" / "redis" / "users.acl").read_text().splitlines()
+    lines = [
+        ln.replace(drop, "") if drop and ln.startswith(f"user {role} ") else ln for ln in lines
+    ]
+    acl = "\n".join(lines) + "\n"
+    for r in ROLES:
+        acl = acl.replace(f"CHANGE-ME-{r}", f"pw-{r}")
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "users.acl").write_text(acl)
+    local = LocalCluster(str(tmp_path / "cluster"), acl_file=str(tmp_path / "users.acl"))
+    local.start()
+    nodes = [("127.0.0.1", n.port) for n in local.nodes]
+    return local, {r: format_url(nodes, f"pw-{r}", r) for r in ROLES}

@@ -61,6 +61,9 @@ class RedisConfig:
     # cluster mode, else 0)
     min_replicas_acked: int | None = None
     wait_timeout_ms: int = 2000
+    # redis=cluster: an ACL file of per-role users (deploy/redis/users.acl) every node the
+    # launcher starts loads, with per-run passwords; each pool connects as its role's user
+    acl_file: str | None = None
 
 
 REDIS_MODES = ("single", "sentinel", "cluster")
@@ -125,9 +128,15 @@ def validate_mode(cfg: Any) -> None:
 def validate_cluster(cfg: Any) -> None:
     """``redis.mode=cluster`` (pipeline/streams/cluster.py): a redis+cluster:// URL or none
     (redis=cluster), ``redis.shards`` partitions, no shard URLs; WAIT settings."""
+    url = _get(cfg, "redis.url")
+    if _get(cfg, "redis.acl_file") and (_get(cfg, "redis.mode") != "cluster" or url):
+        raise ValueError(
+            "redis.acl_file is for redis=cluster (the nodes the launcher starts); a Redis of "
+            "your own loads its ACL itself (aclfile, deploy/redis/users.acl) and each pool "
+            "takes its user's URL from NONSTOP_REDIS_URL_<ROLE>: drop redis.acl_file"
+        )
     if _get(cfg, "redis.mode") != "cluster":
         return
-    url = _get(cfg, "redis.url")
     if url and not url.split("://", 1)[0].endswith("+cluster"):
         raise ValueError(
             "redis.mode=cluster needs redis.url=redis[s]+cluster://[USER:PASSWORD@]HOST:PORT,"

@@ -158,7 +158,8 @@ def probe(parsed: ClusterURL, startup_s: float, delay_s: float = 0.25) -> dict[s
     """CLUSTER INFO at the nodes of ``parsed`` until one says the cluster is whole
     (``cluster_state:ok``, all 16384 slots assigned) within ``startup_s``; returns that
     node's CLUSTER INFO. One line for each way it fails (errors.py): RedisRefused when a
-    node refuses the credentials or is not in cluster mode (waiting will not fix those),
+    node refuses the credentials or the user may not run CLUSTER INFO / CLUSTER SLOTS
+    (deploy/redis/users.acl grants both), or is not in cluster mode (waiting will not fix those),
     RedisUnavailable when no node answers or the cluster stays incomplete."""
     deadline, i = time.monotonic() + startup_s, 0
     seen: set[str] = set()  # TLS lines seen once (redis_tls.settled)
@@ -212,8 +213,9 @@ def gap(info: dict[str, str]) -> str | None:
 def ask_nodes(
     parsed: ClusterURL, timeout_s: float
 ) -> tuple[dict[str, dict[str, str]], dict[str, Exception]]:
-    """CLUSTER INFO at every node of ``parsed``: (infos by "host:port", errors by
-    "host:port"). Refused credentials and a node without cluster mode raise RedisRefused."""
+    """CLUSTER INFO (and CLUSTER SLOTS, which the client needs) at every node of ``parsed``:
+    (infos by "host:port", errors by "host:port"). Refused credentials, a user without
+    those commands and a node without cluster mode raise RedisRefused."""
     infos: dict[str, dict[str, str]] = {}
     errors: dict[str, Exception] = {}
     for host, port in parsed.nodes:
@@ -228,8 +230,11 @@ def ask_nodes(
             retry=Retry(NoBackoff(), 0),
             **parsed.ssl_kwargs(),
         )
+        command = "CLUSTER INFO"
         try:
-            text = node.execute_command("CLUSTER INFO")
+            text = node.execute_command(command)
+            command = "CLUSTER SLOTS"  # what redis-py's cluster client learns the map with
+            node.execute_command(command)
             if isinstance(text, bytes):
                 text = text.decode()
             if isinstance(text, dict):  # a parsed reply
@@ -241,6 +246,13 @@ def ask_nodes(
                 f"the redis cluster node {name} ({parsed.shown()}) refused the credentials "
                 f"({e}): check the user and password in the URL against the nodes' "
                 "requirepass or ACL (deploy/redis/users.acl)"
+            ) from None
+        except redis.exceptions.NoPermissionError as e:
+            raise RedisRefused(
+                f"the redis user of {parsed.shown()} may not run {command} on cluster node "
+                f"{name} ({e}): the cluster client needs CLUSTER INFO and CLUSTER SLOTS: grant "
+                "+cluster|info +cluster|slots to that user on every node (deploy/redis/"
+                "users.acl, then ACL LOAD)"
             ) from None
         except redis.ResponseError as e:
             if "cluster support disabled" in str(e):

@@ -216,7 +216,10 @@ def check_permissions(
     the ACL before the arguments), so a
     user without it stops the pool at start-up with :class:`RedisUnavailable` naming
     the command, the key and deploy/redis/users.acl instead of logging NOPERM later.
-    ``shard``: an extra shard, which holds only the sharded work streams."""
+    ``shard``: an extra shard, which holds only the sharded work streams. On a Redis
+    Cluster each probe goes to the node serving its key's slot (named in the line); the
+    runtime probes every partition (``names.part(k)``, ``shard=True``), so every primary
+    holding the run's keys is asked."""
     for command, stream in ROLE_PROBES.get(role, ()):
         if shard and stream.removesuffix("_once") not in SHARDED:
             continue
@@ -225,8 +228,10 @@ def check_permissions(
         try:
             client.execute_command(command, *args)
         except redis.exceptions.NoPermissionError as e:
+            node = client.get_node_from_key(key) if cluster.is_cluster(url) else None
+            where = f" (cluster node {node.name})" if node is not None else ""
             raise RedisRefused(
-                f"the redis user of {redact(url)} may not run {command} on {key} ({e}); the "
+                f"the redis user of {redact(url)}{where} may not run {command} on {key} ({e}); the "
                 f"{role} needs it: grant +{command.lower()} and that key in the {role} user "
                 "of deploy/redis/users.acl (then ACL LOAD) or use a URL with such a user"
             ) from None
