@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -66,7 +66,10 @@ class Pool:
     stop: StopEvent  # a threading.Event that remembers when it was set
     status: PoolStatus
     metrics: MetricsFile
-    last_tick: float = field(default_factory=time.time)
+    # when the main loop last called tick(); None while the pool still starts (loads its
+    # model, joins): the supervisor then judges it by launch.startup_timeout_s, not by
+    # launch.watchdog_s
+    last_tick: float | None = None
     shards: Shards | None = None  # the work streams' instances (primary first)
 
     def __post_init__(self) -> None:
@@ -83,15 +86,22 @@ class Pool:
 
 
 def heartbeat(pool: Pool, every_s: float = 1.0) -> None:
-    """Runs in a daemon thread for the life of the process."""
+    """Runs in a daemon thread for the life of the process: ``heartbeat`` (alive) and,
+    once the main loop has ticked, ``progress`` (when it last did). Until then the hash
+    has no ``progress`` (a former process's is deleted), which tells the supervisor the
+    pool is still starting."""
+    cleared = False
     while True:
         try:
             for shard in pool.shards.instances:
                 check_run(shard, pool.names)  # every shard must still hold the run
-            pool.client.hset(
-                pool.status.key,
-                mapping={"heartbeat": time.time(), "progress": pool.last_tick, "pid": os.getpid()},
-            )
+            beat = {"heartbeat": time.time(), "pid": os.getpid()}
+            if pool.last_tick is not None:
+                beat["progress"] = pool.last_tick
+            elif not cleared:
+                pool.client.hdel(pool.status.key, "progress")
+                cleared = True
+            pool.client.hset(pool.status.key, mapping=beat)
         except DataLost as e:
             log.error("%s", e)
             logging.shutdown()

@@ -191,7 +191,8 @@ class Supervisor:
                 continue
             st = statuses.get(name, {})
             beat = float(st.get("heartbeat", 0)) if st.get("pid") == str(proc.pid) else 0.0
-            if not beat:  # still importing and loading: a separate, longer deadline
+            if not beat or "progress" not in st:  # still importing, loading its model or
+                # joining (no main-loop tick yet): a separate, longer deadline
                 last, allowed = self.spawned_at[name], self.cfg.launch.startup_timeout_s
             else:
                 last, allowed = min(beat, float(st.get("progress", beat))), limit

@@ -129,13 +129,13 @@ def test_a_draining_run_holds_every_actor_loop_back(rclient, tmp_path):
     assert turns.wait() == cfg.sampling.prompts_per_batch and room(0)  # not draining
 
     rclient.hset(names.run_marker, DRAIN_FIELD, "1")
-    got, ticked = {}, pool.last_tick
+    got, ticked = {}, pool.last_tick or 0.0
     waiter = threading.Thread(target=lambda: got.update(n=turns.wait()), daemon=True)
     waiter.start()
     state = lambda: rclient.hget(names.status("actor-0"), "state")  # noqa: E731
     assert wait_until(lambda: state() == b"draining", timeout_s=5)
     time.sleep(0.5)
-    assert waiter.is_alive() and not got and pool.last_tick > ticked
+    assert waiter.is_alive() and not got and (pool.last_tick or 0.0) > ticked
     room.changed()
     assert room(0) is False and room.draining
 

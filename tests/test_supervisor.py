@@ -122,6 +122,28 @@ def test_the_watchdog_kills_the_whole_group(tmp_path):
         cleanup(sup, marker)
 
 
+def test_a_pool_still_loading_is_judged_by_the_startup_deadline(tmp_path, capsys):
+    """A pool that beats but has not ticked its main loop yet (no ``progress``: loading
+    its model) gets launch.startup_timeout_s, not launch.watchdog_s; once it reports
+    progress, a main loop silent past watchdog_s is killed."""
+    sup, marker, pids = make_supervisor(tmp_path, "leave")
+    sup.cfg.launch.watchdog_s, sup.cfg.launch.startup_timeout_s = 0.5, 60
+    sup.spawn_all()
+    try:
+        [(pool, child)] = started(pids)
+        time.sleep(0.8)  # past watchdog_s since the spawn
+        now, pid = time.time(), str(sup.procs["actor-0"].pid)
+        sup._watchdog({"actor-0": {"heartbeat": str(now), "pid": pid}})
+        assert sup.procs["actor-0"].poll() is None, "killed while loading"
+        assert "watchdog" not in capsys.readouterr().out
+        stale = {"heartbeat": str(now), "progress": str(now - 1.0), "pid": pid}
+        sup._watchdog({"actor-0": stale})  # its main loop silent for 1 s > 0.5 s
+        wait_until(lambda: sup.procs["actor-0"].poll() is not None, 5)
+        assert "watchdog: actor-0" in capsys.readouterr().out
+    finally:
+        cleanup(sup, marker)
+
+
 def test_a_pool_whose_settings_disagree_is_not_restarted(tmp_path, capsys):
     """EXIT_MISMATCH (weights transport or kind differ between pools): the run stops."""
     cfg = OmegaConf.structured(Config)
@@ -166,3 +188,41 @@ def test_a_finished_trainers_children_get_the_grace_period(tmp_path):
         assert done.exists(), "the trainer's child was killed before it could finish"
     finally:
         sup.stop()
+
+
+def test_a_pool_reports_progress_only_once_its_main_loop_ticks(tmp_path, rclient):
+    """The heartbeat thread starts before the pool loads its model: until the main loop's
+    first tick the status hash carries no ``progress`` (a former process's is deleted),
+    so the supervisor's watchdog applies launch.startup_timeout_s, not watchdog_s, to
+    loading (a progress stamped at start-up had the watchdog kill pools while they
+    loaded); after a tick it carries that tick's time."""
+    import threading
+
+    from pipeline.runtime import Pool, PoolStatus, heartbeat
+    from pipeline.streams import Names, mark_run
+    from pipeline.telemetry import MetricsFile
+
+    names = Names("test", "hb")
+    mark_run(rclient, names)
+    status = PoolStatus(rclient, names, "actor-0", "actor")
+    rclient.hset(status.key, mapping={"progress": "1.0", "pid": "1"})  # a former process's
+    pool = Pool(
+        cfg=OmegaConf.structured(Config),
+        name="actor-0",
+        role="actor",
+        client=rclient,
+        names=names,
+        stop=threading.Event(),
+        status=status,
+        metrics=MetricsFile(str(tmp_path / "metrics.jsonl")),
+    )
+    threading.Thread(target=heartbeat, args=(pool, 0.05), daemon=True).start()
+    try:
+        wait_until(lambda: rclient.hget(status.key, "pid") == str(os.getpid()).encode(), 5)
+        assert rclient.hget(status.key, "heartbeat") is not None
+        assert rclient.hget(status.key, "progress") is None
+        pool.tick()
+        wait_until(lambda: rclient.hget(status.key, "progress") is not None, 5)
+        assert float(rclient.hget(status.key, "progress")) == pool.last_tick
+    finally:
+        pool.stop.set()
