@@ -313,3 +313,31 @@ def test_tiny_pipeline_on_redis_cluster_with_the_shipped_users(tmp_path):
     )
     for node in sorted((run_dir / "redis").glob("node-*")):  # the same users on every node
         assert (node / "users.acl").read_text().startswith(users), node
+
+
+def test_acl_users_and_tls_together_on_the_local_cluster(tmp_path, monkeypatch):
+    """redis=cluster redis.tls=true redis.acl_file=...: every node TLS-only and loading the
+    per-run users; each pool's URL is a rediss+cluster:// URL of its own user, which
+    works over TLS and is refused what its role may not do."""
+    from pipeline.redis_cluster import start_local_cluster
+
+    cfg = OmegaConf.structured(Config)
+    cfg.redis.mode, cfg.redis.shards, cfg.redis.tls.enabled = "cluster", PARTITIONS, True
+    cfg.redis.acl_file = str(ROOT / "deploy" / "redis" / "users.acl")
+    local = start_local_cluster(cfg, str(tmp_path))
+    try:
+        for var, value in local.client_tls.env().items():
+            monkeypatch.setenv(var, value)
+        assert set(local.role_urls) == {"actor", "preprocessor", "trainer", "evaluator"}
+        url = local.role_urls["actor"]
+        assert url.startswith("rediss+cluster://actor:"), url.split("@")[0]
+        actor = connect(url, reconnect_s=5, startup_s=8)
+        names = Names("nonstop", "run", cluster=True)
+        assert actor.xadd(names.part(1).rollouts, {"f": "v"})
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            actor.xadd(names.batches, {"f": "v"})  # the preprocessor's stream
+        plain = url.replace("rediss+cluster://", "redis+cluster://")
+        with pytest.raises(Exception, match="TLS|tls|rediss"):
+            connect(plain, reconnect_s=1, startup_s=2)  # the nodes speak TLS only
+    finally:
+        local.stop()
