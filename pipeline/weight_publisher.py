@@ -42,7 +42,7 @@ import redis
 import torch
 
 from pipeline.messages import SCHEMA_VERSION, BucketSpec, WeightAnnouncement, encode
-from pipeline.streams import Names, publish
+from pipeline.streams import Lua, Names, publish
 from pipeline.telemetry import read_statuses
 from pipeline.torch_logs import accept_failed
 from pipeline.transfer import Sender, make_sender
@@ -53,6 +53,22 @@ log = logging.getLogger(__name__)
 Snapshot = tuple[int, list[BucketSpec], list[torch.Tensor]]
 HISTORY = 256  # recent transfer times and dropped actors kept for telemetry
 ALIVE_S = 15.0  # an actor whose status hash beat this recently may still join (close())
+
+
+# the rendezvous hash replaced whole in one step. A script, not MULTI/EXEC: a script goes
+# through the client like any command (and, in sentinel or cluster mode, through
+# pipeline/streams/durable.py to the slot's primary), so a trainer starting while Redis
+# fails over waits out the failover within redis.reconnect_s; redis-py's ClusterPipeline
+# has no such budget and failed at once
+_SET_RENDEZVOUS = Lua(
+    "redis.call('DEL', KEYS[1]) redis.call('HSET', KEYS[1], unpack(ARGV)) return 1"
+)
+
+
+def set_rendezvous(client: redis.Redis, names: Names, fields: dict[str, str]) -> None:
+    """Replace the run's rendezvous hash (where actors join the trainer) with ``fields``."""
+    args = [x for item in fields.items() for x in item]
+    _SET_RENDEZVOUS(client, [names.rendezvous], args, what="the weight rendezvous")
 
 
 class WeightPublisher:
@@ -82,10 +98,7 @@ class WeightPublisher:
         last_join = client.xrevrange(names.joins, count=1)
         self.joins_id = last_join[0][0].decode() if last_join else "0"
         rendezvous = {"epoch": self.epoch, **self.sender.rendezvous()}
-        pipe = client.pipeline(transaction=True)  # MULTI (one slot in redis.mode=cluster);
-        pipe.delete(names.rendezvous)  # not chained: redis-py's ClusterPipeline.delete
-        pipe.hset(names.rendezvous, mapping=rendezvous)  # returns None
-        pipe.execute()
+        set_rendezvous(client, names, rendezvous)
         self.published = 0  # versions received whole by at least one actor
         self.unreceived = 0  # versions no actor received
         self.failures = 0

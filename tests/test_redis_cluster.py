@@ -34,6 +34,7 @@ from pipeline.streams import (
 )
 from pipeline.streams.cluster import parse, silent
 from pipeline.streams.durable import Durability, Lua, NotReplicated, attach
+from pipeline.weight_publisher import set_rendezvous
 from tests.launching import ROOT, run_tiny
 from tests.redis_builders import WatchRounds, pool_start_line
 
@@ -141,6 +142,7 @@ SCRIPT_MODULES = (
     "pipeline.streams.counters",
     "actor.room",
     "trainer.main",
+    "pipeline.weight_publisher",
 )
 
 
@@ -168,7 +170,7 @@ def test_every_script_runs_in_one_slot(cluster, cclient, monkeypatch):
     script is run, and the cluster stores what they wrote. A script given keys of two
     slots is refused: the check can fail."""
     scripts = _every_script()
-    assert len(scripts) == 5, scripts
+    assert len(scripts) == 6, scripts
     calls: dict[str, list[list[str]]] = {name: [] for name in scripts}
     original = Lua.__call__
 
@@ -204,15 +206,14 @@ def test_every_script_runs_in_one_slot(cluster, cclient, monkeypatch):
     now = time.time()
     args = ["actor-0", 8, 8, now, now + 30, 4, 0, 0, NAMES.samples_retired, NAMES.trainer_version]
     assert int(claim(cclient, [NAMES.samples_produced, NAMES.sync_claims], args)) == 8
+    # the weight publisher's rendezvous, replaced whole (one key: the rendezvous hash)
+    cclient.hset(NAMES.rendezvous, "old", "x")
+    set_rendezvous(cclient, NAMES, {"epoch": "e", "port": 1})
+    assert cclient.hgetall(NAMES.rendezvous) == {b"epoch": b"e", b"port": b"1"}
     for name, keysets in calls.items():
         assert keysets, f"{name} was never run"
         for keys in keysets:
             assert len({cclient.keyslot(key) for key in keys}) == 1, (name, keys)
-    # a MULTI as the weight publisher sends it (one key: the rendezvous hash)
-    pipe = cclient.pipeline(transaction=True)
-    pipe.delete(NAMES.rendezvous)
-    pipe.hset(NAMES.rendezvous, mapping={"epoch": "e"})
-    assert pipe.execute() == [0, 1]
     # keys of two slots: the client refuses before the server would (CROSSSLOT)
     xadd_once = scripts["pipeline.streams.durable._XADD_ONCE"]
     crossed = [NAMES.part(0).rollouts, NAMES.part(1).rollouts_once, "x:order"]
@@ -276,6 +277,11 @@ def test_failover_keeps_the_same_client_writing(tmp_path):
         k = next(i for i, n in enumerate(local.nodes) if n.port == node.port)
         replica = next(r for r, p in local.replica_of.items() if p == k)
         victim = local.nodes[k]
+        lost_control = next(
+            names
+            for names in (Names("nonstop", f"r{i}", cluster=True) for i in range(10_000))
+            if client.get_node_from_key(names.rendezvous).port == victim.port
+        )
         os.kill(victim.proc.pid, signal.SIGKILL)
         victim.proc.wait()
         shutil.rmtree(victim.data_dir)
@@ -283,10 +289,14 @@ def test_failover_keeps_the_same_client_writing(tmp_path):
         lines: list[str] = []
         watcher = WatchRounds(local, lines)  # the supervisor's rounds, as the launcher runs them
         try:
+            # a trainer starting now: its rendezvous (a run whose control slot the lost
+            # primary served) waits out the failover (a MULTI failed at once)
+            set_rendezvous(client, lost_control, {"epoch": "e"})
             publish(client, stream, b"x", token="g20", i=20)  # waits for the new replica
             first_write_s = time.monotonic() - killed
         finally:
             watcher.stop()
+        assert client.hgetall(lost_control.rendezvous) == {b"epoch": b"e"}
         print(f"\nkill to first write on the promoted replica, WAIT 1: {first_write_s:.2f} s")
         assert client.get_node_from_key(stream).port == local.nodes[replica].port
         assert [int(f[b"i"]) for _, f in client.xrange(stream)] == list(range(21))

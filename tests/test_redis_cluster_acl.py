@@ -22,6 +22,7 @@ from pipeline.config import Config, validate
 from pipeline.redis_cluster import ADMIN, per_run_users
 from pipeline.streams import Names, RedisRefused, check_permissions, connect, wait_until
 from pipeline.streams.cluster import parse
+from pipeline.weight_publisher import set_rendezvous
 from tests.launching import ROOT, launch_tiny, wait_for_step
 from tests.redis_builders import acl_cluster
 
@@ -108,9 +109,8 @@ def test_every_role_does_its_work_on_every_partition_and_no_more(acl):
         trainer.xadd(NAMES.weights, {"data": b"w"})
         assert actor.get(NAMES.trainer_version) == b"1"
         assert actor.xread({NAMES.weights: "0"}, count=1)[0][1]
-        with trainer.pipeline(transaction=True) as tx:  # the rendezvous' MULTI/EXEC
-            tx.hset(NAMES.rendezvous, "epoch", 1).hset(NAMES.rendezvous, "port", 1)
-            assert tx.execute() == [1, 1]
+        set_rendezvous(trainer, NAMES, {"epoch": 1, "port": 1})  # the publisher's script
+        assert trainer.hgetall(NAMES.rendezvous) == {b"epoch": b"1", b"port": b"1"}
         assert op.hgetall(NAMES.status("actor-0")) == {b"heartbeat": b"1"}
         # refused, on whichever node serves the key
         for forbidden in (

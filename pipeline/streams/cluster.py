@@ -15,7 +15,7 @@ authenticate on every node. ``rediss+cluster://`` speaks TLS to every node, as
 What lives where (pipeline/streams/names.py): the control keys share the hash tag
 ``{<run>}`` (one slot), partition k's work streams and their once keys
 ``{<run>.p<k>}`` (``redis.shards`` partitions, pipeline/streams/shards.py), so each Lua
-script and each MULTI touches one slot; the cluster spreads the partitions' slots over
+script touches one slot; the cluster spreads the partitions' slots over
 its primaries.
 
 The client (:class:`ClusterClient`, redis-py's RedisCluster) refreshes the slot map
