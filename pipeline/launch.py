@@ -161,8 +161,11 @@ def run(cfg) -> int:
     chosen = resolve_engine(cfg)
     if chosen:
         print(chosen)
-    validate(cfg)
-    if not cfg.redis.url:
+    # a Redis of the operator's: NONSTOP_REDIS_URL wins over redis.url, as in every pool
+    # (pipeline/config/env.py); it is checked as redis.url is but never saved in config.yaml
+    external = os.environ.get("NONSTOP_REDIS_URL") or cfg.redis.url
+    validate(OmegaConf.merge(cfg, {"redis": {"url": external}}) if external else cfg)
+    if not external:
         check_embedded_tls(cfg)
     # Ctrl-C and a service manager's SIGTERM both stop the run cleanly, even when
     # this process inherited an ignored SIGINT (started in the background)
@@ -174,16 +177,16 @@ def run(cfg) -> int:
     os.makedirs(run_dir, exist_ok=True)
     cfg.run_dir = run_dir
     print(f"run directory: {run_dir}")
-    client_tls = redis_tls(cfg, cfg.redis.url) if cfg.redis.url else None
+    client_tls = redis_tls(cfg, external) if external else None
     # fail early: an unreachable Redis, or a TLS mismatch, before the model is materialized
-    client = connect(cfg.redis.url, reconnect_s=2.0, tls=client_tls) if cfg.redis.url else None
+    client = connect(external, reconnect_s=2.0, tls=client_tls) if external else None
     print(f"model: {cfg.model.name} (materializing once for every pool)")
     cfg.model.path = materialize_model(cfg.model.name)
     config_path = os.path.join(run_dir, "config.yaml")
     OmegaConf.save(cfg, config_path)
     server, env, tls = None, dict(os.environ), None
-    if cfg.redis.url:
-        url = cfg.redis.url
+    if external:
+        url = external
     elif cfg.redis.mode in ("sentinel", "cluster"):  # redis=ha: primary, replica, sentinels;
         for var in TLS_ENV.values():  # redis=cluster: 3 primaries with a replica each
             env.pop(var, None)

@@ -357,6 +357,40 @@ def test_tiny_pipeline_on_redis_cluster(tmp_path):
 
 
 @pytest.mark.slow
+def test_tiny_pipeline_on_an_external_redis_cluster(tmp_path):
+    """A cluster the operator runs (redis.mode=cluster, its redis+cluster:// URL in
+    NONSTOP_REDIS_URL): the launcher starts no Redis, the pools run on the cluster's
+    partitions, the account finds nothing lost or duplicated, and the cluster is left
+    running with the run's streams on it."""
+    local = LocalCluster(str(tmp_path / "cluster"))
+    local.start()
+    try:
+        run_dir = tmp_path / "run"
+        code, out = run_tiny(
+            tmp_path,
+            run_dir,
+            "redis.mode=cluster",
+            f"redis.shards={PARTITIONS}",
+            env_extra={"NONSTOP_REDIS_URL": local.url},
+            timeout=400,
+        )
+        assert code == 0, out[-3000:]
+        assert "local redis cluster" not in out and local.password not in out
+        summary = json.loads((run_dir / "summary.json").read_text())
+        acc = summary["accounting"]
+        assert summary["outcome"] == "finished" and summary["trainer_steps"] == 4
+        assert acc["groups_lost"] == 0 and acc["groups_duplicated"] == 0, acc
+        client = connect(local.url, reconnect_s=5)
+        names = Names.of(OmegaConf.load(run_dir / "config.yaml"))  # the run's hash tags
+        nodes = {client.get_node_from_key(names.part(k).rollouts).port for k in range(PARTITIONS)}
+        assert len(nodes) >= 2, nodes  # the partitions are on different primaries
+        assert client.exists(names.run_marker)  # the run is still on the cluster
+        assert int(client.get(names.samples_produced)) >= summary["trainer_steps"]
+    finally:
+        local.stop()
+
+
+@pytest.mark.slow
 def test_cluster_primary_loss_mid_run_loses_and_duplicates_nothing(tmp_path):
     """pipeline.bench faults cluster_primary_loss on a redis=cluster run: SIGKILL the
     primary of the control keys' slot and delete its data directory mid-run; its replica
