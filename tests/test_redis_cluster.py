@@ -442,9 +442,24 @@ def test_inspect_shows_every_partition(cluster, cclient, capsys):
             f"partition {k}, slot {cclient.keyslot(names.part(k).rollouts)} on {node}"
         )
     assert snap["work_totals"]["rollouts"]["length"] == 6
+    # the replication state: every primary with its slots, each replica's lag in bytes
+    rep = snap["replication"]
+    roles = cluster.roles()
+    primaries = {
+        f"127.0.0.1:{n.port}" for k, n in enumerate(cluster.nodes) if roles[k] == "primary"
+    }
+    assert {p["address"] for p in rep["primaries"]} == primaries, rep
+    slots = sorted(r for p in rep["primaries"] for r in p["slots"])
+    assert sum(int(b) - int(a) + 1 for a, b in (r.split("-") for r in slots)) == 16384, slots
+    for p in rep["primaries"]:
+        assert p["error"] is None and p["role"] == "master", p
+        [replica] = p["replicas"]
+        assert replica["state"] == "online" and replica["lag_bytes"] >= 0, replica
     assert main(["--url", cluster.url, "--run", "seen"]) == 0
     text = capsys.readouterr().out
     assert "rollouts@shard2" in text and "the rows without @ are partition 0" in text
+    assert "replication (cluster): 3 primaries" in text
+    assert text.count("    replica 127.0.0.1:") == 3 and " bytes" in text, text
 
 
 def _wait(check, timeout, why=lambda: ""):
