@@ -467,3 +467,72 @@ def _wait(check, timeout, why=lambda: ""):
     while not check():
         assert time.monotonic() < deadline, why()
         time.sleep(0.1)
+
+
+def test_a_partition_moves_to_another_primary_under_a_writer_and_a_reader(tmp_path, capsys):
+    """python -m pipeline.redis_cluster_move moves partition 1 (one slot) to another
+    primary while a client keeps publishing to it through the durable path (WAIT 1):
+    every acknowledged write is there once, in order; the consumer group moved with the
+    stream (its pending entries and its position); the XADD-once keys moved too (a
+    re-sent group is not written again). Bad targets: one line, exit 2."""
+    import threading
+
+    from pipeline.redis_cluster_move import main as move
+    from pipeline.redis_cluster_move import move_slot
+
+    local = LocalCluster(str(tmp_path / "cluster"))
+    local.start()
+    try:
+        client = attach(connect(local.url, reconnect_s=30), Durability(1, 1000, 30.0))
+        stream = NAMES.part(1).rollouts
+        client.xgroup_create(stream, "g", id="0", mkstream=True)
+        first = publish(client, stream, b"x", token="t0", i=0)
+        for i in range(1, 30):
+            publish(client, stream, b"x", token=f"t{i}", i=i)
+        assert len(client.xreadgroup("g", "c", {stream: ">"}, count=10)[0][1]) == 10
+        source = client.get_node_from_key(stream).name
+        to = next(n.name for n in client.get_primaries() if n.name != source)
+        acked: list[int] = []
+        stop = threading.Event()
+
+        def writer():
+            w = attach(connect(local.url, reconnect_s=30), Durability(1, 1000, 30.0))
+            i = 30
+            while not stop.is_set():
+                publish(w, stream, b"x", token=f"t{i}", i=i)
+                acked.append(i)
+                i += 1
+
+        pause = lambda _n: time.sleep(0.3)  # noqa: E731
+        thread = threading.Thread(target=writer, daemon=True)
+        thread.start()
+        _wait(lambda: len(acked) >= 20, 30)
+        # one key at a time, 0.3 s apart: the writer's script meets the slot half moved
+        # (TRYAGAIN: its keys split between the nodes; ASK: moved) and is sent again
+        moved = move_slot(client, client.keyslot(stream), to, batch=1, on_batch=pause)
+        assert moved == (source, 3)  # the stream, its once hash and its order list
+        during = len(acked)
+        _wait(lambda: len(acked) >= during + 20, 30)  # the writer goes on after the move
+        stop.set()
+        thread.join(30)
+        assert [int(f[b"i"]) for _, f in client.xrange(stream)] == list(range(30)) + acked
+        assert client.get_node_from_key(stream).name == to  # (the XRANGE's MOVED told it)
+        assert client.xpending(stream, "g")["pending"] == 10
+        rest = client.xreadgroup("g", "c", {stream: ">"}, count=10_000)
+        assert len(rest[0][1]) == 20 + len(acked)
+        assert publish(client, stream, b"x", token="t0", i=0) == first  # once, after a move
+        assert client.xlen(stream) == 30 + len(acked)
+        # the command moves it back (every key at once), and says so
+        assert move(["--url", local.url, "--run", "t", "--partition", "1", "--to", source]) == 0
+        out = capsys.readouterr().out
+        assert f"partition 1 of nonstop:t (slot {client.keyslot(stream)}): moved from" in out
+        assert client.xlen(stream) == 30 + len(acked)
+        assert client.get_node_from_key(stream).name == source
+        # bad input: one line each, exit 2
+        assert move(["--url", local.url, "--run", "t", "--partition", "1", "--to", source]) == 2
+        assert "is on" in capsys.readouterr().err
+        assert move(["--url", local.url, "--run", "t", "--partition", "1", "--to", "h:1"]) == 2
+        assert "is not a primary of this cluster" in capsys.readouterr().err
+    finally:
+        stop.set()
+        local.stop()
