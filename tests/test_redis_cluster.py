@@ -13,6 +13,8 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -35,7 +37,7 @@ from pipeline.streams import (
 from pipeline.streams.cluster import parse, silent
 from pipeline.streams.durable import Durability, Lua, NotReplicated, attach
 from pipeline.weight_publisher import set_rendezvous
-from tests.launching import ROOT, run_tiny
+from tests.launching import ROOT, launch_tiny, run_tiny
 from tests.redis_builders import WatchRounds, pool_start_line
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
@@ -386,6 +388,55 @@ def test_tiny_pipeline_on_an_external_redis_cluster(tmp_path):
         assert len(nodes) >= 2, nodes  # the partitions are on different primaries
         assert client.exists(names.run_marker)  # the run is still on the cluster
         assert int(client.get(names.samples_produced)) >= summary["trainer_steps"]
+    finally:
+        local.stop()
+
+
+@pytest.mark.slow
+def test_a_partition_moved_mid_run_loses_and_duplicates_nothing(tmp_path):
+    """The tiny pipeline on a cluster of the operator's; once groups flow, partition 1
+    moves to another primary (python -m pipeline.redis_cluster_move, as an operator runs
+    it) under the running pools: the run finishes, nothing lost or trained twice."""
+    local = LocalCluster(str(tmp_path / "cluster"))
+    local.start()
+    try:
+        run_dir = tmp_path / "run"
+        proc = launch_tiny(
+            tmp_path,
+            run_dir,
+            "redis.mode=cluster",
+            f"redis.shards={PARTITIONS}",
+            "trainer.max_steps=8",
+            env_extra={"NONSTOP_REDIS_URL": local.url},
+        )
+        client = connect(local.url, reconnect_s=5)
+        _wait(lambda: (run_dir / "config.yaml").exists(), 120)
+        names = Names.of(OmegaConf.load(run_dir / "config.yaml"))
+        _wait(lambda: int(client.get(names.samples_produced) or 0) > 0, 300)
+        stream = names.part(1).rollouts
+        source = client.get_node_from_key(stream).name
+        to = next(n.name for n in client.get_primaries() if n.name != source)
+        move = subprocess.run(
+            [sys.executable, "-m", "pipeline.redis_cluster_move", "--run", names.run]
+            + ["--partition", "1", "--to", to],
+            env=dict(os.environ, NONSTOP_REDIS_URL=local.url),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert move.returncode == 0, move.stderr
+        produced_at_move = client.get(names.samples_produced)
+        out, _ = proc.communicate(timeout=400)
+        assert proc.returncode == 0, out[-3000:]
+        assert f"moved from {source} to {to}" in move.stdout
+        summary = json.loads((run_dir / "summary.json").read_text())
+        acc = summary["accounting"]
+        assert summary["outcome"] == "finished" and summary["trainer_steps"] == 8
+        assert acc["groups_lost"] == 0 and acc["groups_duplicated"] == 0, acc
+        client.nodes_manager.initialize()  # the slot map now
+        assert client.get_node_from_key(names.part(1).batches).name == to
+        assert int(client.get(names.samples_produced)) > int(produced_at_move)
     finally:
         local.stop()
 
