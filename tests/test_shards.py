@@ -247,6 +247,21 @@ def test_the_launcher_refuses_independent_shards_in_one_line(tmp_path, overrides
     assert not run_dir.exists()  # refused before anything started
 
 
+def test_an_experiment_file_with_shard_urls_is_refused(tmp_path):
+    """An experiment file of the user's own (hydra.searchpath) that sets redis.shard_urls:
+    Hydra alone would say only that the key is not in the schema."""
+    (tmp_path / "conf" / "mine").mkdir(parents=True)
+    (tmp_path / "conf" / "mine" / "old.yaml").write_text(
+        "# @package _global_\nredis:\n  shard_urls: [redis://h:1/0]\n"
+    )
+    search = f"hydra.searchpath=[file://{tmp_path / 'conf'}]"
+    code, out = run_tiny(tmp_path, tmp_path / "run", search, "+mine=old", timeout=120)
+    assert code == 2, out
+    line = next(ln for ln in out.splitlines() if ln.startswith("error: "))
+    assert "sets redis.shard_urls, which was removed: " + MIGRATE_SHARDS in line, line
+    assert line.endswith("drop it from that file") and not (tmp_path / "run").exists()
+
+
 def test_an_old_sharded_run_directory_is_refused(tmp_path):
     """A run directory an older version ran with independent shards: its checkpoints'
     positions name those instances' streams, so the launcher refuses to go on there."""
