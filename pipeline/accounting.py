@@ -44,7 +44,7 @@ import redis
 
 from pipeline.messages import BadEntry, RolloutGroup, TrainBatch, decode
 from pipeline.streams import Names
-from pipeline.streams.shards import parse_position, parts_of
+from pipeline.streams.shards import Shards, parse_position, parts_of
 from pipeline.telemetry import surviving_steps
 
 PREPROCESSOR_GROUP = Names.ROLLOUTS_GROUP
@@ -96,16 +96,19 @@ def _unconsumed(
 
 
 def in_flight(
-    client: redis.Redis, names: Names, shards=(), trainer_from: str | None = None
+    client: redis.Redis,
+    names: Names,
+    shards: Shards | None = None,
+    trainer_from: str | None = None,
 ) -> dict[str, list]:
     """Group ids still in ``rollouts`` and sample ids still in ``batches``, not yet
-    acknowledged by their consumer group, on the primary ``client`` and every other
-    shard (``shards``: their clients, redis.shards > 1; or a Shards, the partitions of
-    redis.mode=cluster); undecodable entries by entry
-    id (``k@id`` on shard k > 0). ``trainer_from``: the position a restarted trainer
-    resumes from (its last checkpoint's, one id per shard, comma-separated): the batches
-    after it are in flight too, acknowledged or not, since a resume reads them again
-    (a trainer stopped between a step's acknowledgement and its record left some).
+    acknowledged by their consumer group, in every part of the run (``shards``: the
+    partitions of redis.mode=cluster; None: the one part on ``client``); undecodable
+    entries by entry id (``k@id`` in partition k > 0). ``trainer_from``: the position a
+    restarted trainer resumes from (its last checkpoint's, one id per partition,
+    comma-separated): the batches after it are in flight too, acknowledged or not,
+    since a resume reads them again (a trainer stopped between a step's acknowledgement
+    and its record left some).
 
     ``entries`` shows where each of those ids physically lies: one item per stream
     entry with its ``stream``, ``shard``, entry ``id``, ``where`` (``unread``,

@@ -37,18 +37,19 @@ from pipeline.config import (
     check_experiment_sections,
     expand_shorthands,
     redis_tls,
+    refuse_shard_urls,
     register,
     resolve_engine,
-    shard_urls,
     validate,
 )
+from pipeline.config.redis import MIGRATE_SHARDS
 from pipeline.evaluator import wait_for_final_eval
 from pipeline.progress import Progress
 from pipeline.redis_cluster import start_local_cluster
 from pipeline.redis_ha import start_local_ha
 from pipeline.redis_server import EmbeddedRedis, check_no_eviction
 from pipeline.redis_tls import ENV as TLS_ENV
-from pipeline.redis_tls import TLSFiles, make_run_certs, write_private
+from pipeline.redis_tls import TLSFiles, make_run_certs
 from pipeline.streams import DRAIN_FIELD, Names, RedisUnavailable, connect, mark_run
 from pipeline.streams.shards import Shards
 from pipeline.summary import newest_published, status_version, write_summary
@@ -117,33 +118,25 @@ def supervise(cfg, sup: Supervisor, client, names: Names) -> tuple[str, int]:
         return "interrupted", 130
 
 
-def start_shards(
-    cfg, run_dir: str, env: dict[str, str], tls: tuple[TLSFiles, TLSFiles] | None = None
-) -> tuple[list[EmbeddedRedis], list]:
-    """redis.shards > 1: the embedded launcher starts shards 1.. too (``redis-shardK/``,
-    the URLs to the pools in NONSTOP_REDIS_SHARD_URLS; ``tls``: on TLS only, like the
-    primary); an external redis.url takes them from redis.shard_urls. Returns (servers
-    started here, clients of shards 1..)."""
-    servers = []
-    if cfg.redis.mode == "cluster":  # partitions of the one cluster, no instances
-        return servers, []
-    if cfg.redis.url:
-        urls = shard_urls(cfg, None)
-        return servers, [connect(u, reconnect_s=2.0, tls=redis_tls(cfg, u)) for u in urls]
-    for k in range(1, cfg.redis.shards):
-        server = EmbeddedRedis(
-            os.path.join(run_dir, f"redis-shard{k}"), cfg.redis.embedded_appendfsync, tls=tls
+def refuse_sharded_run_dir(run_dir: str) -> None:
+    """A run directory an older version ran with independent-instance shards (its
+    ``redis-shardK/`` servers, or a saved config.yaml with ``redis.shards`` > 1 outside
+    cluster mode): its checkpoints' read positions name those instances' streams, which
+    no cluster partition holds, so it is refused instead of resumed."""
+    found = sorted(d for d in os.listdir(run_dir) if d.startswith("redis-shard"))
+    saved = os.path.join(run_dir, "config.yaml")
+    if not found and os.path.exists(saved):
+        old = OmegaConf.load(saved)
+        n = OmegaConf.select(old, "redis.shards") or 1
+        if n > 1 and (OmegaConf.select(old, "redis.mode") or "single") != "cluster":
+            found = [f"config.yaml redis.shards={n}"]
+    if found:
+        raise ValueError(
+            f"{run_dir} is a run with independent-instance shards ({', '.join(found)}): "
+            f"{MIGRATE_SHARDS}; its checkpoints' read positions name the old instances' "
+            "streams: finish it with the version that started it, or launch into a new "
+            "run directory"
         )
-        server.start()
-        servers.append(server)
-        print(f"embedded redis-server shard {k} on 127.0.0.1:{server.port}")
-    urls = [s.url for s in servers]
-    if urls:
-        env["NONSTOP_REDIS_SHARD_URLS"] = ",".join(urls)
-        os.makedirs(os.path.join(run_dir, "redis"), exist_ok=True)
-        path = os.path.join(run_dir, "redis", "shard_urls")  # for pipeline.inspect
-        write_private(path, ",".join(urls) + "\n")
-    return servers, [connect(u, reconnect_s=2.0, tls=tls and tls[1]) for u in urls]
 
 
 def cli_recipe(run_dir: str, port: int, tls: TLSFiles | None) -> str:
@@ -165,6 +158,7 @@ def run(cfg) -> int:
     # (pipeline/config/env.py); it is checked as redis.url is but never saved in config.yaml
     external = os.environ.get("NONSTOP_REDIS_URL") or cfg.redis.url
     validate(OmegaConf.merge(cfg, {"redis": {"url": external}}) if external else cfg)
+    refuse_shard_urls()  # NONSTOP_REDIS_SHARD_URLS: replaced by redis.mode=cluster
     if not external:
         check_embedded_tls(cfg)
     # Ctrl-C and a service manager's SIGTERM both stop the run cleanly, even when
@@ -175,6 +169,7 @@ def run(cfg) -> int:
 
     run_dir = os.path.abspath(cfg.run_dir or time.strftime("outputs/%Y-%m-%d_%H-%M-%S"))
     os.makedirs(run_dir, exist_ok=True)
+    refuse_sharded_run_dir(run_dir)  # before config.yaml is written over
     cfg.run_dir = run_dir
     print(f"run directory: {run_dir}")
     client_tls = redis_tls(cfg, external) if external else None
@@ -223,20 +218,16 @@ def run(cfg) -> int:
     env["NONSTOP_REDIS_URL"] = url
     env["NONSTOP_RUN_DIR"] = run_dir  # marks every process of the run (and its children)
     env.setdefault("NONSTOP_RUN_SECRET", secrets.token_hex(16))
-    shard_servers, shards = start_shards(cfg, run_dir, env, tls)
     client = client or connect(url, reconnect_s=2.0, tls=client_tls)
     names = Names.of(cfg)
-    if cfg.redis.mode == "cluster":  # redis.shards partitions on the one cluster
-        shards = Shards.cluster(client, names, cfg.redis.shards)
-    for shard in Shards.of(client, shards).instances:
-        check_no_eviction(shard)
-        mark_run(shard, names, run_dir=run_dir)
+    shards = Shards.of(cfg, client, names)  # redis.mode=cluster: redis.shards partitions
+    check_no_eviction(client)
+    mark_run(client, names, run_dir=run_dir)
     client.delete(names.rendezvous)  # a previous trainer's address is stale now
     if client.hget(names.run_marker, DRAIN_FIELD) is not None:  # drained (actor/room.py)
         client.hdel(names.run_marker, DRAIN_FIELD)  # and launched again: it produces again
     cmds = pool_commands(cfg, config_path)
     sup = Supervisor(cfg, run_dir, env, cmds, server, groups={"trainer": trainer_names(cfg)})
-    sup.shard_servers = shard_servers  # restarted like the primary when they die
     start = time.time()
     sup.spawn_all()
     outcome, code = supervise(cfg, sup, client, names)
@@ -264,9 +255,8 @@ def run(cfg) -> int:
             code = 1
     finally:
         sup.stop()
-        for s in [server, *shard_servers]:
-            if s is not None:
-                s.stop()
+        if server is not None:
+            server.stop()
     return code
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import redis
 import torch
 
-from pipeline.config import load_config, redis_tls, redis_url, shard_urls
+from pipeline.config import load_config, redis_tls, redis_url, refuse_shard_urls
 from pipeline.redis_server import UnsafeRedis, check_no_eviction
 from pipeline.stopping import NOTHING_LOST, StopEvent, guard, watch
 from pipeline.streams import (
@@ -46,7 +46,7 @@ from pipeline.streams import (
     mark_run,
 )
 from pipeline.streams.durable import Durability, NotReplicated, attach
-from pipeline.streams.shards import Shards, start_for
+from pipeline.streams.shards import Shards
 from pipeline.telemetry import MetricsFile, PoolStatus
 
 log = logging.getLogger(__name__)
@@ -70,11 +70,11 @@ class Pool:
     # model, joins): the supervisor then judges it by launch.startup_timeout_s, not by
     # launch.watchdog_s
     last_tick: float | None = None
-    shards: Shards | None = None  # the work streams' instances (primary first)
+    shards: Shards | None = None  # the work streams' parts (cluster partitions)
 
     def __post_init__(self) -> None:
-        if self.shards is None:  # one Redis: the primary is the only shard
-            self.shards = Shards([self.client], names=self.names)
+        if self.shards is None:  # no partitions: the one part
+            self.shards = Shards(self.client, self.names)
 
     def record(self, **values) -> None:
         self.metrics.write(pool=self.name, role=self.role, **values)
@@ -93,8 +93,7 @@ def heartbeat(pool: Pool, every_s: float = 1.0) -> None:
     cleared = False
     while True:
         try:
-            for shard in pool.shards.instances:
-                check_run(shard, pool.names)  # every shard must still hold the run
+            check_run(pool.client, pool.names)  # Redis must still hold the run
             beat = {"heartbeat": time.time(), "pid": os.getpid()}
             if pool.last_tick is not None:
                 beat["progress"] = pool.last_tick
@@ -122,6 +121,10 @@ def start_pool(
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    try:  # NONSTOP_REDIS_SHARD_URLS: independent shards, replaced by redis.mode=cluster
+        refuse_shard_urls()
+    except ValueError as e:
+        raise RedisRefused(str(e)) from None
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s",
@@ -139,20 +142,15 @@ def start_pool(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop_handler(stop, starting))
     client = guard(_connect(cfg, redis_url(cfg, role)), stop)
-    extra = [guard(_connect(cfg, u), stop) for u in shard_urls(cfg, role)]
     durability = Durability.from_config(cfg, stop)  # sentinel mode: WAIT behind work writes
-    for c in [client, *extra]:
-        attach(c, durability)
+    attach(client, durability)
     names = Names.of(cfg)
     check_permissions(client, names, role, redis_url(cfg, role))  # NOPERM: exit 4 now
     if cfg.redis.mode == "cluster":  # the other partitions: their slots' nodes
         for k in range(1, cfg.redis.shards):
             check_permissions(client, names.part(k), role, redis_url(cfg, role), shard=True)
-    for url, shard in zip(shard_urls(cfg, role), extra, strict=True):
-        check_permissions(shard, names, role, url, shard=True)
-    for shard in [client, *extra]:
-        check_no_eviction(shard)
-        mark_run(shard, names)
+    check_no_eviction(client)
+    mark_run(client, names)
     run_dir = cfg.run_dir or "."
     pool = Pool(
         cfg=cfg,
@@ -163,29 +161,17 @@ def start_pool(
         stop=stop,
         status=PoolStatus(client, names, args.name, role),
         metrics=MetricsFile(os.path.join(run_dir, "metrics.jsonl")),
-        shards=pool_shards(cfg, client, extra, names, args.name),
+        shards=Shards.of(cfg, client, names, args.name),
     )
     _current_stop[:] = [stop]
     starting[0] = False
     # a hung server cannot hold the stop either: cut past the longest blocking read
-    watch(lambda: [client, *extra], stop, cfg.redis.block_ms / 1000)
+    watch(lambda: [client], stop, cfg.redis.block_ms / 1000)
     threading.Thread(target=heartbeat, args=(pool,), name="heartbeat", daemon=True).start()
     # ``describe(cfg)``: what this pool runs, on its first line (the trainer: its backend)
     detail = f": {describe(cfg)}" if describe is not None else ""
     logging.getLogger(role).info("%s started (pid %d)%s", args.name, os.getpid(), detail)
     return pool
-
-
-def pool_shards(
-    cfg: Any, client: redis.Redis, extra: list[redis.Redis], names: Names, name: str
-) -> Shards:
-    """The pool's parts of the work streams (pipeline/streams/shards.py): redis.shards
-    partitions of the one cluster client in redis.mode=cluster, else the primary and the
-    independent shards ``extra``; a producer's rotation starts at a part of its own."""
-    if cfg.redis.mode == "cluster":
-        n = cfg.redis.shards
-        return Shards.cluster(client, names, n, start_for(name, n))
-    return Shards.for_producer([client, *extra], name, names)
 
 
 def stop_handler(stop: StopEvent, starting: list[bool]) -> Callable[[int, Any], None]:

@@ -61,6 +61,7 @@ from pipeline import checkpoint
 from pipeline.accounting import account, dead_letters, in_flight
 from pipeline.streams import Names
 from pipeline.streams.cluster import silent as cluster_silent
+from pipeline.streams.shards import Shards
 from pipeline.summary_fields import NULL_WITHOUT_REDIS, WITHOUT_REDIS, Summary
 from pipeline.telemetry import read_jsonl, read_statuses, surviving_steps
 
@@ -203,10 +204,15 @@ def from_run_dir(run_dir: str, records: list[dict], terms: dict) -> dict:
 
 
 def build_summary(
-    run_dir: str, client: redis.Redis, names: Names, outcome: str, wall_s: float, shards=()
+    run_dir: str,
+    client: redis.Redis,
+    names: Names,
+    outcome: str,
+    wall_s: float,
+    shards: Shards | None = None,
 ) -> Summary:
-    """``shards``: the clients of redis.shards 1.. (their rollouts and batches in flight),
-    or a Shards (redis.mode=cluster: its partitions)."""
+    """``shards``: the run's parts (redis.mode=cluster: its partitions, whose rollouts and
+    batches are in flight; ``Shards.of(cfg, client, names)``), None for one part."""
     statuses = read_statuses(client, names)
     records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     trainer = statuses.get("trainer", {})
@@ -326,7 +332,7 @@ def write_summary(
     names: Names,
     outcome: str,
     wall_s: float,
-    shards=(),
+    shards: Shards | None = None,
     probe_s: float = 3.0,
 ) -> Summary:
     """Write ``summary.json`` from Redis and the run directory; when Redis does not

@@ -77,7 +77,6 @@ class Supervisor:
         self.group_of = {m: g for g, members in self.groups.items() for m in members}
         self.rank_env: dict[str, dict[str, str]] = {}
         self.procs: dict[str, subprocess.Popen] = {}
-        self.shard_servers: list[EmbeddedRedis] = []  # redis.shards 1.. (embedded)
         self.spawned_at: dict[str, float] = {}
         self.restarts: Counter = Counter()
         self.events = MetricsFile(os.path.join(run_dir, "metrics.jsonl"))
@@ -210,18 +209,18 @@ class Supervisor:
         if isinstance(self.server, RedisHA | LocalCluster):
             self.server.watch(lambda line: print(f"\n{line}", flush=True), self.event)
             return
-        for k, server in enumerate([self.server, *self.shard_servers]):
-            if server is None or server.proc is None or server.proc.poll() is None:
-                continue
-            code, name = server.proc.returncode, f"redis-shard{k}" if k else "redis"
-            print(
-                f"\nembedded {name} exited with {code}; restarting it on port "
-                f"{server.port} from its AOF",
-                flush=True,
-            )
-            self.event("exit", name, code=code)
-            server.start()
-            self.event("restart", name)
+        server = self.server
+        if server is None or server.proc is None or server.proc.poll() is None:
+            return
+        code = server.proc.returncode
+        print(
+            f"\nembedded redis exited with {code}; restarting it on port "
+            f"{server.port} from its AOF",
+            flush=True,
+        )
+        self.event("exit", "redis", code=code)
+        server.start()
+        self.event("restart", "redis")
 
     def stop(self) -> None:
         """SIGTERM every pool, wait up to launch.stop_timeout_s, then SIGKILL each pool's

@@ -32,6 +32,7 @@ from pipeline.streams import (
     connect,
     counters,
     durable,
+    ensure_group,
     publish,
 )
 from pipeline.streams.cluster import parse, silent
@@ -84,7 +85,6 @@ def test_cluster_mode_is_validated():
     cfg = OmegaConf.structured(Config)
     for url, overrides, said in [
         ("redis://h:1/0", {}, "redis.mode=cluster needs redis.url=redis\\[s\\]\\+cluster"),
-        (None, {"shard_urls": ["redis://h:1/0"]}, "drop redis.shard_urls"),
         (None, {"min_replicas_acked": -1}, "must be an integer >= 0"),
     ]:
         bad = cfg.copy()
@@ -472,15 +472,19 @@ def test_cluster_primary_loss_mid_run_loses_and_duplicates_nothing(tmp_path):
 
 def test_inspect_shows_every_partition(cluster, cclient, capsys):
     """pipeline.inspect on a cluster URL: the run's hash-tagged status keys found,
-    partition 0 as the plain rows, partitions 1.. each with its slot and node."""
+    partition 0 as the plain rows, partitions 1.. each with its slot and node, and the
+    totals over every partition summed per consumer group."""
     from pipeline.inspect.cli import main
     from pipeline.inspect.target import discover_runs
 
     names = Names("nonstop", "seen", cluster=True)
     cclient.hset(names.status("actor-0"), mapping={"role": "actor", "heartbeat": time.time()})
     for k in range(PARTITIONS):
+        ensure_group(cclient, names.part(k).rollouts, "preprocessor")
         for i in range(k + 1):
             publish(cclient, names.part(k).rollouts, b"x", token=f"p{k}-{i}")
+        # one read of each partition: pending 1 there, the rest lag
+        cclient.xreadgroup("preprocessor", "p-0", {names.part(k).rollouts: ">"}, count=1)
     assert ("nonstop", "seen") in discover_runs(cclient)
     assert main(["--url", cluster.url, "--run", "seen", "--json"]) == 0
     snap = json.loads(capsys.readouterr().out)
@@ -492,7 +496,9 @@ def test_inspect_shows_every_partition(cluster, cclient, capsys):
         assert shard["url"] == (
             f"partition {k}, slot {cclient.keyslot(names.part(k).rollouts)} on {node}"
         )
-    assert snap["work_totals"]["rollouts"]["length"] == 6
+    totals = snap["work_totals"]["rollouts"]  # summed over the partitions per group
+    assert totals["length"] == 6
+    assert totals["groups"]["preprocessor"] == {"lag": 3, "pending": 3}
     # the replication state: every primary with its slots, each replica's lag in bytes
     rep = snap["replication"]
     roles = cluster.roles()
@@ -509,6 +515,7 @@ def test_inspect_shows_every_partition(cluster, cclient, capsys):
     assert main(["--url", cluster.url, "--run", "seen"]) == 0
     text = capsys.readouterr().out
     assert "rollouts@shard2" in text and "the rows without @ are partition 0" in text
+    assert "rollouts over 3 partitions: length 6; preprocessor lag 3 pending 3" in text, text
     assert "replication (cluster): 3 primaries" in text
     assert text.count("    replica 127.0.0.1:") == 3 and " bytes" in text, text
 

@@ -235,32 +235,23 @@ def test_an_actor_without_xadd_exits_4_at_start_up(tmp_path):
         urls["proc"].wait()
 
 
-@pytest.mark.slow
-def test_an_actor_without_xadd_on_an_extra_shard_exits_4_naming_the_shard(tmp_path):
-    """redis.shards=2: the primary grants everything, shard 1's actor user lacks XADD;
-    the actor stops at start-up naming shard 1's URL (password hidden), not later."""
+def test_a_pool_started_alone_refuses_shard_urls_in_one_line(tmp_path):
+    """NONSTOP_REDIS_SHARD_URLS (independent-instance shards, replaced by Redis Cluster)
+    in a pool's environment: the pool stops at start-up, exit 4 (a restart cannot fix
+    it), one line naming the move, before it connects anywhere."""
+    from pipeline.config import MIGRATE_SHARDS
     from tests.config_builders import actor_config
 
-    (tmp_path / "p").mkdir()
-    (tmp_path / "s").mkdir()
-    primary, shard = acl_server(tmp_path / "p"), acl_server(tmp_path / "s", drop=" +xadd")
-    try:
-        env = dict(os.environ, NONSTOP_REDIS_URL_ACTOR=primary["actor"], HF_HUB_OFFLINE="1")
-        env.update(NONSTOP_CACHE=str(tmp_path / "cache"), NONSTOP_RUN_SECRET="s" * 32)
-        env.update(NONSTOP_REDIS_URL=primary["operator"], NONSTOP_REDIS_SHARD_URLS=shard["actor"])
-        cfg = actor_config(tmp_path, primary["actor"])
-        cmd = [sys.executable, "-m", "actor", "--config", cfg, "redis.shards=2"]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-        out = proc.stdout + proc.stderr
-        assert proc.returncode == 4, out
-        assert "Traceback" not in out and "pw-actor" not in out
-        port = shard["actor"].rsplit(":", 1)[1].split("/")[0]
-        line = next(ln for ln in out.splitlines() if "may not run XADD" in ln)
-        assert f"127.0.0.1:{port}" in line and "nonstop:tiny:rollouts" in line
-    finally:
-        for server in (primary, shard):
-            server["proc"].terminate()
-            server["proc"].wait()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", NONSTOP_RUN_SECRET="s" * 32)
+    env.update(NONSTOP_CACHE=str(tmp_path / "cache"), NONSTOP_REDIS_URL="redis://127.0.0.1:1/0")
+    env["NONSTOP_REDIS_SHARD_URLS"] = "redis://127.0.0.1:2/0"
+    cmd = [sys.executable, "-m", "actor", "--config", actor_config(tmp_path, "redis://h:1/0")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 4, out
+    assert "Traceback" not in out, out
+    line = next(ln for ln in out.splitlines() if "NONSTOP_REDIS_SHARD_URLS is set" in ln)
+    assert line.endswith(f"NONSTOP_REDIS_SHARD_URLS is set: {MIGRATE_SHARDS}; unset it"), line
 
 
 @pytest.mark.parametrize("code", [2, 4])

@@ -210,18 +210,42 @@ def test_redis_tls_true_is_short_for_enabled(tmp_path):
     assert OmegaConf.create(out.stdout).redis.tls.enabled is True
 
 
-def test_the_tiny_pipeline_on_an_embedded_tls_redis_with_two_shards(tmp_path):
+def test_the_tiny_pipeline_on_an_embedded_tls_redis(tmp_path):
     run_dir = tmp_path / "run"
-    code, out = run_tiny(
-        tmp_path, run_dir, "redis.tls=true", "redis.shards=2", "trainer.max_steps=2"
-    )
+    code, out = run_tiny(tmp_path, run_dir, "redis.tls=true", "trainer.max_steps=2")
     assert code == 0, out
     assert "TLS only" in out and "--tls --cacert" in out  # the redis-cli line it prints
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["trainer_steps"] == 2 and summary["weight_updates_applied"]["actor-0"] >= 1
-    shard = (run_dir / "redis" / "shard_urls").read_text()  # shard 1: TLS like the primary
-    assert shard.startswith("rediss://") and summary["outcome"] == "finished"
-    # the servers had no plain port (test above): every pool spoke TLS with the run's files
+    assert summary["outcome"] == "finished"
+    # the server had no plain port (test above): every pool spoke TLS with the run's files
+    assert OmegaConf.load(run_dir / "config.yaml").redis.tls.enabled is True
+    assert (run_dir / "redis" / "tls" / "client.key").stat().st_mode & 0o077 == 0
+
+
+@pytest.mark.slow
+def test_the_tiny_pipeline_on_a_tls_redis_cluster_with_two_partitions(tmp_path):
+    """redis=cluster redis.tls=true redis.shards=2: every node on TLS only with the run's
+    certificates, the pools reach both partitions over rediss+cluster://."""
+    run_dir = tmp_path / "run"
+    code, out = run_tiny(
+        tmp_path,
+        run_dir,
+        "redis=cluster",
+        "redis.tls=true",
+        "redis.shards=2",
+        "trainer.max_steps=2",
+        timeout=400,
+    )
+    assert code == 0, out[-3000:]
+    assert "TLS only, certificates in" in out and "--tls --cacert" in out  # its redis-cli line
+    assert "2 partition(s)" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["trainer_steps"] == 2 and summary["weight_updates_applied"]["actor-0"] >= 1
+    assert summary["outcome"] == "finished"
+    assert summary["accounting"]["groups_lost"] == 0, summary["accounting"]
+    assert (run_dir / "redis" / "url").read_text().startswith("rediss+cluster://")
+    # the nodes had no plain port (test_cluster_mode_over_tls_...): every pool spoke TLS
     assert OmegaConf.load(run_dir / "config.yaml").redis.tls.enabled is True
     assert (run_dir / "redis" / "tls" / "client.key").stat().st_mode & 0o077 == 0
 

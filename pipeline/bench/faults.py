@@ -111,7 +111,7 @@ def launch(run_dir: str, args) -> subprocess.Popen:
 
 def run_redis(run_dir: str):
     """The run's embedded Redis as ``pipeline.inspect --run-dir`` finds it: its URL
-    (``rediss://`` with ``redis.tls=true``), TLS files and shard URLs."""
+    (``rediss://`` with ``redis.tls=true``) and TLS files."""
     from pipeline.inspect.cli import parse_args
     from pipeline.inspect.target import resolve
 
@@ -338,16 +338,12 @@ def apply_fault(fault: dict, run_dir: str, client, names: Names, metrics: str) -
 # ------------------------------------------------------------------ drain and account
 
 
-def shard_clients(run_dir: str, client=None, names: Names | None = None):
-    """Clients of redis.shards 1.. (the launcher writes their URLs), none with one shard;
-    in redis.mode=cluster the partitions of the cluster ``client`` (a Shards)."""
-    cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
-    if cfg.redis.mode == "cluster" and client is not None and names is not None:
-        from pipeline.streams.shards import Shards
+def run_shards(run_dir: str, client, names: Names):
+    """The run's parts by its config.yaml: the partitions of the cluster ``client`` in
+    redis.mode=cluster, else the one part (a Shards)."""
+    from pipeline.streams.shards import Shards
 
-        return Shards.cluster(client, names, int(cfg.redis.shards))
-    target = run_redis(run_dir)
-    return [connect(u, attempts=3, tls=target.tls) for u in target.shard_urls]
+    return Shards.of(OmegaConf.load(os.path.join(run_dir, "config.yaml")), client, names)
 
 
 def drain(run_dir: str, client, names: Names, proc: subprocess.Popen) -> dict:
@@ -358,7 +354,7 @@ def drain(run_dir: str, client, names: Names, proc: subprocess.Popen) -> dict:
     unfinished step, in its pending list) have not changed for QUIET_S seconds."""
     t0 = time.time()
     client.hset(names.run_marker, DRAIN_FIELD, str(t0))
-    shards = shard_clients(run_dir, client, names)
+    shards = run_shards(run_dir, client, names)
     per_step = int(OmegaConf.load(os.path.join(run_dir, "config.yaml")).trainer.samples_per_step)
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     last, since, actors, entries, trainer = None, time.monotonic(), {}, [], {}

@@ -10,13 +10,14 @@ module              what
 ==================  =============================================================
 schema.py           ``Config`` (one field per section) and ``validate``
 load.py             Hydra glue (``register``), ``load_config``, renamed keys
-                    (``engine.X`` -> ``sampling.X``), ``redis.tls=true`` shorthand
-env.py              what the environment overrides: the run's secret, Redis and
-                    shard URLs, TLS files
+                    (``engine.X`` -> ``sampling.X``) and removed ones
+                    (``redis.shard_urls``), ``redis.tls=true`` shorthand
+env.py              what the environment overrides: the run's secret, Redis URLs,
+                    TLS files
 checks.py           the checks the sections share; a pool's device and dtype
 run.py              ``run``, ``pipeline`` (async | sync, CPU pinning), ``launch``,
                     ``metrics``
-redis.py            ``redis`` and ``redis.tls``: shards, TLS, Sentinel
+redis.py            ``redis`` and ``redis.tls``: TLS, Sentinel, Cluster partitions
 model.py            ``model`` and ``model.lora``
 sampling.py         ``sampling``: how every engine samples and batches
 task.py             ``task``
@@ -40,7 +41,13 @@ from pipeline.config.actor import (
     validate_vllm,
 )
 from pipeline.config.checks import POOL_DTYPES, pool_dtype
-from pipeline.config.env import redis_tls, redis_url, run_secret, shard_urls, tls_files
+from pipeline.config.env import (
+    redis_tls,
+    redis_url,
+    refuse_shard_urls,
+    run_secret,
+    tls_files,
+)
 from pipeline.config.eval import EvalConfig
 from pipeline.config.load import (
     check_experiment_sections,
@@ -58,6 +65,7 @@ from pipeline.config.preprocessor import (
     validate_scorers,
 )
 from pipeline.config.redis import (
+    MIGRATE_SHARDS,
     REDIS_MODES,
     RedisConfig,
     TLSConfig,
@@ -83,6 +91,7 @@ from pipeline.config.weights import WeightsConfig
 from pipeline.vllm_versions import VLLM_MISSING
 
 __all__ = [
+    "MIGRATE_SHARDS",
     "POOL_DTYPES",
     "PIPELINE_MODES",
     "PRM_KINDS",
@@ -119,8 +128,8 @@ __all__ = [
     "redis_url",
     "register",
     "resolve_engine",
+    "refuse_shard_urls",
     "run_secret",
-    "shard_urls",
     "tls_files",
     "validate",
     "validate_engine",

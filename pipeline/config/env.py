@@ -1,10 +1,11 @@
 """What a process uses, where the environment wins over the config file: the run's
-secret, the Redis URL (a role's own user first), the shards' URLs and the TLS files.
+secret, the Redis URL (a role's own user first) and the TLS files.
 
 The launcher hands its pools these in the environment (``NONSTOP_RUN_SECRET``,
-``NONSTOP_REDIS_URL``, ``NONSTOP_REDIS_SHARD_URLS``, ``NONSTOP_REDIS_TLS_CA``/``_CERT``/
-``_KEY``), so the embedded server's password and the secret are never written to
-``config.yaml``; a pool started alone reads the same variables (deploy/env.example).
+``NONSTOP_REDIS_URL``, ``NONSTOP_REDIS_TLS_CA``/``_CERT``/``_KEY``), so the embedded
+server's password and the secret are never written to ``config.yaml``; a pool started
+alone reads the same variables (deploy/env.example). ``NONSTOP_REDIS_SHARD_URLS`` (the
+independent shards' instances) is refused: :func:`refuse_shard_urls`.
 """
 
 from __future__ import annotations
@@ -47,24 +48,18 @@ def redis_url(cfg: Any, role: str | None = None) -> str:
     return url
 
 
-def shard_urls(cfg: Any, role: str | None = None) -> list[str]:
-    """The URLs of shards 1.. (``redis.shards - 1`` of them): a role's own
-    ``NONSTOP_REDIS_SHARD_URLS_<ROLE>``, else ``NONSTOP_REDIS_SHARD_URLS`` (both
-    comma-joined; the embedded launcher sets it), else ``redis.shard_urls``. None in
-    redis.mode=cluster: its ``redis.shards`` partitions are on the one cluster."""
-    n = _get(cfg, "redis.shards")
-    if n <= 1 or _get(cfg, "redis.mode") == "cluster":
-        return []
-    own = os.environ.get(f"NONSTOP_REDIS_SHARD_URLS_{role.upper()}") if role else None
-    env = own or os.environ.get("NONSTOP_REDIS_SHARD_URLS")
-    urls = [u for u in env.split(",") if u] if env else list(_get(cfg, "redis.shard_urls"))
-    if len(urls) != n - 1:
-        raise ValueError(
-            f"redis.shards={n} needs {n - 1} shard URLs besides redis.url, got {len(urls)}: "
-            "set redis.shard_urls=[redis://host:port/0,...] or NONSTOP_REDIS_SHARD_URLS "
-            "(comma-joined)"
-        )
-    return urls
+SHARD_URLS_ENV = "NONSTOP_REDIS_SHARD_URLS"
+
+
+def refuse_shard_urls() -> None:
+    """``NONSTOP_REDIS_SHARD_URLS`` (or a role's ``..._<ROLE>``) named the instances of
+    independent shards, which were replaced by Redis Cluster: ValueError saying how to
+    move when one is set (an empty one names nothing and passes)."""
+    from pipeline.config.redis import MIGRATE_SHARDS
+
+    for var in sorted(os.environ):
+        if var.startswith(SHARD_URLS_ENV) and os.environ[var]:
+            raise ValueError(f"{var} is set: {MIGRATE_SHARDS}; unset it")
 
 
 def tls_files(cfg: Any | None = None) -> TLSFiles:

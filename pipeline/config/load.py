@@ -1,6 +1,7 @@
 """Loading: the schema registered for Hydra (``conf/config.yaml`` extends it), a saved
-config file merged onto it (:func:`load_config`), and the keys that changed name -
-the command line's and a file's old keys fail with a message naming the new key."""
+config file merged onto it (:func:`load_config`), and the keys that changed name or
+were removed - the command line's and a file's old keys fail with a message naming
+the new key, or saying what replaced a removed one."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from pipeline.config.redis import MIGRATE_SHARDS
 from pipeline.config.schema import Config, validate
 
 # sections renamed: old -> new (the ``engine`` group of sampling settings became
 # ``sampling``; ``actor.engine`` alone names the engine)
 RENAMED_SECTIONS = {"engine": "sampling"}
 ENGINE_KIND = "engine.kind was replaced by actor.engine"
+# keys removed with what they did: key -> what replaced it and how to move
+REMOVED_KEYS = {"redis.shard_urls": MIGRATE_SHARDS}
 
 
 def register() -> None:
@@ -27,7 +31,10 @@ def register() -> None:
 
 def renamed_key(key: str) -> str | None:
     """What ``key`` (``engine.temperature``; ``engine`` the config group) is called now:
-    a message naming the new key, None for a key that kept its name."""
+    a message naming the new key (or what replaced a removed one: REMOVED_KEYS), None
+    for a key that kept its name."""
+    if key in REMOVED_KEYS:
+        return f"{key} was removed: {REMOVED_KEYS[key]}"
     head, dot, rest = key.partition(".")
     if head not in RENAMED_SECTIONS:
         return None
@@ -80,6 +87,11 @@ def check_experiment_sections(argv: list[str], config_dir: str) -> None:
         cause = e.__cause__ or e.__context__
         key = getattr(cause, "full_key", "") if isinstance(cause, ConfigKeyError) else ""
         head = (key or "").partition(".")[0]
+        if key in REMOVED_KEYS:
+            raise ValueError(
+                f"an experiment file in {' '.join(overrides)} sets {key}, which was removed: "
+                f"{REMOVED_KEYS[key]}; drop it from that file"
+            ) from None
         if head in RENAMED_SECTIONS:
             new = RENAMED_SECTIONS[head]
             raise ValueError(
@@ -90,7 +102,16 @@ def check_experiment_sections(argv: list[str], config_dir: str) -> None:
 
 
 def check_renamed(raw: DictConfig, path: str) -> None:
-    """A config file's keys that changed name: ValueError naming the new ones."""
+    """A config file's keys that changed name or were removed: ValueError naming the new
+    ones. An empty ``redis.shard_urls`` (every config.yaml an older version saved has
+    one) is dropped: it names no shard."""
+    for key, why in REMOVED_KEYS.items():
+        section, _, leaf = key.rpartition(".")
+        if OmegaConf.select(raw, key) is None:
+            continue
+        if OmegaConf.select(raw, key):
+            raise ValueError(f"{path}: {key} is set: {why}")
+        OmegaConf.select(raw, section).pop(leaf)
     if OmegaConf.select(raw, "engine.kind") is not None:
         raise ValueError(
             f"{path}: {ENGINE_KIND}; write actor: {{engine: hf}} (or vllm) and drop engine.kind"

@@ -1,4 +1,5 @@
-"""``redis``: where the run's streams live - one Redis, shards, TLS, Sentinel - and the
+"""``redis``: where the run's streams live - one Redis, Sentinel, a Redis Cluster and its
+partitions, TLS - and the
 checks of those settings. What a process actually connects to (the environment wins
 over these settings) is resolved in pipeline/config/env.py."""
 
@@ -41,12 +42,11 @@ class RedisConfig:
     # acknowledged XADD/XACK/INCRBY survives a SIGKILL; everysec: faster, a hard
     # kill can lose up to the last second of writes (pipeline/redis_server.py)
     embedded_appendfsync: str = "always"
-    # sharded work streams (pipeline/streams/shards.py): rollouts and batches over this many
-    # Redis instances; the embedded launcher starts them all, an external redis.url
-    # needs shards - 1 more URLs in shard_urls (or NONSTOP_REDIS_SHARD_URLS, comma-joined).
-    # redis.mode=cluster: this many partitions (hash-tagged key sets) on the one cluster
+    # redis.mode=cluster: the work streams (rollouts, batches) in this many partitions
+    # (hash-tagged key sets, pipeline/streams/shards.py) on the one cluster (redis=cluster
+    # sets 3); 1 in single and sentinel mode (independent-instance shards were replaced by
+    # Redis Cluster: validate_shards says how to move)
     shards: int = 1
-    shard_urls: list[str] = field(default_factory=list)
     tls: TLSConfig = field(default_factory=TLSConfig)
     # single: one primary (redis://, or the embedded redis-server); sentinel: a primary
     # with replicas found through Redis Sentinel (redis.url=redis+sentinel://..., or
@@ -70,7 +70,7 @@ REDIS_MODES = ("single", "sentinel", "cluster")
 
 
 def validate_redis(cfg: Any) -> None:
-    """The ``redis`` section: the embedded server's fsync, shards, TLS and mode."""
+    """The ``redis`` section: the embedded server's fsync, partitions, TLS and mode."""
     check_choice(cfg, "redis.embedded_appendfsync", ("always", "everysec"))
     validate_shards(cfg)
     validate_tls(cfg)
@@ -104,8 +104,8 @@ def validate_mode(cfg: Any) -> None:
         )
     if mode == "sentinel" and _get(cfg, "redis.shards") != 1:
         raise ValueError(
-            "redis.shards > 1 is not supported with redis.mode=sentinel (each shard would "
-            "need its own sentinels): use redis.shards=1"
+            "redis.shards > 1 is not supported with redis.mode=sentinel (it is the partition "
+            "count of a Redis Cluster): use redis.shards=1, or redis=cluster"
         )
     service = _get(cfg, "redis.sentinel_service")
     if not service or "/" in service or " " in service:
@@ -127,7 +127,7 @@ def validate_mode(cfg: Any) -> None:
 
 def validate_cluster(cfg: Any) -> None:
     """``redis.mode=cluster`` (pipeline/streams/cluster.py): a redis+cluster:// URL or none
-    (redis=cluster), ``redis.shards`` partitions, no shard URLs; WAIT settings."""
+    (redis=cluster), ``redis.shards`` partitions; WAIT settings."""
     url = _get(cfg, "redis.url")
     if _get(cfg, "redis.acl_file") and (_get(cfg, "redis.mode") != "cluster" or url):
         raise ValueError(
@@ -141,11 +141,6 @@ def validate_cluster(cfg: Any) -> None:
         raise ValueError(
             "redis.mode=cluster needs redis.url=redis[s]+cluster://[USER:PASSWORD@]HOST:PORT,"
             "HOST:PORT,.../ (cluster nodes), or no redis.url (redis=cluster starts a local one)"
-        )
-    if _get(cfg, "redis.shard_urls"):
-        raise ValueError(
-            "redis.shard_urls is set with redis.mode=cluster: the cluster holds every "
-            "partition (redis.shards is their count); drop redis.shard_urls"
         )
     acked = _get(cfg, "redis.min_replicas_acked")
     if acked is not None and (not isinstance(acked, int) or acked < 0):
@@ -172,23 +167,21 @@ def min_replicas_acked(cfg: Any) -> int:
     return 1 if _get(cfg, "redis.mode") in ("sentinel", "cluster") else 0
 
 
+MIGRATE_SHARDS = (
+    "independent-instance shards were replaced by Redis Cluster; use redis=cluster (a local "
+    "cluster) or redis.mode=cluster with redis.url=redis+cluster://... (redis.shards stays "
+    "the partition count); see deploy/README.md 'Redis Cluster', migrating from shards"
+)
+
+
 def validate_shards(cfg: Any) -> None:
-    """``redis.shards`` and ``redis.shard_urls`` (pipeline/streams/shards.py)."""
-    n, urls = _get(cfg, "redis.shards"), list(_get(cfg, "redis.shard_urls") or [])
+    """``redis.shards``: the partitions of a Redis Cluster (pipeline/streams/shards.py);
+    more than 1 with redis.mode=single is refused with :data:`MIGRATE_SHARDS`."""
+    n = _get(cfg, "redis.shards")
     if not isinstance(n, int) or n < 1:
-        raise ValueError(f"redis.shards={n!r} must be an integer >= 1 (1: no sharding)")
-    if _get(cfg, "redis.mode") == "cluster":
-        return  # partitions of the one cluster: validate_cluster checks the rest
-    if urls and not _get(cfg, "redis.url"):
-        raise ValueError(
-            "redis.shard_urls is set but redis.url is not: the embedded launcher starts "
-            "its own redis.shards servers; give redis.url too, or leave redis.shard_urls empty"
-        )
-    if urls and len(urls) != n - 1:
-        raise ValueError(
-            f"redis.shard_urls has {len(urls)} URLs but redis.shards={n} needs {n - 1} "
-            "(redis.url is shard 0)"
-        )
+        raise ValueError(f"redis.shards={n!r} must be an integer >= 1 (1: no partitions)")
+    if n > 1 and _get(cfg, "redis.mode") == "single":
+        raise ValueError(f"redis.shards={n} with redis.mode=single: {MIGRATE_SHARDS}")
 
 
 def validate_tls(cfg: Any) -> None:

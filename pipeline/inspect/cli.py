@@ -45,11 +45,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             f"$NONSTOP_REDIS_TLS_{what.upper()} or the config's redis.tls.{what})",
         )
     p.add_argument("--config", help="a config.yaml to take redis.prefix and run.name from")
-    p.add_argument(
-        "--shard-urls",
-        help="redis.shards 1..: comma-joined URLs (default: the run dir's redis/shard_urls, "
-        "the config's redis.shard_urls or $NONSTOP_REDIS_SHARD_URLS)",
-    )
     p.add_argument("--prefix", help="redis.prefix of the run (default: from config, or found)")
     p.add_argument("--run", help="run.name (default: from config, or the only run found)")
     p.add_argument(
@@ -77,7 +72,6 @@ def main(argv: list[str] | None = None) -> int:
         target = resolve(args)
         client = connect(target.url, attempts=3, tls=target.tls)
         target = pick_run(client, target)
-        shards = [(u, connect(u, attempts=3, tls=target.tls)) for u in target.shard_urls]
     except (ValueError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -92,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while True:
             try:
-                parts = cluster_partitions(client, names) if names.cluster else shards
+                parts = cluster_partitions(client, names) if names.cluster else []
                 snap = snapshot(client, names, args.stale_after, parts)
                 rep = replication_snapshot(target.url, client, target.tls)  # sentinel mode
                 snap["replication"] = rep
@@ -113,5 +107,3 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         client.close()
-        for _, shard in shards:
-            shard.close()

@@ -161,15 +161,14 @@ def pool_info(fields: dict[str, str], now: float, stale_after_s: float) -> dict:
     }
 
 
-def shard_snapshot(shards: list[tuple], names: Names, now: float) -> list:
-    """The work streams (rollouts, batches) on each extra shard (redis.shards 1..):
-    ``shards`` holds (url, client), or (where, client, names) for a partition of
-    redis.mode=cluster (its own stream names; ``where``: its slot and node)."""
+def shard_snapshot(shards: list[tuple], now: float) -> list:
+    """The work streams (rollouts, batches) of partitions 1.. of redis.mode=cluster:
+    ``shards`` holds (where, client, names) for each (:func:`cluster_partitions`: its
+    own stream names; ``where``: its slot and node, shown as ``url``)."""
     out = []
-    for k, (url, c, *own) in enumerate(shards, start=1):
-        part = own[0] if own else names
+    for k, (where, c, part) in enumerate(shards, start=1):
         streams = {n: stream_info(c, getattr(part, n), now) for n in SHARDED}
-        out.append({"shard": k, "url": redact(url), "streams": streams})
+        out.append({"shard": k, "url": redact(where), "streams": streams})
     return out
 
 
@@ -193,7 +192,7 @@ def cluster_partitions(client: redis.Redis, names: Names) -> list[tuple]:
 
 
 def work_totals(streams: dict, shards: list) -> dict:
-    """Per work stream, over every shard: length, and per group lag and pending."""
+    """Per work stream, over every partition: length, and per group lag and pending."""
     out = {}
     for name in SHARDED:
         parts = [streams[name]] + [s["streams"][name] for s in shards]
@@ -211,10 +210,11 @@ def snapshot(
     client: redis.Redis,
     names: Names,
     stale_after_s: float = 30.0,
-    shards: list[tuple[str, redis.Redis]] | None = None,
+    shards: list[tuple[str, redis.Redis, Names]] | None = None,
 ) -> dict:
     """Everything the view shows, as plain data (this is what --json prints).
-    ``shards``: (url, client) of redis.shards 1.., whose work streams are added."""
+    ``shards``: (where, client, names) of cluster partitions 1..
+    (:func:`cluster_partitions`), whose work streams are added."""
     now = time.time()
     server = client.info("server")
     memory = client.info("memory")
@@ -235,7 +235,7 @@ def snapshot(
         names.samples_produced,
         names.samples_retired,
     )
-    extra = shard_snapshot(shards or [], names, now)
+    extra = shard_snapshot(shards or [], now)
     dead = streams["dead"]
     recent_dead = [
         {_s(k): _s(v) for k, v in fields.items() if _s(k) != "data"} | {"id": _s(eid)}

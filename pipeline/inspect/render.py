@@ -106,7 +106,7 @@ def render(snap: dict, prev: dict | None = None, url: str = "") -> str:
     """The terminal view of one snapshot (rates need the previous one)."""
     lines = _header(snap, url) + render_replication(snap.get("replication")) + [""]
     streams = dict(snap["streams"])
-    for shard in snap.get("shards") or []:  # redis.shards: each shard's part, labelled
+    for shard in snap.get("shards") or []:  # cluster partitions 1.., labelled
         streams |= {f"{n}@shard{shard['shard']}": s for n, s in shard["streams"].items()}
     lines += _table(
         ["STREAM", "LENGTH", "ADDED", "NEWEST", "GROUP", "LAG", "PENDING", "CONSUMERS"],
@@ -114,13 +114,12 @@ def render(snap: dict, prev: dict | None = None, url: str = "") -> str:
     )
     if snap.get("shards"):
         where = ", ".join(f"shard{s['shard']} {s['url']}" for s in snap["shards"])
-        first = "partition 0" if snap["shards"][0]["url"].startswith("partition") else "shard0"
-        lines.append(f"(the rows without @ are {first}, the primary; {where})")
+        lines.append(f"(the rows without @ are partition 0; {where})")
         for name, t in snap["work_totals"].items():
             groups = ", ".join(
                 f"{g} lag {v['lag']} pending {v['pending']}" for g, v in t["groups"].items()
             )
-            lines.append(f"{name} over {1 + len(snap['shards'])} shards: length {t['length']}"
+            lines.append(f"{name} over {1 + len(snap['shards'])} partitions: length {t['length']}"
                          + (f"; {groups}" if groups else ""))  # fmt: skip
     lines.append("")
     if snap["pools"]:

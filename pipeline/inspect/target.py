@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import redis
 
@@ -17,7 +17,6 @@ class Target:
     url: str
     prefix: str
     run: str
-    shard_urls: list[str] = field(default_factory=list)  # redis.shards 1..
     tls: TLSFiles | None = None  # rediss://: the CA, client certificate and key
 
 
@@ -29,15 +28,12 @@ def _read(path: str) -> str:
         return f.read().strip()
 
 
-def _config_names(path: str) -> tuple[str | None, str | None, list[str]]:
-    """(redis.prefix, run.name, redis.shard_urls when redis.shards > 1) from a saved
-    config.yaml, without the full schema."""
+def _config_names(path: str) -> tuple[str | None, str | None]:
+    """(redis.prefix, run.name) from a saved config.yaml, without the full schema."""
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.load(path)
-    shards = OmegaConf.select(cfg, "redis.shards") or 1
-    urls = list(OmegaConf.select(cfg, "redis.shard_urls") or []) if shards > 1 else []
-    return OmegaConf.select(cfg, "redis.prefix"), OmegaConf.select(cfg, "run.name"), urls
+    return OmegaConf.select(cfg, "redis.prefix"), OmegaConf.select(cfg, "run.name")
 
 
 def discover_runs(client: redis.Redis) -> list[tuple[str, str]]:
@@ -56,7 +52,6 @@ def discover_runs(client: redis.Redis) -> list[tuple[str, str]]:
 def resolve(args: argparse.Namespace) -> Target:
     """The Redis URL, prefix and run name from the arguments (errors say what to pass)."""
     prefix, run, url, tls = args.prefix, args.run, args.url, None
-    shards = [u for u in (args.shard_urls or "").split(",") if u]
     config = args.config
     if args.run_dir:
         rd = args.run_dir
@@ -80,26 +75,21 @@ def resolve(args: argparse.Namespace) -> Target:
             auth = _read(auth_f) if os.path.exists(auth_f) else ""
             scheme = "rediss" if run_tls else "redis"
             url = f"{scheme}://:{auth}@127.0.0.1:{_read(port_f)}/0"
-        shards_f = os.path.join(rd, "redis", "shard_urls")  # embedded shards (launcher)
-        if not shards and os.path.exists(shards_f):
-            shards = [u for u in _read(shards_f).split(",") if u]
         if config is None and os.path.exists(os.path.join(rd, "config.yaml")):
             config = os.path.join(rd, "config.yaml")
     if config:
         if not os.path.exists(config):
             raise ValueError(f"--config {config} does not exist")
-        cfg_prefix, cfg_run, cfg_shards = _config_names(config)
-        prefix, run, shards = prefix or cfg_prefix, run or cfg_run, shards or cfg_shards
+        cfg_prefix, cfg_run = _config_names(config)
+        prefix, run = prefix or cfg_prefix, run or cfg_run
     url = url or os.environ.get("NONSTOP_REDIS_URL")
-    env_shards = os.environ.get("NONSTOP_REDIS_SHARD_URLS", "")
-    shards = shards or [u for u in env_shards.split(",") if u]
     if not url:
         raise ValueError(
             "no Redis to inspect: pass --run-dir DIR, --url redis://... or set NONSTOP_REDIS_URL"
         )
     # rediss://, rediss+sentinel://, rediss+cluster://: the files given, else the run's
     tls = (_tls(args, config) or tls) if is_tls(url) else None
-    return Target(url=url, prefix=prefix or "", run=run or "", shard_urls=shards, tls=tls)
+    return Target(url=url, prefix=prefix or "", run=run or "", tls=tls)
 
 
 RUN_TLS = {"ca": "ca.crt", "cert": "client.crt", "key": "client.key"}  # launcher's names
@@ -134,9 +124,9 @@ def pick_run(client: redis.Redis, target: Target) -> Target:
         if (not target.prefix or p == target.prefix) and (not target.run or r == target.run)
     ]
     if len(runs) == 1:
-        return Target(target.url, *runs[0], target.shard_urls, target.tls)
+        return Target(target.url, *runs[0], target.tls)
     if not runs and target.run:  # no pool has started yet: inspect what is there
         prefix = target.prefix or "nonstop"
-        return Target(target.url, prefix, target.run, target.shard_urls, target.tls)
+        return Target(target.url, prefix, target.run, target.tls)
     listing = ", ".join(f"--prefix {p} --run {r}" for p, r in runs) or "none"
     raise ValueError(f"pass --run (and --prefix) to choose a run; runs with pools here: {listing}")

@@ -15,10 +15,9 @@ Topology (names.py: ``<prefix>:<run>:<name>``)::
     samples_retired (back-pressure), retired_recent, rendezvous, sync_claims, and a
     status hash per pool
 
-With ``redis.shards`` > 1 the work streams (rollouts, batches) are spread over several
-Redis instances (shards.py); everything else lives on the primary, shard 0. With
-``redis.mode=cluster`` they are ``redis.shards`` partitions of one Redis Cluster, each
-under its own hash tag, the control keys under the run's (names.py, cluster.py).
+With ``redis.mode=cluster`` the work streams (rollouts, batches) are ``redis.shards``
+partitions of one Redis Cluster, each under its own hash tag, the control keys under
+the run's (shards.py, names.py, cluster.py).
 
 Layout (module: concern)::
 
@@ -37,11 +36,11 @@ Layout (module: concern)::
     consumer.py    Consumer: consumer groups, pending recovery and claims, dead
                    letters; the run marker (DataLost)
     trimming.py    trimming what every group has acknowledged
-    shards.py      the work streams over several Redis instances or cluster
-                   partitions (Shards, ShardedConsumer)
+    shards.py      the work streams over cluster partitions (Shards,
+                   ShardedConsumer)
 
 Import what a pool needs from here (``from pipeline.streams import Names, connect``);
-the sharding, sentinel, cluster and durable-write machinery from its own module
+the partitioning, sentinel, cluster and durable-write machinery from its own module
 (``pipeline.streams.shards``, ``.sentinel``, ``.cluster``, ``.durable``).
 """
 

@@ -216,10 +216,10 @@ def check_permissions(
     the ACL before the arguments), so a
     user without it stops the pool at start-up with :class:`RedisUnavailable` naming
     the command, the key and deploy/redis/users.acl instead of logging NOPERM later.
-    ``shard``: an extra shard, which holds only the sharded work streams. On a Redis
-    Cluster each probe goes to the node serving its key's slot (named in the line); the
-    runtime probes every partition (``names.part(k)``, ``shard=True``), so every primary
-    holding the run's keys is asked."""
+    ``shard``: a cluster partition after the first (``names.part(k)``), whose only keys
+    are the partitioned work streams. On a Redis Cluster each probe goes to the node
+    serving its key's slot (named in the line); the runtime probes every partition
+    (``shard=True`` for 1..), so every primary holding the run's keys is asked."""
     for command, stream in ROLE_PROBES.get(role, ()):
         if shard and stream.removesuffix("_once") not in SHARDED:
             continue

@@ -28,7 +28,8 @@ def ensure_group(client: redis.Redis, stream: str, group: str, start: str = "0")
 
 
 class Part(NamedTuple):
-    """One shard or cluster partition of the work streams (pipeline/streams/shards.py):
+    """One cluster partition of the work streams, or a run's only part
+    (pipeline/streams/shards.py):
     its index, the client that reaches it and the names of its streams."""
 
     k: int
@@ -86,12 +87,10 @@ class Consumer:
         claim_idle_s: float = 60.0,
         claim_every_s: float = 10.0,
         dead_maxlen: int = 10000,
-        dead_client: redis.Redis | None = None,
         shard: int | None = None,
     ):
         self.client, self.names, self.stream = client, names, stream
-        self.dead_client = dead_client or client  # the primary's dead-letter stream
-        self.shard = shard  # redis.shards > 1: which shard this consumer reads (dead letters)
+        self.shard = shard  # a cluster partition: which one this consumer reads (dead letters)
         self.group, self.consumer, self.cls, self.block_ms = group, consumer, cls, block_ms
         self.claim_idle_ms, self.claim_every_s = int(claim_idle_s * 1000), claim_every_s
         self.dead_maxlen = dead_maxlen
@@ -170,7 +169,7 @@ class Consumer:
         for plain in (b"group", b"batch"):  # readable ids, for a payload that does not decode
             if plain in fields:
                 entry[plain.decode()] = fields[plain]
-        durable.xadd(self.dead_client, self.names.dead, entry, maxlen=self.dead_maxlen)
+        durable.xadd(self.client, self.names.dead, entry, maxlen=self.dead_maxlen)
         self.ack([entry_id])
         self.dead_lettered += 1
 
@@ -178,11 +177,7 @@ class Consumer:
         if ids:  # with WAIT behind it in sentinel mode (durable.py)
             durable.xack(self.client, self.stream, self.group, ids)
 
-    # ---- the position interface ShardedConsumer shares (one shard: plain entry ids)
-    def client_for(self, entry_id: str) -> redis.Redis:
-        """The Redis holding ``entry_id`` (where its follow-up writes go)."""
-        return self.client
-
+    # ---- the position interface ShardedConsumer shares (one part: plain entry ids)
     def part_for(self, entry_id: str) -> Part:
         """The part holding ``entry_id``: this consumer's (where follow-up writes go)."""
         return Part(0, self.client, self.names)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pipeline.streams.durable import once_keys
 
 DATA = b"data"  # the field holding an entry's encoded message
-SHARDED = ("rollouts", "batches")  # the streams on shards 1.. (pipeline/streams/shards.py)
+SHARDED = ("rollouts", "batches")  # the partitioned streams (pipeline/streams/shards.py)
 
 
 class Names:
@@ -47,9 +47,9 @@ class Names:
         return cls(cfg.redis.prefix, cfg.run.name, cluster=mode == "cluster")
 
     def part(self, k: int) -> Names:
-        """The names of partition (shard) ``k``: its work streams (rollouts, batches and
-        their once keys) are ``<prefix>:{<run>.p<k>}:...`` in cluster mode, every other
-        name is the run's; with independent shards every shard uses the same names."""
+        """The names of partition ``k``: its work streams (rollouts, batches and their
+        once keys) are ``<prefix>:{<run>.p<k>}:...`` in cluster mode, every other name is
+        the run's; without cluster mode there is one part, with the run's names."""
         return Names(self.prefix, self.run, self.cluster, k) if self.cluster else self
 
     def stream(self, name: str) -> str:

@@ -1,32 +1,30 @@
-"""Sharded work streams: ``rollouts`` and ``batches`` over several Redis instances.
+"""Partitioned work streams: ``rollouts`` and ``batches`` in ``redis.shards`` partitions
+of one Redis Cluster (redis.mode=cluster).
 
 ::
-
-    redis.shards = N  ->  shard 0: the primary (redis.url): control keys (versions,
-                          counters, status hashes, run marker), weights, joins, dead
-                          letters, and its part of rollouts and batches
-                          shards 1..N-1 (redis.shard_urls / NONSTOP_REDIS_SHARD_URLS):
-                          their part of rollouts and batches, nothing else
 
     redis.mode=cluster, redis.shards = N  ->  N partitions on one Redis Cluster
                           (pipeline/streams/cluster.py): partition k's rollouts and
                           batches are ``<prefix>:{<run>.p<k>}:...`` (their own hash tag,
                           so their slot and node), the control keys ``<prefix>:{<run>}:...``
+                          (versions, counters, status hashes, run marker, weights,
+                          joins, dead letters)
 
-One implementation for both: a shard is a *part*, a (client, Names) pair
-(:class:`Part`). With independent instances every part has its own client and the
-same names (same ACL patterns, same ``redis-cli`` habits on every instance); in
-cluster mode every part shares the one cluster client and has its own names
-(:meth:`pipeline.streams.names.Names.part`). The routing, the ``k@`` ids and the
-positions below do not know which.
+    redis.shards = 1 (single, sentinel or cluster mode)  ->  one part: the run's
+                          names on the one client
 
-Who writes where: an actor sends each group to the next shard in turn (from a
+A partition is a *part*, a (client, Names) pair (:class:`Part`): every part shares the
+one client and has its own names (:meth:`pipeline.streams.names.Names.part`).
+(Independent Redis instances as shards, ``redis.shard_urls``, were replaced by this:
+pipeline/config/redis.py ``validate_shards`` refuses them, naming the move.)
+
+Who writes where: an actor sends each group to the next partition in turn (from a
 start that differs per actor), a preprocessor writes a read's batches to the
-shard the read's rollouts came from, and the trainer reads batches from every
-shard. Entry ids of a sharded consumer carry their shard (``k@ms-seq``); a
-read position (the trainer's checkpoint) is one id per shard, comma-joined.
-With one shard nothing changes: plain :class:`~pipeline.streams.consumer.Consumer`,
-plain ids, one client.
+partition the read's rollouts came from, and the trainer reads batches from every
+partition. Entry ids of a partitioned consumer carry their partition (``k@ms-seq``); a
+read position (the trainer's checkpoint) is one id per partition, comma-joined.
+With one part nothing changes: plain :class:`~pipeline.streams.consumer.Consumer`,
+plain ids.
 """
 
 from __future__ import annotations
@@ -43,49 +41,44 @@ SEP = "@"
 
 
 class Shards:
-    """The run's parts (shards or cluster partitions), the primary's first; ``next()``
-    rotates over them. ``names``: the run's names (each part's are ``names.part(k)``);
-    ``clients``: one per part (the same cluster client for every partition)."""
+    """The run's parts (cluster partitions; one part without partitions) on the one
+    ``client``; ``next()`` rotates over them from ``start``. ``names``: the run's names
+    (each part's are ``names.part(k)``)."""
 
-    def __init__(self, clients: list[redis.Redis], start: int = 0, names: Names | None = None):
-        if not clients:
-            raise ValueError("Shards needs at least the primary Redis client")
-        self.clients = list(clients)
-        self.names = [names.part(k) if names else None for k in range(len(clients))]
+    def __init__(
+        self, client: redis.Redis, names: Names | None = None, parts: int = 1, start: int = 0
+    ):
+        if parts < 1:
+            raise ValueError(f"Shards needs at least one part, got {parts}")
+        self.client = client
+        self.names = [names.part(k) if names else None for k in range(parts)]
         self._turn = start
-
-    @classmethod
-    def of(cls, client: redis.Redis, shards: Any = ()) -> Shards:
-        """``shards`` if it is a :class:`Shards`, else the primary ``client`` and the
-        clients of independent shards 1.. as one."""
-        return shards if isinstance(shards, Shards) else cls([client, *shards])
 
     @classmethod
     def cluster(cls, client: redis.Redis, names: Names, partitions: int, start: int = 0) -> Shards:
         """``partitions`` partitions of one Redis Cluster client (redis.mode=cluster)."""
-        return cls([client] * partitions, start, names)
+        return cls(client, names, partitions, start)
+
+    @classmethod
+    def of(cls, cfg: Any, client: redis.Redis, names: Names, name: str = "") -> Shards:
+        """The run's parts by its config: ``redis.shards`` partitions of the cluster
+        ``client`` in redis.mode=cluster, else the one part; a producer ``name`` starts
+        its rotation at a part of its own (:func:`start_for`)."""
+        n = int(cfg.redis.shards) if cfg.redis.mode == "cluster" else 1
+        return cls(client, names, n, start_for(name, n) if name else 0)
 
     def __len__(self) -> int:
-        return len(self.clients)
+        return len(self.names)
 
     @property
     def primary(self) -> redis.Redis:
-        return self.clients[0]
-
-    @property
-    def instances(self) -> list[redis.Redis]:
-        """The distinct clients (one for a cluster, one per independent shard)."""
-        out: list[redis.Redis] = []
-        for c in self.clients:
-            if not any(c is o for o in out):
-                out.append(c)
-        return out
+        return self.client
 
     def part(self, k: int) -> Part:
         names = self.names[k]
         if names is None:
             raise ValueError("Shards was made without the run's Names: pass names=")
-        return Part(k, self.clients[k], names)
+        return Part(k, self.client, names)
 
     @property
     def parts(self) -> list[Part]:
@@ -93,16 +86,9 @@ class Shards:
 
     def next(self) -> Part:
         """The part for the next entry a producer writes (round robin)."""
-        part = self.part(self._turn % len(self.clients))
+        part = self.part(self._turn % len(self))
         self._turn += 1
         return part
-
-    @classmethod
-    def for_producer(
-        cls, clients: list[redis.Redis], name: str, names: Names | None = None
-    ) -> Shards:
-        """Producers start their rotation at different shards (by name)."""
-        return cls(clients, start=start_for(name, len(clients)), names=names)
 
 
 def start_for(name: str, parts: int) -> int:
@@ -110,18 +96,16 @@ def start_for(name: str, parts: int) -> int:
     return zlib.crc32(name.encode()) % parts
 
 
-def parts_of(client: redis.Redis, names: Names, shards: Any = ()) -> list[Part]:
-    """Every part of a run: ``shards`` a :class:`Shards` (its parts), or the clients of
-    independent shards 1.. beside the primary ``client`` (the same names on each)."""
-    if isinstance(shards, Shards):
-        return shards.parts
-    return [Part(k, c, names) for k, c in enumerate([client, *shards])]
+def parts_of(client: redis.Redis, names: Names, shards: Shards | None = None) -> list[Part]:
+    """Every part of a run: ``shards``'s (cluster partitions), or the one part of
+    ``client`` with the run's ``names`` when None."""
+    return shards.parts if shards is not None else [Part(0, client, names)]
 
 
 def open_consumer(
     shards: Shards, names: Names, stream: str, group: str, consumer: str, cls: type, **kw: Any
 ) -> Consumer | ShardedConsumer:
-    """A Consumer on the primary with one shard, a ShardedConsumer over all with more."""
+    """A Consumer with one part, a ShardedConsumer over every partition with more."""
     if len(shards) == 1:  # partition 0's names (cluster mode) for a work stream
         part = shards.names[0] or names
         if stream in (getattr(names, s) for s in SHARDED):
@@ -139,9 +123,9 @@ def _logical(names: Names, stream: str) -> str:
 
 
 def parse_position(position: str, shards: int) -> list[str]:
-    """Per-shard ids of a read position (one entry id per shard, comma-joined); a plain
-    id (a one-shard run's checkpoint) is shard 0's. A position of another shard count is
-    refused: entries cannot be mapped between shard layouts."""
+    """Per-partition ids of a read position (one entry id per partition, comma-joined); a
+    plain id (a one-part run's checkpoint) is partition 0's. A position of another
+    partition count is refused: entries cannot be mapped between layouts."""
     parts = position.split(",")
     if len(parts) == 1 and SEP not in position:
         return [position] + ["0-0"] * (shards - 1)
@@ -162,11 +146,11 @@ def split_id(entry_id: str) -> tuple[int, str]:
 
 
 class ShardedConsumer:
-    """One :class:`Consumer` per shard (group and consumer name the same on each)
-    behind the Consumer interface. ``read`` returns entries of one shard only: the
-    first, in turn from the shard after the last one read, that has some (one
-    non-blocking pass, then a short block on the next shard), so a preprocessor
-    writes a read's batches to one shard (:meth:`client_for`)."""
+    """One :class:`Consumer` per partition (group and consumer name the same on each)
+    behind the Consumer interface. ``read`` returns entries of one partition only: the
+    first, in turn from the partition after the last one read, that has some (one
+    non-blocking pass, then a short block on the next), so a preprocessor writes a
+    read's batches to one partition (:meth:`part_for`)."""
 
     def __init__(
         self,
@@ -185,7 +169,7 @@ class ShardedConsumer:
         part_names = [n or names for n in shards.names]
         self.parts = [
             Consumer(
-                c,
+                shards.client,
                 part_names[k],
                 getattr(part_names[k], logical),
                 group,
@@ -193,10 +177,9 @@ class ShardedConsumer:
                 cls,
                 block_ms=wait_ms,
                 **kw,
-                dead_client=shards.primary,
                 shard=k,
             )
-            for k, c in enumerate(shards.clients)
+            for k in range(len(shards))
         ]
         self._next = 0
 
@@ -235,16 +218,13 @@ class ShardedConsumer:
         k, plain = split_id(entry_id)
         self.parts[k].dead_letter(plain, fields, reason)
 
-    def client_for(self, entry_id: str) -> redis.Redis:
-        return self.shards.clients[split_id(entry_id)[0]]
-
     def part_for(self, entry_id: str) -> Part:
         """The part holding ``entry_id`` (a preprocessor writes its batches there)."""
         k = split_id(entry_id)[0]
         part = self.parts[k]
         return Part(k, part.client, part.names)
 
-    # ---- positions: one entry id per shard, comma-joined
+    # ---- positions: one entry id per partition, comma-joined
     def parse(self, position: str) -> list[str]:
         return parse_position(position, len(self.parts))
 
