@@ -26,7 +26,7 @@ from pipeline.redis_tls import make_run_certs
 from pipeline.streams import Names, connect
 from pipeline.streams.cluster import parse as parse_cluster
 from pipeline.streams.sentinel import parse as parse_sentinel
-from tests.slurm_builders import sbatch, slurm_env, tail_of, wait_done
+from tests.slurm_builders import _job_state, sbatch, slurm_env, tail_of, wait_done
 from tests.test_deploy import _env_file, _unit, _verify, unit_root  # noqa: F401 - a fixture
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -328,9 +328,18 @@ def _compose(run_dir: Path, *overrides: str) -> None:
     (run_dir / "config.yaml").write_text(out.stdout)
 
 
-def _published(run_dir: Path, out: Path, timeout: float = 180) -> str:
+def _published(env: dict, job: str, run_dir: Path, out: Path, timeout: float = 180) -> str:
+    """The URL the Redis job publishes (failing at once if the job ended first)."""
     url_file = run_dir / "redis" / "url"
-    _wait(url_file.exists, timeout, lambda: tail_of(out))
+
+    def published():
+        if url_file.exists():
+            return True
+        state = _job_state(env, job)[0]
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"job {state}: {tail_of(out)}"
+        return False
+
+    _wait(published, timeout, lambda: tail_of(out))
     assert url_file.stat().st_mode & 0o777 == 0o600
     return url_file.read_text().strip()
 
@@ -362,7 +371,7 @@ def test_slurm_redis_job_in_cluster_mode_fails_over_and_resumes(slurm, tmp_path)
     job = sbatch(env, "redis.sbatch", out, "-N3", "-n6")
     names = Names("nonstop", "slurm", cluster=True)
     try:
-        url = _published(run_dir, out)
+        url = _published(env, job, run_dir, out)
         parsed = parse_cluster(url)
         assert url.startswith("redis+cluster://") and len(parsed.nodes) == 6
         where = _slurm_nodes(run_dir)
@@ -412,7 +421,7 @@ def test_slurm_redis_job_in_cluster_mode_fails_over_and_resumes(slurm, tmp_path)
     out2 = tmp_path / "redis2.out"
     job2 = sbatch(env, "redis.sbatch", out2, "-N3", "-n6")
     try:
-        url2 = _published(run_dir, out2)
+        url2 = _published(env, job2, run_dir, out2)
         assert set(parse_cluster(url2).nodes).isdisjoint(parsed.nodes) or url2 != url
         assert "met again" in out2.read_text()  # resumed from nodes.conf, not created anew
         client = connect(url2, reconnect_s=30)
@@ -444,7 +453,7 @@ def test_slurm_redis_job_in_cluster_mode_over_tls(slurm, tmp_path):
     out = tmp_path / "redis.out"
     job = sbatch(env, "redis.sbatch", out, "-N3", "-n6")
     try:
-        url = _published(run_dir, out)
+        url = _published(env, job, run_dir, out)
         assert url.startswith("rediss+cluster://")
         host, port = parse_cluster(url).nodes[0]
         with pytest.raises(redis.ConnectionError):
@@ -476,7 +485,7 @@ def test_slurm_redis_job_in_sentinel_mode_over_tls(slurm, tmp_path):
     out = tmp_path / "redis.out"
     job = sbatch(env, "redis.sbatch", out, "-N3", "-n3")
     try:
-        url = _published(run_dir, out)
+        url = _published(env, job, run_dir, out)
         assert url.startswith("rediss+sentinel://")
         host, port = parse_sentinel(url).sentinels[0]
         with pytest.raises(redis.ConnectionError):
