@@ -368,7 +368,7 @@ def test_slurm_redis_job_in_cluster_mode_fails_over_and_resumes(slurm, tmp_path)
         slurm, run_dir, tmp_path / "cache", NONSTOP_REDIS_CLUSTER_NODE_TIMEOUT_MS="2000"
     )
     out = tmp_path / "redis.out"
-    job = sbatch(env, "redis.sbatch", out, "-N3", "-n6")
+    job = sbatch(env, "redis.sbatch", out, "-N3", "-n6", "--ntasks-per-node=2")
     names = Names("nonstop", "slurm", cluster=True)
     try:
         url = _published(env, job, run_dir, out)
@@ -419,7 +419,7 @@ def test_slurm_redis_job_in_cluster_mode_fails_over_and_resumes(slurm, tmp_path)
         wait_done(env, job, 90, out)
     assert not (run_dir / "redis" / "url").exists()
     out2 = tmp_path / "redis2.out"
-    job2 = sbatch(env, "redis.sbatch", out2, "-N3", "-n6")
+    job2 = sbatch(env, "redis.sbatch", out2, "-N3", "-n6", "--ntasks-per-node=2")
     try:
         url2 = _published(env, job2, run_dir, out2)
         assert set(parse_cluster(url2).nodes).isdisjoint(parsed.nodes) or url2 != url
@@ -451,7 +451,7 @@ def test_slurm_redis_job_in_cluster_mode_over_tls(slurm, tmp_path):
     }
     env = slurm_env(slurm, run_dir, tmp_path / "cache", **tls_env)
     out = tmp_path / "redis.out"
-    job = sbatch(env, "redis.sbatch", out, "-N3", "-n6")
+    job = sbatch(env, "redis.sbatch", out, "-N3", "-n6", "--ntasks-per-node=2")
     try:
         url = _published(env, job, run_dir, out)
         assert url.startswith("rediss+cluster://")
@@ -500,8 +500,8 @@ def test_slurm_redis_job_in_sentinel_mode_over_tls(slurm, tmp_path):
 
 # run.sbatch's groups: a 6-node Redis Cluster on three nodes, the preprocessor, the
 # trainer, two actors (one node each)
-CLUSTER_GROUPS = ["-N3", "-n6", "-c1", ":", "-N1", "-n1", "-c2", ":", "-N1", "-n1", "-c2", ":"]
-CLUSTER_GROUPS += ["-N1", "-n2", "-c2"]
+CLUSTER_GROUPS = ["-N3", "-n6", "--ntasks-per-node=2", "-c1", ":", "-N1", "-n1", "-c2", ":"]
+CLUSTER_GROUPS += ["-N1", "-n1", "-c2", ":", "-N1", "-n2", "-c2"]
 
 
 @pytest.mark.slow
@@ -519,7 +519,8 @@ def test_slurm_heterogeneous_job_runs_the_whole_pipeline_on_a_cluster(slurm, tmp
     assert (state, code) == ("COMPLETED", "0:0"), tail_of(log, 80)
     text = log.read_text()
     assert "redis cluster of 6 nodes" in text and "run summary" in text
-    assert len(set(re.findall(r"redis cluster node \d on node (\w+)", text))) == 3, text
+    where = re.findall(r"redis cluster node \d on node (\w+)", text)
+    assert sorted(where) == ["n1", "n1", "n2", "n2", "n3", "n3"], text  # two per node
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["outcome"] == "finished" and summary["trainer_steps"] == 4
     acc = summary["accounting"]

@@ -220,8 +220,9 @@ nonstop_start_redis_cluster() {
   REDIS_PID=$!
   for k in $(seq 0 $((nodes - 1))); do
     nonstop_wait_file "$NONSTOP_RUN_DIR/redis/node.$k" "redis cluster node $k did not start" \
-      "(redis.mode=cluster runs $nodes nodes, one per task: give the Redis group $nodes tasks" \
-      "over several nodes, e.g. sbatch -N3 -n$nodes ...; see $NONSTOP_RUN_DIR/redis/node-*.log)" || return 1
+      "(redis.mode=cluster runs $nodes nodes, one per task: give the Redis group $nodes" \
+      "tasks over several nodes, e.g. sbatch -N3 -n6 --ntasks-per-node=2 ...;" \
+      "see $NONSTOP_RUN_DIR/redis/node-*.log)" || return 1
     read -r addr where <"$NONSTOP_RUN_DIR/redis/node.$k"  # HOST:PORT SLURM-NODE
     hosts="$hosts${hosts:+,}$addr"
     specs+=("$addr=$where")
