@@ -108,6 +108,11 @@ nonstop_start_redis() {
     sentinel) nonstop_start_redis_ha "$@"; return ;;
     cluster) nonstop_start_redis_cluster "$@"; return ;;
   esac
+  if [ "$(nonstop_cfg redis.shards)" != 1 ]; then
+    echo "redis.shards=$(nonstop_cfg redis.shards) needs redis.mode=cluster (compose with redis=cluster):" \
+      "the Slurm scripts start no independent shard instances" >&2
+    return 2
+  fi
   srun "$@" --ntasks=1 "$NONSTOP_DEPLOY/slurm/redis-single.sh" &
   REDIS_PID=$!
   nonstop_wait_file "$NONSTOP_RUN_DIR/redis/url.0" "redis-server did not start" \
