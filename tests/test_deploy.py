@@ -344,9 +344,9 @@ def test_the_units_commands_run_a_whole_pipeline(tmp_path, fake_venv):
 # ------------------------------------------------------------------ Slurm (slow)
 
 
-# run.sbatch's four groups resized on the command line: Redis on two nodes (one
-# instance each), the preprocessor, the trainer's two ranks on two nodes, two actors
-HET_GROUPS = ["-N2", "-n2", "-c1", ":", "-N1", "-n1", "-c2", ":", "-N2", "-n2", "-c2", ":"]
+# run.sbatch's four groups resized on the command line: Redis, the preprocessor, the
+# trainer's two ranks on two nodes, two actors (a Redis Cluster: tests/test_deploy_cluster.py)
+HET_GROUPS = ["-N1", "-n1", "-c1", ":", "-N1", "-n1", "-c2", ":", "-N2", "-n2", "-c2", ":"]
 HET_GROUPS += ["-N1", "-n2", "-c2"]
 
 
@@ -360,10 +360,10 @@ def _nodes(spec: str) -> set[str]:
 
 @pytest.mark.slow
 def test_slurm_heterogeneous_job_runs_the_whole_pipeline(slurm, tmp_path):
-    """Every component on its own nodes: two Redis instances (redis.shards=2) and two
-    trainer ranks (trainer.world_size=2) on two nodes each."""
+    """Every component on its own nodes: one Redis, two trainer ranks
+    (trainer.world_size=2) on two nodes."""
     run_dir = tmp_path / "run"
-    compose = "+exp=tiny trainer.max_steps=6 redis.shards=2 trainer.world_size=2"
+    compose = "+exp=tiny trainer.max_steps=6 trainer.world_size=2"
     env = slurm_env(slurm, run_dir, tmp_path / "cache", NONSTOP_COMPOSE=compose)
     log = tmp_path / "run.out"
     job = sbatch(env, "run.sbatch", log, *HET_GROUPS)
@@ -373,21 +373,18 @@ def test_slurm_heterogeneous_job_runs_the_whole_pipeline(slurm, tmp_path):
     assert "redis-server on" in text and "run summary" in text
     groups = dict(re.findall(r"(\w+)=(\S+)", re.search(r"nodes: (.*)", text).group(1)))
     nodes = {name: _nodes(spec) for name, spec in groups.items()}
-    assert len(nodes["redis"]) == len(nodes["trainer"]) == 2, nodes
-    assert len(set().union(*nodes.values())) == 6, nodes  # no two groups share a node
+    assert len(nodes["redis"]) == 1 and len(nodes["trainer"]) == 2, nodes
+    assert len(set().union(*nodes.values())) == 5, nodes  # no two groups share a node
     assert "trainer: 2 nodes x 1 ranks, rendezvous" in text
     trainer_nodes = set(re.findall(r"trainer node \d on (\w+)", text))
     assert trainer_nodes == nodes["trainer"], text
-    shard_nodes = dict(re.findall(r"redis shard (\d) on node (\w+)", text))
-    assert set(shard_nodes) == {"0", "1"} and len(set(shard_nodes.values())) == 2, text
-    assert set(shard_nodes.values()) == nodes["redis"]
+    assert set(re.findall(r"redis-server on node (\w+)", text)) == nodes["redis"], text
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["outcome"] == "finished" and summary["trainer_steps"] == 6
     acc = summary["accounting"]
     assert acc["groups_lost"] == 0 and acc["groups_duplicated"] == 0, acc
-    for k, aof in enumerate(("redis", "redis-shard1")):  # both instances carried rollouts
-        data = b"".join(p.read_bytes() for p in (run_dir / aof / "appendonlydir").iterdir())
-        assert b"tiny:rollouts" in data, f"shard {k} never held a rollout"
+    data = b"".join(p.read_bytes() for p in (run_dir / "redis" / "appendonlydir").iterdir())
+    assert b"tiny:rollouts" in data  # the AOF in the run directory
     assert set(summary["weight_updates_applied"]) == {"actor-0", "actor-1"}
     assert min(summary["weight_updates_applied"].values()) >= 1
     states = {name: p["state"] for name, p in summary["pools"].items()}
@@ -400,8 +397,7 @@ def test_slurm_heterogeneous_job_runs_the_whole_pipeline(slurm, tmp_path):
     }
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-000006"
     assert not (run_dir / "redis" / "url").exists()  # Redis stopped with the job
-    for aof in ("redis", "redis-shard1"):  # both stopped cleanly (SIGTERM, AOF written)
-        assert "ready to exit" in (run_dir / aof / "redis.log").read_text()
+    assert "ready to exit" in (run_dir / "redis" / "redis.log").read_text()  # SIGTERM: clean
 
 
 @pytest.mark.slow

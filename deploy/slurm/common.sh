@@ -8,8 +8,6 @@
 #                        from the repository root)
 #   NONSTOP_REDIS_URL    the run's Redis; default: read from $NONSTOP_RUN_DIR/redis/url,
 #                        which the Redis job (redis.sbatch, run.sbatch) writes
-#   NONSTOP_REDIS_SHARD_URLS  redis.shards > 1: shards 1.. (comma-joined); default: read
-#                        from $NONSTOP_RUN_DIR/redis/shard_urls
 # Each job exports them, so every srun step inherits them.
 
 nonstop_init() {
@@ -48,7 +46,26 @@ nonstop_free_port() {
   "$NONSTOP_PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
 }
 
-nonstop_cfg() {  # one key of the run's config, e.g. nonstop_cfg redis.shards
+nonstop_cluster_port() {  # a free port P whose cluster bus port P + 10000 is free too
+  "$NONSTOP_PYTHON" -c 'import socket, sys
+for _ in range(200):
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+        if port > 55535:
+            continue
+        try:
+            with socket.socket() as bus:
+                bus.bind(("", port + 10000))
+        except OSError:
+            continue
+    print(port)
+    break
+else:
+    sys.exit("no free port pair (P, P + 10000) for a redis cluster node")'
+}
+
+nonstop_cfg() {  # one key of the run's config, e.g. nonstop_cfg redis.mode
   "$NONSTOP_PYTHON" -c 'import os, sys
 from omegaconf import OmegaConf
 from pipeline.config import load_config
@@ -72,61 +89,65 @@ nonstop_wait_file() {
   done
 }
 
-# Start the run's redis.shards redis-servers as one srun step in the background (srun
-# options in "$@", e.g. --het-group=0; its tasks are spread over the step's nodes, one
-# redis-server each: deploy/slurm/redis-shard.sh, AOF in $NONSTOP_RUN_DIR/redis and
-# redis-shardK), wait until each answers, then export NONSTOP_REDIS_URL (shard 0, the
-# primary) and NONSTOP_REDIS_SHARD_URLS (shards 1.., comma-joined) and publish them in
-# $NONSTOP_RUN_DIR/redis/url and redis/shard_urls (mode 0600; url last: it signals the
-# per-pool jobs). Sets REDIS_PID (the srun).
-# redis.mode=sentinel: nonstop_start_redis_ha instead.
+# Start the run's Redis as one srun step in the background (srun options in "$@", e.g.
+# --het-group=0), by redis.mode: single (deploy/slurm/redis-single.sh: one redis-server,
+# AOF in $NONSTOP_RUN_DIR/redis), sentinel (nonstop_start_redis_ha) or cluster
+# (nonstop_start_redis_cluster). Waits until it answers, then exports NONSTOP_REDIS_URL
+# (a fresh password) and publishes it in $NONSTOP_RUN_DIR/redis/url (mode 0600, written
+# last: it signals the per-pool jobs), with the run's secret in redis/secret. Sets
+# REDIS_PID (the srun).
 nonstop_start_redis() {
-  local shards k shard_urls=""
+  local mode
   NONSTOP_WAITED=0
-  shards=$(nonstop_cfg redis.shards)
+  mode=$(nonstop_cfg redis.mode)
   mkdir -p "$NONSTOP_RUN_DIR/redis"
-  rm -f "$NONSTOP_RUN_DIR"/redis/url "$NONSTOP_RUN_DIR"/redis/url.* "$NONSTOP_RUN_DIR/redis/shard_urls"
+  rm -f "$NONSTOP_RUN_DIR"/redis/url "$NONSTOP_RUN_DIR"/redis/url.*
   NONSTOP_REDIS_PASSWORD=$("$NONSTOP_PYTHON" -c 'import secrets; print(secrets.token_hex(24))')
   export NONSTOP_REDIS_PASSWORD
-  if [ "$(nonstop_cfg redis.mode)" = sentinel ]; then
-    nonstop_start_redis_ha "$@"
-    return
+  case $mode in
+    sentinel) nonstop_start_redis_ha "$@"; return ;;
+    cluster) nonstop_start_redis_cluster "$@"; return ;;
+  esac
+  if [ "$(nonstop_cfg redis.shards)" != 1 ]; then
+    echo "redis.shards=$(nonstop_cfg redis.shards) needs redis.mode=cluster (compose with redis=cluster):" \
+      "the Slurm scripts start no independent shard instances" >&2
+    return 2
   fi
-  srun "$@" --ntasks="$shards" --distribution=cyclic "$NONSTOP_DEPLOY/slurm/redis-shard.sh" &
+  srun "$@" --ntasks=1 "$NONSTOP_DEPLOY/slurm/redis-single.sh" &
   REDIS_PID=$!
-  for k in $(seq 0 $((shards - 1))); do
-    nonstop_wait_file "$NONSTOP_RUN_DIR/redis/url.$k" "redis shard $k did not start" \
-      "(redis.shards=$shards needs $shards tasks in the Redis group: sbatch -n$shards ...;" \
-      "see $NONSTOP_RUN_DIR/redis*/redis.log)" || return 1
-    [ "$k" -eq 0 ] || shard_urls="$shard_urls${shard_urls:+,}$(cat "$NONSTOP_RUN_DIR/redis/url.$k")"
-  done
+  nonstop_wait_file "$NONSTOP_RUN_DIR/redis/url.0" "redis-server did not start" \
+    "(see $NONSTOP_RUN_DIR/redis/redis.log)" || return 1
   NONSTOP_REDIS_URL=$(cat "$NONSTOP_RUN_DIR/redis/url.0")
-  NONSTOP_REDIS_SHARD_URLS=$shard_urls
-  export NONSTOP_REDIS_URL NONSTOP_REDIS_SHARD_URLS
-  # no stale trainer address from a previous job
+  export NONSTOP_REDIS_URL
+  nonstop_publish_redis || return 1
+  echo "redis-server on ${NONSTOP_REDIS_URL##*@} (URL in $NONSTOP_RUN_DIR/redis/url)"
+}
+
+# Delete a previous trainer's address (stale now), write the run's secret (it signs
+# weight-transfer joins) and then NONSTOP_REDIS_URL to $NONSTOP_RUN_DIR/redis/url
+# (0600, last: it signals the per-pool jobs); stops the Redis step on failure.
+nonstop_publish_redis() {
   "$NONSTOP_PYTHON" - <<'PY' || { kill "$REDIS_PID" 2>/dev/null; return 1; }
 import os
 from pipeline.config import load_config
 from pipeline.streams import Names, connect
-from pipeline.streams.sentinel import failover_gap, parse
 cfg = load_config(os.environ["NONSTOP_CONFIG"])
-names = Names(cfg.redis.prefix, os.environ.get("NONSTOP_RUN") or cfg.run.name)
-connect(os.environ["NONSTOP_REDIS_URL"]).delete(names.key("rendezvous"))
+run = os.environ.get("NONSTOP_RUN") or cfg.run.name
+names = Names(cfg.redis.prefix, run, cluster=cfg.redis.mode == "cluster")
+connect(os.environ["NONSTOP_REDIS_URL"], startup_s=30).delete(names.key("rendezvous"))
 PY
-  # the run's secret signs weight-transfer joins; written before the URL, which signals
   export NONSTOP_RUN_SECRET=${NONSTOP_RUN_SECRET:-$("$NONSTOP_PYTHON" -c 'import secrets; print(secrets.token_hex(16))')}
   (umask 077 && echo "$NONSTOP_RUN_SECRET" >"$NONSTOP_RUN_DIR/redis/secret")
-  (umask 077 && echo "$NONSTOP_REDIS_SHARD_URLS" >"$NONSTOP_RUN_DIR/redis/shard_urls")
   (umask 077 && echo "$NONSTOP_REDIS_URL" >"$NONSTOP_RUN_DIR/redis/url.tmp")
   mv "$NONSTOP_RUN_DIR/redis/url.tmp" "$NONSTOP_RUN_DIR/redis/url"
-  echo "redis-server on ${NONSTOP_REDIS_URL##*@} ($shards instance(s); URLs in $NONSTOP_RUN_DIR/redis)"
 }
 
 # redis.mode=sentinel: a primary, NONSTOP_REDIS_REPLICAS (1) replicas and a sentinel per
 # task (at least 3 tasks) as one srun step (deploy/slurm/redis-ha.sh; srun options in
 # "$@"); waits until the sentinels name the primary, a replica is in sync and every
 # sentinel knows the replicas and the other sentinels (could fail over now), then
-# exports and publishes the redis+sentinel:// URL as nonstop_start_redis does.
+# exports and publishes the redis+sentinel:// URL as nonstop_start_redis does (with
+# NONSTOP_REDIS_TLS_SERVER_CERT set: every node and sentinel on TLS only, rediss+sentinel://).
 nonstop_start_redis_ha() {
   local replicas=${NONSTOP_REDIS_REPLICAS:-1} tasks k hosts=""
   NONSTOP_WAITED=0
@@ -143,16 +164,16 @@ nonstop_start_redis_ha() {
       "sbatch -N$tasks -n$tasks ...; see $NONSTOP_RUN_DIR/redis/*.log)" || return 1
     hosts="$hosts${hosts:+,}$(cat "$NONSTOP_RUN_DIR/redis/sentinel.$k")"
   done
-  NONSTOP_REDIS_URL="redis+sentinel://:$NONSTOP_REDIS_PASSWORD@$hosts/$NONSTOP_REDIS_SERVICE/0"
-  NONSTOP_REDIS_SHARD_URLS=
-  export NONSTOP_REDIS_URL NONSTOP_REDIS_SHARD_URLS
+  scheme=redis+sentinel
+  [ -z "${NONSTOP_REDIS_TLS_SERVER_CERT:-}" ] || scheme=rediss+sentinel
+  NONSTOP_REDIS_URL="$scheme://:$NONSTOP_REDIS_PASSWORD@$hosts/$NONSTOP_REDIS_SERVICE/0"
+  export NONSTOP_REDIS_URL
   # the sentinels name a primary that answers, with a replica in sync (bounded)
   "$NONSTOP_PYTHON" - <<'PY' || { kill "$REDIS_PID" 2>/dev/null; return 1; }
 import os, sys, time
-from pipeline.config import load_config
-from pipeline.streams import Names, connect
+from pipeline.config.env import tls_files
+from pipeline.streams import connect
 from pipeline.streams.sentinel import failover_gap, parse
-cfg = load_config(os.environ["NONSTOP_CONFIG"])
 client = connect(os.environ["NONSTOP_REDIS_URL"], startup_s=60)
 deadline = time.monotonic() + float(os.environ.get("NONSTOP_REDIS_WAIT_S", 120))
 while int(client.info("replication").get("min_slaves_good_slaves", 0)) < 1:
@@ -162,19 +183,65 @@ while int(client.info("replication").get("min_slaves_good_slaves", 0)) < 1:
 # every sentinel knows the replicas and the other sentinels: one that learns of a replica
 # only at the primary's next INFO (10 s) could not fail a primary lost before then over
 replicas, url = int(os.environ["NONSTOP_REDIS_REPLICAS"]), parse(os.environ["NONSTOP_REDIS_URL"])
+if url.tls:
+    url.files = tls_files()  # NONSTOP_REDIS_TLS_CA, _CERT, _KEY
 while (gap := failover_gap(url, replicas)) is not None:
     if time.monotonic() > deadline:
         sys.exit(f"the sentinels could not fail over yet: {gap}; see $NONSTOP_RUN_DIR/redis/sentinel-*.log")
     time.sleep(0.5)
-names = Names(cfg.redis.prefix, os.environ.get("NONSTOP_RUN") or cfg.run.name)
-client.delete(names.key("rendezvous"))  # no stale trainer address from a previous job
 PY
-  export NONSTOP_RUN_SECRET=${NONSTOP_RUN_SECRET:-$("$NONSTOP_PYTHON" -c 'import secrets; print(secrets.token_hex(16))')}
-  (umask 077 && echo "$NONSTOP_RUN_SECRET" >"$NONSTOP_RUN_DIR/redis/secret")
-  (umask 077 && echo "" >"$NONSTOP_RUN_DIR/redis/shard_urls")
-  (umask 077 && echo "$NONSTOP_REDIS_URL" >"$NONSTOP_RUN_DIR/redis/url.tmp")
-  mv "$NONSTOP_RUN_DIR/redis/url.tmp" "$NONSTOP_RUN_DIR/redis/url"
+  nonstop_publish_redis || return 1
   echo "redis primary + $replicas replica(s), $tasks sentinels ${hosts} (service $NONSTOP_REDIS_SERVICE)"
+}
+
+# redis.mode=cluster: a Redis Cluster of NONSTOP_REDIS_CLUSTER_NODES (6) nodes, one per
+# task of one srun step (deploy/slurm/redis-cluster.sh; srun options in "$@"; tasks spread
+# over the step's nodes, --distribution=cyclic), NONSTOP_REDIS_CLUSTER_REPLICAS (1) replicas
+# per primary, so nodes / (1 + replicas) >= 3 primaries. Once every node answers: nodes
+# that are all new are joined (redis-cli --cluster create of the primaries, chosen one per
+# Slurm node in turn, then each replica told to replicate a primary on another Slurm node
+# where there is one); nodes that resume from their nodes.conf (a resubmitted job, new
+# ports or hosts) meet each other again at their new addresses (CLUSTER MEET), a node that
+# lost its data directory joins as the replica of a primary short of one and the others
+# forget its old id. Waits (NONSTOP_REDIS_WAIT_S) until every node says cluster_state:ok
+# with all slots served, knows every node, every primary has its replicas and every
+# replica is in sync, then exports and publishes the redis+cluster:// URL (every node) as
+# nonstop_start_redis does; rediss+cluster:// with NONSTOP_REDIS_TLS_SERVER_CERT.
+nonstop_start_redis_cluster() {
+  local nodes=${NONSTOP_REDIS_CLUSTER_NODES:-6} replicas=${NONSTOP_REDIS_CLUSTER_REPLICAS:-1}
+  local k addr where hosts="" scheme=redis+cluster specs=()
+  NONSTOP_WAITED=0
+  case $nodes$replicas in
+    *[!0-9]*) echo "NONSTOP_REDIS_CLUSTER_NODES=$nodes / _REPLICAS=$replicas: give whole numbers" >&2; return 2 ;;
+  esac
+  if [ $((nodes / (1 + replicas))) -lt 3 ]; then
+    echo "NONSTOP_REDIS_CLUSTER_NODES=$nodes with NONSTOP_REDIS_CLUSTER_REPLICAS=$replicas leaves" \
+      "$((nodes / (1 + replicas))) primaries; a Redis Cluster needs 3: give at least $((3 * (1 + replicas))) nodes" >&2
+    return 2
+  fi
+  export NONSTOP_REDIS_CLUSTER_NODES=$nodes NONSTOP_REDIS_CLUSTER_REPLICAS=$replicas
+  rm -f "$NONSTOP_RUN_DIR"/redis/node.*
+  srun "$@" --ntasks="$nodes" --distribution=cyclic "$NONSTOP_DEPLOY/slurm/redis-cluster.sh" &
+  REDIS_PID=$!
+  for k in $(seq 0 $((nodes - 1))); do
+    nonstop_wait_file "$NONSTOP_RUN_DIR/redis/node.$k" "redis cluster node $k did not start" \
+      "(redis.mode=cluster runs $nodes nodes, one per task: give the Redis group $nodes" \
+      "tasks over several nodes, e.g. sbatch -N3 -n6 --ntasks-per-node=2 ...;" \
+      "see $NONSTOP_RUN_DIR/redis/node-*.log)" || return 1
+    read -r addr where <"$NONSTOP_RUN_DIR/redis/node.$k"  # HOST:PORT SLURM-NODE
+    hosts="$hosts${hosts:+,}$addr"
+    specs+=("$addr=$where")
+  done
+  [ -z "${NONSTOP_REDIS_TLS_SERVER_CERT:-}" ] || scheme=rediss+cluster
+  NONSTOP_REDIS_URL="$scheme://:$NONSTOP_REDIS_PASSWORD@$hosts/"
+  export NONSTOP_REDIS_URL
+  # join the nodes (or bring a resumed cluster back together) and wait until it is whole
+  "$NONSTOP_PYTHON" "$NONSTOP_DEPLOY/bin/nonstop-cluster-form" "${specs[@]}" || {
+    kill "$REDIS_PID" 2>/dev/null
+    return 1
+  }
+  nonstop_publish_redis || return 1
+  echo "redis cluster of $nodes nodes ($replicas replica(s) per primary): $hosts"
 }
 
 # Stop Redis (the step nonstop_start_redis started; $1: its het component's job id, or
@@ -200,10 +267,7 @@ nonstop_find_redis() {
   done
   NONSTOP_REDIS_URL=${NONSTOP_REDIS_URL:-$(cat "$file")}
   NONSTOP_RUN_SECRET=${NONSTOP_RUN_SECRET:-$(cat "$NONSTOP_RUN_DIR/redis/secret")}
-  if [ -z "${NONSTOP_REDIS_SHARD_URLS:-}" ] && [ -s "$NONSTOP_RUN_DIR/redis/shard_urls" ]; then
-    NONSTOP_REDIS_SHARD_URLS=$(cat "$NONSTOP_RUN_DIR/redis/shard_urls")  # redis.shards > 1
-  fi
-  export NONSTOP_REDIS_URL NONSTOP_RUN_SECRET NONSTOP_REDIS_SHARD_URLS
+  export NONSTOP_REDIS_URL NONSTOP_RUN_SECRET
 }
 
 # Stop the pools started with `srun ... &` (their srun PIDs in $1): SIGTERM to the

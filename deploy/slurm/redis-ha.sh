@@ -14,7 +14,10 @@
 # redis/primary_node, checked every second, so a resubmitted job starts from the newest
 # data. Not only at the stop: Slurm's SIGTERM reaches every process of the step at once,
 # the sentinels included, so at the stop nobody may be left to ask. SIGTERM stops both
-# cleanly.
+# cleanly. With NONSTOP_REDIS_TLS_SERVER_CERT set (and _SERVER_KEY, _CA, and the client's
+# NONSTOP_REDIS_TLS_CERT/_KEY, which the nodes and sentinels present to each other) every
+# node and sentinel is on TLS only (rediss+sentinel://; deploy/README.md "Sentinels and
+# Redis Cluster over TLS").
 set -euo pipefail
 source "$NONSTOP_DEPLOY/slurm/common.sh"
 : "${NONSTOP_REDIS_PASSWORD:?set by nonstop_start_redis (common.sh)}"
@@ -26,7 +29,14 @@ rd=$NONSTOP_RUN_DIR/redis
 primary_node=$(cat "$rd/primary_node" 2>/dev/null || echo 0)
 runtime=$(mktemp -d "${TMPDIR:-/tmp}/nonstop-redis-ha.XXXXXX")
 export REDISCLI_AUTH=$NONSTOP_REDIS_PASSWORD  # redis-cli's password, off the command line
-url="redis+sentinel://:$NONSTOP_REDIS_PASSWORD@$addr:0/$service/0"  # the password for the scripts
+scheme=redis+sentinel cli=(redis-cli)  # TLS when the job has a server certificate
+if [ -n "${NONSTOP_REDIS_TLS_SERVER_CERT:-}" ]; then
+  scheme=rediss+sentinel
+  cli+=(--tls --cacert "${NONSTOP_REDIS_TLS_CA:?TLS: set NONSTOP_REDIS_TLS_CA}")
+  cli+=(--cert "${NONSTOP_REDIS_TLS_CERT:?TLS: set NONSTOP_REDIS_TLS_CERT}")
+  cli+=(--key "${NONSTOP_REDIS_TLS_KEY:?TLS: set NONSTOP_REDIS_TLS_KEY}")
+fi
+url="$scheme://:$NONSTOP_REDIS_PASSWORD@$addr:0/$service/0"  # the password for the scripts
 node_pid= sentinel_pid= stopping=
 stop() {
   stopping=1
@@ -73,7 +83,7 @@ if [ "$k" -le "$replicas" ]; then
     of=$(wait_file "$rd/node.$primary_node")  # set -e: no file, no node (never a primary)
     start_node "$of"
   fi
-  until redis-cli -h "$addr" -p "$node_port" ping 2>/dev/null | grep -q -e PONG -e MASTERDOWN; do
+  until "${cli[@]}" -h "$addr" -p "$node_port" ping 2>/dev/null | grep -q -e PONG -e MASTERDOWN; do
     kill -0 "$node_pid" 2>/dev/null || { echo "redis node $k exited (see $rd/node-$k.log)" >&2; exit 1; }
     sleep 0.2
   done
@@ -93,13 +103,13 @@ echo "redis task $k on node ${SLURMD_NODENAME:-$(hostname)}: sentinel $addr:$sen
   "${node_pid:+, node $addr:$node_port (AOF in $rd/node-$k)}"
 
 named_primary() {  # HOST:PORT the local sentinel names as the primary
-  redis-cli -h "$addr" -p "$sentinel_port" --raw sentinel get-master-addr-by-name "$service" \
+  "${cli[@]}" -h "$addr" -p "$sentinel_port" --raw sentinel get-master-addr-by-name "$service" \
     2>/dev/null | paste -sd: -
 }
 record_primary() {  # this task's node is the primary: its index, for the next job
   local role
   [ -n "$node_pid" ] && [ "$(named_primary)" = "$addr:${node_port:-}" ] || return 0
-  role=$(redis-cli -h "$addr" -p "$node_port" --raw role 2>/dev/null) || return 0
+  role=$("${cli[@]}" -h "$addr" -p "$node_port" --raw role 2>/dev/null) || return 0
   [ "${role%%$'\n'*}" = master ] || return 0
   [ "$(cat "$rd/primary_node" 2>/dev/null)" = "$k" ] || publish "$rd/primary_node" "$k"
 }
@@ -110,7 +120,7 @@ while [ -z "$stopping" ]; do
     echo "redis node $k ($addr:$node_port) died; waiting for the sentinels to name a primary"
     p=
     until [ -n "$stopping" ] || { [ -n "$p" ] && [ "$p" != "$addr:$node_port" ] \
-      && redis-cli -h "${p%:*}" -p "${p##*:}" ping 2>/dev/null | grep -q PONG; }; do
+      && "${cli[@]}" -h "${p%:*}" -p "${p##*:}" ping 2>/dev/null | grep -q PONG; }; do
       sleep 1 & wait $! || true
       p=$(named_primary) || p=
     done
