@@ -535,3 +535,43 @@ def test_slurm_heterogeneous_job_runs_the_whole_pipeline_on_a_cluster(slurm, tmp
     for k in range(3):  # redis=cluster's 3 partitions all carried rollouts
         assert any(f"{{tiny.p{k}}}:rollouts".encode() in a for a in aofs), k
     assert not (run_dir / "redis" / "url").exists()  # Redis stopped with the job
+
+
+# run.sbatch's groups in sentinel mode: a node and a sentinel on each of three nodes, the
+# preprocessor, the trainer, two actors (one node each)
+SENTINEL_GROUPS = ["-N3", "-n3", "-c1", ":", "-N1", "-n1", "-c2", ":"]
+SENTINEL_GROUPS += ["-N1", "-n1", "-c2", ":", "-N1", "-n2", "-c2"]
+
+
+@pytest.mark.slow
+def test_slurm_heterogeneous_job_runs_the_whole_pipeline_in_sentinel_mode(slurm, tmp_path):
+    """The whole tiny pipeline under run.sbatch with redis.mode=sentinel: the primary,
+    the replica and three sentinels on three Slurm nodes (redis-ha.sh), the pools find
+    the primary through the sentinels, their work writes wait for the replica (WAIT 1),
+    and the run finishes with nothing lost or duplicated."""
+    run_dir = tmp_path / "run"
+    env = slurm_env(
+        slurm,
+        run_dir,
+        tmp_path / "cache",
+        NONSTOP_COMPOSE="+exp=tiny redis=ha trainer.max_steps=4",
+    )
+    log = tmp_path / "run.out"
+    job = sbatch(env, "run.sbatch", log, *SENTINEL_GROUPS)
+    state, code = wait_done(env, job, 400, log)
+    assert (state, code) == ("COMPLETED", "0:0"), tail_of(log, 80)
+    text = log.read_text()
+    assert "run summary" in text
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["outcome"] == "finished" and summary["trainer_steps"] == 4
+    acc = summary["accounting"]
+    assert acc["groups_lost"] == 0 and acc["groups_duplicated"] == 0, acc
+    assert min(summary["weight_updates_applied"].values()) >= 1
+    primary = int((run_dir / "redis" / "primary_node").read_text().split()[0])
+    replica = 1 - primary  # nodes 0 and 1 (NONSTOP_REDIS_REPLICAS=1)
+    synced = (run_dir / "redis" / f"node-{replica}.log").read_text()
+    assert "MASTER <-> REPLICA sync: Finished with success" in synced
+    for k in (primary, replica):  # the replica holds the run's rollouts too
+        data = b"".join(p.read_bytes() for p in (run_dir / "redis" / f"node-{k}").rglob("*.*"))
+        assert b"tiny:rollouts" in data, f"node-{k} never held a rollout"
+    assert not (run_dir / "redis" / "url").exists()  # Redis stopped with the job
