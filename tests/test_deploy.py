@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.deploy_builders import LIB, env_file, unit_file, verify_units
 from tests.slurm_builders import sbatch, slurm_env, tail_of, wait_done
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,17 +29,6 @@ INSTANCES = {  # what systemd-analyze verifies: templates as instances
     u: u.replace("@.", "@0.") for u in UNITS
 }
 POOL_UNITS = ("nonstop-trainer.service", "nonstop-preprocessor@.service", "nonstop-actor@.service")
-LIB = "/usr/local/lib/nonstop-rl"  # where the units expect deploy/bin
-
-
-def _unit(name: str) -> dict[str, list[str]]:
-    """key -> values of a unit file (keys may repeat)."""
-    out: dict[str, list[str]] = {}
-    for line in (DEPLOY / "systemd" / name).read_text().splitlines():
-        if "=" in line and not line.lstrip().startswith(("#", ";", "[")):
-            key, value = line.split("=", 1)
-            out.setdefault(key.strip(), []).append(value.strip())
-    return out
 
 
 def _free_port() -> int:
@@ -50,42 +40,13 @@ def _free_port() -> int:
 # ------------------------------------------------------------------ systemd units
 
 
-@pytest.fixture(scope="module")
-def unit_root(tmp_path_factory):
-    """A filesystem root holding systemd's own units, ours, and the executables ours name."""
-    if shutil.which("systemd-analyze") is None:
-        pytest.skip("systemd-analyze is missing: `make setup` installs Debian's systemd package")
-    root = tmp_path_factory.mktemp("root")
-    system = next(p for p in (Path("/usr/lib/systemd/system"), Path("/lib/systemd/system")))
-    shutil.copytree(system, root / "usr/lib/systemd/system", symlinks=True)
-    shutil.copytree(DEPLOY / "systemd", root / "etc/systemd/system", dirs_exist_ok=True)
-    shutil.copytree(DEPLOY / "bin", root / LIB.lstrip("/"))
-    return root
-
-
-def _verify(root: Path, *units: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            "systemd-analyze",
-            "verify",
-            f"--root={root}",
-            "--man=no",
-            "--generators=no",
-            *(str(root / "etc/systemd/system" / u) for u in units),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
 def test_units_pass_systemd_analyze_verify(unit_root):
-    proc = _verify(unit_root, *INSTANCES.values())
+    proc = verify_units(unit_root, *INSTANCES.values())
     assert proc.returncode == 0 and not (proc.stdout + proc.stderr).strip(), proc.stderr
     # the check is real: a unit naming a missing program, or a misspelt key, is reported
     broken = unit_root / "etc/systemd/system/nonstop-broken.service"
     broken.write_text("[Service]\nExecStart=/usr/local/lib/nonstop-rl/nope\nRestart=sometimes\n")
-    proc = _verify(unit_root, "nonstop-broken.service")
+    proc = verify_units(unit_root, "nonstop-broken.service")
     assert proc.returncode != 0 and "nope" in proc.stderr, proc.stderr
     assert "restart spec" in proc.stderr
 
@@ -94,7 +55,7 @@ def test_units_read_one_env_file_restart_and_are_limited():
     for name in UNITS:
         if name.endswith(".target"):
             continue
-        u = _unit(name)
+        u = unit_file(name)
         assert u["EnvironmentFile"] == ["/etc/nonstop-rl/env"], name
         assert u["Restart"] == ["on-failure"], name
         for key in ("MemoryMax", "TasksMax", "LimitNOFILE"):
@@ -102,32 +63,21 @@ def test_units_read_one_env_file_restart_and_are_limited():
         assert u["PartOf"] == ["nonstop-rl.target"] and u["WantedBy"] == ["nonstop-rl.target"]
         assert u["ExecStart"][0].startswith(LIB + "/"), name
     for name in POOL_UNITS:
-        u = _unit(name)
+        u = unit_file(name)
         role = name.removeprefix("nonstop-").split("@")[0].split(".")[0]
         assert u["ExecStart"][0].split()[1] == role
         assert u["SyslogIdentifier"][0].startswith(f"nonstop-{role}")
         assert "nonstop-redis.service" in u["After"][0]
-    assert "CUDA_VISIBLE_DEVICES=%i" in _unit("nonstop-actor@.service")["Environment"]
-    redis_unit = _unit("nonstop-redis.service")
+    assert "CUDA_VISIBLE_DEVICES=%i" in unit_file("nonstop-actor@.service")["Environment"]
+    redis_unit = unit_file("nonstop-redis.service")
     assert redis_unit["ExecStart"] == [f"{LIB}/nonstop-redis-start /etc/nonstop-rl/redis.conf"]
 
 
 # ------------------------------------------------------------------ the start scripts
 
 
-def _env_file(path: Path) -> dict[str, str]:
-    """KEY=value lines as systemd's EnvironmentFile= reads them (comments, quotes)."""
-    env = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            key, value = line.split("=", 1)
-            env[key] = value[1:-1] if value[:1] == value[-1:] == '"' else value
-    return env
-
-
 def test_env_example_names_everything_the_units_need():
-    env = _env_file(DEPLOY / "env.example")
+    env = env_file(DEPLOY / "env.example")
     for key in ("NONSTOP_REDIS_URL", "NONSTOP_RUN", "NONSTOP_CONFIG", "NONSTOP_PYTHON"):
         assert env.get(key), key
     assert re.fullmatch(r"redis://:[^@]+@[\w.-]+:\d+/0", env["NONSTOP_REDIS_URL"])
@@ -265,7 +215,7 @@ def test_redis_start_script_runs_debian_redis_with_the_shipped_config(tmp_path):
 
 def _exec_start(unit: str, instance: str = "0") -> list[str]:
     """A unit's ExecStart with its specifiers filled in and deploy/ paths for installed ones."""
-    line = _unit(unit)["ExecStart"][0]
+    line = unit_file(unit)["ExecStart"][0]
     line = line.replace("%i", instance).replace("%H", socket.gethostname())
     line = line.replace(LIB, str(DEPLOY / "bin"))
     line = line.replace("/etc/nonstop-rl/redis.conf", str(DEPLOY / "redis" / "nonstop-redis.conf"))
@@ -289,7 +239,7 @@ def test_the_units_commands_run_a_whole_pipeline(tmp_path, fake_venv):
     )
     assert compose.returncode == 0, compose.stderr
     (run_dir / "config.yaml").write_text(compose.stdout)
-    env = dict(os.environ) | _env_file(DEPLOY / "env.example")
+    env = dict(os.environ) | env_file(DEPLOY / "env.example")
     env |= {
         "NONSTOP_REDIS_URL": f"redis://:{'ab12' * 8}@127.0.0.1:{_free_port()}/0",
         "NONSTOP_RUN": "deploytest",

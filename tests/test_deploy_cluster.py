@@ -26,8 +26,8 @@ from pipeline.redis_tls import make_run_certs
 from pipeline.streams import Names, connect
 from pipeline.streams.cluster import parse as parse_cluster
 from pipeline.streams.sentinel import parse as parse_sentinel
+from tests.deploy_builders import env_file, unit_file, verify_units
 from tests.slurm_builders import _job_state, sbatch, slurm_env, tail_of, wait_done
-from tests.test_deploy import _env_file, _unit, _verify, unit_root  # noqa: F401 - a fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -84,7 +84,7 @@ def _tags(client, names: Names, k: int) -> list[bytes]:
 def _unit_env(unit: str, instance: str) -> dict[str, str]:
     """The unit's Environment= lines with %i filled in."""
     out = {}
-    for line in _unit(unit).get("Environment", []):
+    for line in unit_file(unit).get("Environment", []):
         key, value = line.replace("%i", instance).split("=", 1)
         out[key] = value
     return out
@@ -93,7 +93,7 @@ def _unit_env(unit: str, instance: str) -> dict[str, str]:
 def _start_node(base: dict, tmp: Path, port: int) -> subprocess.Popen:
     """The unit's ExecStart for instance ``port``, as systemd would run it: its
     Environment=, the env file's variables, STATE_DIRECTORY and RUNTIME_DIRECTORY."""
-    line = _unit(UNIT)["ExecStart"][0].replace("%i", str(port))
+    line = unit_file(UNIT)["ExecStart"][0].replace("%i", str(port))
     argv = line.replace("/usr/local/lib/nonstop-rl", str(DEPLOY / "bin"))
     argv = argv.replace("/etc/nonstop-rl/redis.conf", str(DEPLOY / "redis" / "nonstop-redis.conf"))
     env = base | _unit_env(UNIT, str(port))
@@ -120,7 +120,7 @@ def _ping(port: int, proc: subprocess.Popen, tls_kwargs: dict, tmp: Path) -> Non
 
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 def test_cluster_unit_command_starts_nodes_that_form_a_cluster_and_fail_over(
-    unit_root,  # noqa: F811
+    unit_root,
     tmp_path,
     tls,
 ):
@@ -129,7 +129,7 @@ def test_cluster_unit_command_starts_nodes_that_form_a_cluster_and_fail_over(
     nonstop-cluster-form; a client writes two partitions on two primaries; a SIGKILLed
     primary is failed over, the client writes again, and the node restarted by the same
     command (Restart=on-failure) rejoins as a replica from its nodes.conf."""
-    proc = _verify(unit_root, UNIT.replace("@.", "@7000."))
+    proc = verify_units(unit_root, UNIT.replace("@.", "@7000."))
     assert proc.returncode == 0 and not (proc.stdout + proc.stderr).strip(), proc.stderr
     ports = []
     while len(ports) < 6:
@@ -138,7 +138,7 @@ def test_cluster_unit_command_starts_nodes_that_form_a_cluster_and_fail_over(
             ports.append(p)
     scheme = "rediss+cluster" if tls else "redis+cluster"
     url = f"{scheme}://:{PASSWORD}@" + ",".join(f"127.0.0.1:{p}" for p in ports) + "/"
-    env = dict(os.environ) | _env_file(DEPLOY / "env.example")
+    env = dict(os.environ) | env_file(DEPLOY / "env.example")
     env |= {
         "NONSTOP_REDIS_URL": url,
         "NONSTOP_REDIS_BIND": "127.0.0.1",
