@@ -575,3 +575,82 @@ def test_slurm_heterogeneous_job_runs_the_whole_pipeline_in_sentinel_mode(slurm,
         data = b"".join(p.read_bytes() for p in (run_dir / "redis" / f"node-{k}").rglob("*.*"))
         assert b"tiny:rollouts" in data, f"node-{k} never held a rollout"
     assert not (run_dir / "redis" / "url").exists()  # Redis stopped with the job
+
+
+def test_cluster_unit_command_loads_per_role_acl_users(tmp_path):
+    """NONSTOP_REDIS_ACL_FILE: six nodes started with the unit's command load
+    deploy/redis/users.acl (plus an admin user of the operator's) instead of a default
+    user's password; nonstop-cluster-form joins them as the URL's admin user, the replicas
+    sync as it (masteruser), and each pool's user does its work on the cluster and is
+    refused the rest. A replicated node without a user in the URL: one line, exit 2."""
+    ports = []
+    while len(ports) < 6:
+        p = bus_port()
+        if p not in ports:
+            ports.append(p)
+    nodes = ",".join(f"127.0.0.1:{p}" for p in ports)
+    acl = (DEPLOY / "redis" / "users.acl").read_text()
+    for role in ("actor", "preprocessor", "trainer", "operator", "evaluator"):
+        acl = acl.replace(f"CHANGE-ME-{role}", f"pw-{role}")
+    acl += f"user admin on >{PASSWORD} ~* &* +@all\n"
+    (tmp_path / "users.acl").write_text(acl)
+    env = dict(os.environ) | env_file(DEPLOY / "env.example")
+    env |= {
+        "NONSTOP_REDIS_URL": f"redis+cluster://admin:{PASSWORD}@{nodes}/",
+        "NONSTOP_REDIS_ACL_FILE": str(tmp_path / "users.acl"),
+        "NONSTOP_REDIS_BIND": "127.0.0.1",
+        "NONSTOP_REDIS_ANNOUNCE_IP": "127.0.0.1",
+        "NONSTOP_REDIS_CLUSTER_NODE_TIMEOUT_MS": "2000",
+        "NONSTOP_REDIS_SERVER": shutil.which("redis-server"),
+        "PYTHONPATH": str(ROOT),
+    }
+    no_user = _start_node(env | {"NONSTOP_REDIS_URL": f"redis+cluster://:{PASSWORD}@{nodes}/"},
+                          tmp_path, ports[0])  # fmt: skip
+    assert no_user.wait(30) == 2
+    assert "give NONSTOP_REDIS_URL the user" in (tmp_path / f"node-{ports[0]}.log").read_text()
+    procs = {p: _start_node(env, tmp_path, p) for p in ports}
+    try:
+        for p in ports:
+            admin = redis.Redis(port=p, username="admin", password=PASSWORD, socket_timeout=2)
+            _wait(
+                lambda a=admin: _answers(a),
+                30,
+                lambda p=p: (tmp_path / f"node-{p}.log").read_text(),
+            )
+            with pytest.raises(redis.AuthenticationError):  # the default user is off
+                redis.Redis(port=p, password=PASSWORD, socket_timeout=2).ping()
+        form = subprocess.run(
+            [sys.executable, DEPLOY / "bin" / "nonstop-cluster-form"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert form.returncode == 0, form.stdout + form.stderr  # replicas in sync: masteruser
+        names = Names("nonstop", "acl", cluster=True)
+        actor = connect(f"redis+cluster://actor:pw-actor@{nodes}/", reconnect_s=10)
+        pre = connect(f"redis+cluster://preprocessor:pw-preprocessor@{nodes}/", reconnect_s=10)
+        parts = _two_partitions(actor, names)
+        for k in parts:
+            assert actor.xadd(names.part(k).rollouts, {"f": "v"})
+            assert pre.xadd(names.part(k).batches, {"f": "v"})
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                actor.xadd(names.part(k).batches, {"f": "v"})
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            actor.flushall()
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _answers(client) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
