@@ -1122,6 +1122,10 @@ def ceilings(rows: list[dict]) -> dict:
                 "best_main_idle_min": med("main_idle_min", bests)[0],
                 "main_us_per_sample": med("main_us_per_sample", bests)[0],
                 "redis_us_per_sample": med("redis_us_per_sample", bests)[0],
+                "projection_per_core_samples_s": (
+                    round(1e6 / med("redis_us_per_sample", bests)[0])
+                    if med("redis_us_per_sample", bests)[0] else None
+                ),
                 "redis_cpu": med("redis_cpu", bests)[0],
                 "replica_cpu_share": med("replica_cpu_share", bests)[0],
                 "write_p50_ms": med("write_p50_ms", bests)[0],
@@ -1200,9 +1204,16 @@ def ceiling_notes(args) -> list[str]:
         "replica applies and the sentinels run on the same core as the primary, so the "
         "sentinel and cluster ceilings include the replicas' CPU (replica_cpu_share). A "
         "6-node cluster on one core measures the per-core cost of cluster mode, not its "
-        "scaling: with a core per primary, the cluster's ceiling projects to about "
-        "(primaries) x 1e6 / (redis_us_per_sample x (1 + replica share on own cores)) - "
-        "a projection resting on the measured per-core cost, not a measurement",
+        "scaling with nodes (see projection_per_core_samples_s)",
+        "redis CPU counts every thread of each redis-server (schedstat) and the AOF "
+        "rewrites it forked (appendfsync everysec with the default auto-rewrite: the "
+        "streams trimmed short, the AOF is rewritten every few seconds at these rates), "
+        "counted when each rewrite is reaped: a level's redis_cpu can exceed 1 when a "
+        "rewrite begun before its window ends inside it",
+        "projection_per_core_samples_s = 1e6 / redis_us_per_sample: the samples/s one "
+        "whole core of that mode's Redis work would carry at the cost per sample measured "
+        "at the best levels - a PROJECTION (cluster: x the cores its primaries and "
+        "replicas get, if the partitions spread evenly), not a measurement",
         "main_us_per_sample: the primaries' main-thread time on a CPU per sample; "
         "redis_us_per_sample: all redis-server processes of the mode (every thread, "
         "replicas and sentinels included) per sample; samples = entries x group size",
