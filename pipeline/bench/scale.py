@@ -1226,8 +1226,34 @@ def ceiling_notes(args) -> list[str]:
     ]
 
 
+def own_autogroup(nice: int) -> int | None:
+    """With autogroup scheduling (kernel.sched_autogroup_enabled), a thread's nice
+    only ranks it within its session's group, and every session's group gets an equal
+    share of a core: other sessions' work would take half of the Redis core whatever
+    the redis-servers' nice. So: fork, make the child a session of its own (its group),
+    set that group's nice; the parent waits and returns the child's exit code, the
+    child returns None and goes on with the bench (its redis-servers and load in its
+    group)."""
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            if f.read().strip() != "1":
+                return None
+    except OSError:
+        return None
+    pid = os.fork()
+    if pid:
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    os.setsid()
+    with open("/proc/self/autogroup", "w") as f:
+        f.write(str(nice))
+    return None
+
+
 def ceiling_main(args) -> int:
     from pipeline.bench.common import LoadProbe
+
+    if args.redis_nice and (code := own_autogroup(args.redis_nice)) is not None:
+        return code
 
     modes = args.modes.split(",")
     if not modes or set(modes) - set(MODES):
@@ -1238,7 +1264,7 @@ def ceiling_main(args) -> int:
         pin(os.getpid(), cpus)
     entry = rollout_entry(args)
     probe, rows, topos = LoadProbe(), [], {}
-    with tempfile.TemporaryDirectory(prefix="scale-modes-") as root:
+    with tempfile.TemporaryDirectory(prefix="scale-modes-", dir=args.data_dir or None) as root:
         try:
             for m in modes:
                 topos[m] = Topology(m, args, root)
@@ -1305,6 +1331,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--partitions", type=int, default=3, help="(--load ceiling) cluster's")
     p.add_argument("--keep", type=int, default=1000, help="(--load ceiling) entries kept")
     p.add_argument("--wait-timeout-ms", type=int, default=2000)
+    p.add_argument(
+        "--data-dir",
+        default="",
+        help="(--load ceiling) where the redis-servers' AOFs go (default: the temp dir); "
+        "/dev/shm keeps a shared disk's writeback out of the CPU ceiling",
+    )
     p.add_argument(
         "--load-nice", type=int, default=0, help="(--load ceiling) nice of the load processes"
     )
