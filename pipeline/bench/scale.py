@@ -956,6 +956,15 @@ class Topology:
         self.impl.stop()
 
 
+def _mem_gib() -> float:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def _cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+
+
 def _xadd_source() -> str:
     from pipeline.streams.durable import _XADD_ONCE
 
@@ -1161,8 +1170,10 @@ def ceiling_markdown(payload: dict) -> str:
         f"`{payload['command']}`",
         "",
         f"Machine: {payload['machine']}; {payload['redis_version']}. Redis on core(s) "
-        f"{a['redis_cpus']}, the load (and this controller) on {a['load_cpus']}; "
-        f"appendfsync {a['appendfsync']}; entries {payload['entry_bytes']} bytes (a group of "
+        f"{a['redis_cpus']}, the load (and this controller) on {a['load_cpus']} (nice "
+        f"{a['redis_nice']} / {a['load_nice']}, the bench's own autogroup at "
+        f"{a['redis_nice']}); appendfsync {a['appendfsync']}, data in "
+        f"{a['data_dir'] or 'the temp dir'}; entries {payload['entry_bytes']} bytes (a group of "
         f"{a['group_size']} x ~{a['completion_tokens']} completion tokens after "
         f"{a['prompt_tokens']} prompt tokens); {a['rounds']} rounds, modes interleaved in "
         f"each; levels {a['levels']}; {a['warmup_s']} s warm-up + {a['level_s']} s window "
@@ -1220,6 +1231,10 @@ def ceiling_notes(args) -> list[str]:
         "write_p50/p99_ms: a write (and its WAIT) from send to the last reply, with "
         "CONNxDEPTH writes in flight: queueing at the ceiling included, not an idle "
         "round trip (wait_cost.py measures that)",
+        "--data-dir /dev/shm (tmpfs): the AOF's writes and rewrites cost Redis its CPU "
+        "but no disk I/O, so the figure is the CPU ceiling; on a disk (a shared one "
+        "here), writeback stalls made levels 2x slower at random; with appendfsync "
+        "always the fsync per event-loop pass would come on top",
         "core_others: CPU others used on the Redis core (its busy time less the mode's "
         "redis-servers); other helpers share this machine and pinning cannot keep them "
         "off it. load_avg_1m: the machine's 1-minute load average at the level's start",
@@ -1283,7 +1298,7 @@ def ceiling_main(args) -> int:
         "bench": "scale",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "python -m pipeline.bench scale " + " ".join(args.argv),
-        "machine": f"{device_name()}, {os.cpu_count()} cores",
+        "machine": f"{device_name()}, {_cpu_model()}, {_mem_gib():.0f} GiB",
         "redis_version": subprocess.run(
             ["redis-server", "--version"], capture_output=True, text=True
         ).stdout.strip(),
