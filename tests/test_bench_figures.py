@@ -100,7 +100,8 @@ def _ceiling_row(mode, rnd, entries, idle, us):
             "mb_s": entries * 0.035, "main_idle_min": idle, "saturated": idle < 0.05,
             "main_us_per_sample": us / 2, "redis_us_per_sample": us, "redis_cpu": 0.9,
             "replica_cpu_share": 0.0 if mode == "single" else 0.4, "write_p50_ms": 1.0,
-            "write_p99_ms": 5.0}  # fmt: skip
+            "write_p99_ms": 5.0, "wait_p50_ms": None if mode == "single" else 0.5,
+            "wait_p99_ms": None if mode == "single" else 2.0}  # fmt: skip
 
 
 def test_mode_ceilings_and_ratios_come_from_saturated_levels_per_round():
@@ -121,6 +122,7 @@ def test_mode_ceilings_and_ratios_come_from_saturated_levels_per_round():
     assert per["sentinel"]["saturated_rounds"] == "2/3"  # round 2 never saturated
     assert per["sentinel"]["ceiling_entries_s"] == 3500  # median of 4000 and 3000
     assert per["sentinel"]["best_entries_s"] == 3500  # 4000, 3500 (unsaturated), 2000
+    assert per["single"]["wait_p50_ms"] is None and per["sentinel"]["wait_p99_ms"] == 2.0
     ratio = {(r["ratio"], r["of"]): r for r in out["ratios"]}
     c = ratio["sentinel/single", "ceiling"]
     assert c["per_round"] == [0.5, 0.3, None]
@@ -150,6 +152,7 @@ def test_scale_ceiling_run_on_real_servers(tmp_path):
         assert r["main_idle_min"] > 0.5 and r["saturated"] is False, mode
         assert r["write_p50_ms"] is not None and r["load_avg_1m"] >= 0
     assert rows["single"]["replica_cpu"] == 0 and rows["single"]["waits_s"] == 0
+    assert rows["single"]["wait_p50_ms"] is None and rows["sentinel"]["wait_p99_ms"] >= 0
     for mode in ("sentinel", "cluster"):  # the durable path: a WAIT behind every write
         assert rows[mode]["waits_s"] == pytest.approx(rows[mode]["entries_s"], rel=0.15), mode
     assert rows["sentinel"]["replica_cpu"] > 0 and rows["cluster"]["replica_cpu"] > 0

@@ -659,8 +659,8 @@ MODES = ("single", "sentinel", "cluster")
 RUN = "scale"  # the run name in the keys: {scale.p0..2} fall on the 3 primaries' slot ranges
 CEILING_COLUMNS = [
     "round", "mode", "level", "entries_s", "samples_s", "mb_s", "write_p50_ms",
-    "write_p99_ms", "main_idle_min", "saturated", "main_us_per_sample",
-    "redis_us_per_sample", "redis_cpu", "replica_cpu_share", "core_others",
+    "write_p99_ms", "wait_p50_ms", "wait_p99_ms", "main_idle_min", "saturated",
+    "main_us_per_sample", "redis_us_per_sample", "redis_cpu", "replica_cpu_share", "core_others",
     "writers_cpu", "load_avg_1m",
 ]  # fmt: skip
 INCOMPLETE = object()
@@ -807,7 +807,7 @@ def writer(targets, depth: int, rate: float | None, tag: str, t_start: float, t_
         state = {"sock": sock, "w": w, "buf": b"", "flight": deque(), "part": [], "k": k}
         conns.append(state)
         sel.register(sock, selectors.EVENT_READ, state)
-    done, lat, errors, first, short, seq = [], [], 0, None, 0, 0
+    done, lat, waited, errors, first, short, seq = [], [], [], 0, None, 0, 0
     time.sleep(max(0.0, t_start - time.time()))
     t0, cpu0 = time.time(), time.process_time()
 
@@ -840,6 +840,8 @@ def writer(targets, depth: int, rate: float | None, tag: str, t_start: float, t_
                     break
                 pos = pos2
                 c["part"].append(value)
+                if len(c["part"]) == 1:
+                    c["first_at"] = time.perf_counter()  # the script's reply
                 if len(c["part"]) < c["w"].replies:
                     continue
                 replies, c["part"] = c["part"], []
@@ -852,15 +854,18 @@ def writer(targets, depth: int, rate: float | None, tag: str, t_start: float, t_
                     short += 1
                 else:
                     done.append(time.time())
-                    lat.append((time.perf_counter() - sent) * 1e3)
+                    t = time.perf_counter()
+                    lat.append((t - sent) * 1e3)
+                    waited.append((t - c["first_at"]) * 1e3)
             c["buf"] = buf[pos:]
             if rate is None:
                 fill(c, now)
     cpu = time.process_time() - cpu0
     for c in conns:
         c["sock"].close()
-    out.put({"done": done, "lat": lat, "errors": errors, "first_error": first, "short": short,
-             "cpu_s": cpu, "wall_s": time.time() - t0})  # fmt: skip
+    out.put({"done": done, "lat": lat, "waited": waited, "errors": errors,
+             "first_error": first, "short": short, "cpu_s": cpu,
+             "wall_s": time.time() - t0})  # fmt: skip
 
 
 class Topology:
@@ -1041,6 +1046,13 @@ def run_level(topo: Topology, args, entry: dict, level, rnd: int) -> dict:
         for t, x in zip(r["done"], r["lat"], strict=True)
         if s0["time"] <= t <= s1["time"]
     ]
+    waited = [
+        x
+        for r in results
+        for t, x in zip(r["done"], r["waited"], strict=True)
+        if s0["time"] <= t <= s1["time"]
+    ]
+    has_wait = bool(topo.replicas) and bool(waited)
     writes = sum(s1["calls"][p] - s0["calls"][p] for p in s1["calls"]) / wall
     waits = sum(s1["waits"][p] - s0["waits"][p] for p in s1["waits"]) / wall
     run = {p: (s1["sched"][p][0] - s0["sched"][p][0]) / wall for p in s1["sched"]}
@@ -1066,6 +1078,8 @@ def run_level(topo: Topology, args, entry: dict, level, rnd: int) -> dict:
         "mb_s": round(writes * topo.targets(1, entry)[0][2].size / 1e6, 1),
         "write_p50_ms": round(percentile(lat, 50), 3) if lat else None,
         "write_p99_ms": round(percentile(lat, 99), 3) if lat else None,
+        "wait_p50_ms": round(percentile(waited, 50), 3) if has_wait else None,
+        "wait_p99_ms": round(percentile(waited, 99), 3) if has_wait else None,
         "main_run_each": {str(p): round(run[p], 3) for p in run},
         "main_wait_each": {str(p): round(wait[p], 3) for p in wait},
         "main_idle_each": {str(p): round(idle[p], 3) for p in idle},
@@ -1139,6 +1153,8 @@ def ceilings(rows: list[dict]) -> dict:
                 "replica_cpu_share": med("replica_cpu_share", bests)[0],
                 "write_p50_ms": med("write_p50_ms", bests)[0],
                 "write_p99_ms": med("write_p99_ms", bests)[0],
+                "wait_p50_ms": med("wait_p50_ms", bests)[0],
+                "wait_p99_ms": med("wait_p99_ms", bests)[0],
             }
         )  # fmt: skip
     for m in modes:
@@ -1230,7 +1246,9 @@ def ceiling_notes(args) -> list[str]:
         "replicas and sentinels included) per sample; samples = entries x group size",
         "write_p50/p99_ms: a write (and its WAIT) from send to the last reply, with "
         "CONNxDEPTH writes in flight: queueing at the ceiling included, not an idle "
-        "round trip (wait_cost.py measures that)",
+        "round trip (wait_cost.py measures that); wait_p50/p99_ms: from the script's "
+        "reply to WAIT's as the load read them (the replica's apply and ack, behind the "
+        "other work queued on the core; 0 when both came in one read)",
         "--data-dir /dev/shm (tmpfs): the AOF's writes and rewrites cost Redis its CPU "
         "but no disk I/O, so the figure is the CPU ceiling; on a disk (a shared one "
         "here), writeback stalls made levels 2x slower at random; with appendfsync "
