@@ -1357,7 +1357,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rounds", type=int, default=3, help="(--load ceiling) interleaved")
     p.add_argument(
         "--levels",
-        default="8x4,32x2,96x2",
+        default="8x4,32x2,96x2,64x8",
         help="(--load ceiling) CONNECTIONSxDEPTH[@WRITES_PER_S], comma-joined, per mode",
     )
     p.add_argument("--writers", type=int, default=4, help="(--load ceiling) load processes")
