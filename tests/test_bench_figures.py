@@ -5,10 +5,13 @@ from a level where Redis was saturated (never projected from a mostly idle serve
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pipeline.bench.async_ import compare, steady
-from pipeline.bench.scale import summarize
+from pipeline.bench.scale import CEILING_COLUMNS, ceilings, summarize
+from pipeline.bench.scale import main as scale_main
 
 
 def _steps(times: list[float], samples: int = 8, step_s: float = 2.0) -> list[dict]:
@@ -50,7 +53,7 @@ def test_ratio_is_per_interleaved_pair_with_median_and_range():
 
 def _level(rate: float, trained: float, cpu: float, idle: float, sustained: bool) -> dict:
     return {
-        "load": "redis", "shards": 1, "appendfsync": "everysec",
+        "load": "redis", "mode": "single", "appendfsync": "everysec",
         "offered_samples_s": rate, "trained_samples_s": trained,
         "trained_entries_s": trained / 8, "trained_tokens_s": trained * 512,
         "rollouts_mb_s": trained * 0.0048, "redis_cpu_max": cpu,
@@ -90,3 +93,73 @@ def test_redis_ceiling_comes_only_from_a_saturated_level():
     assert out["write"]["highest_unsaturated_entries_s"] == 5000
     assert out["write+read"]["ceiling_entries_s"] is None
     assert out["write+read"]["highest_unsaturated_entries_s"] == 6000
+
+
+def _ceiling_row(mode, rnd, entries, idle, us):
+    return {"mode": mode, "round": rnd, "entries_s": entries, "samples_s": 8 * entries,
+            "mb_s": entries * 0.035, "main_idle_min": idle, "saturated": idle < 0.05,
+            "main_us_per_sample": us / 2, "redis_us_per_sample": us, "redis_cpu": 0.9,
+            "replica_cpu_share": 0.0 if mode == "single" else 0.4, "write_p50_ms": 1.0,
+            "write_p99_ms": 5.0, "wait_p50_ms": None if mode == "single" else 0.5,
+            "wait_p99_ms": None if mode == "single" else 2.0}  # fmt: skip
+
+
+def test_mode_ceilings_and_ratios_come_from_saturated_levels_per_round():
+    """scale --load ceiling's summary: a mode's ceiling in a round is its best saturated
+    level; the ratio to single is per round (both saturated), median and min-max; the
+    CPU-per-sample ratio is taken at each mode's best level, saturated or not."""
+    rows = [
+        _ceiling_row("single", 0, 5000, 0.20, 10), _ceiling_row("single", 0, 8000, 0.01, 12),
+        _ceiling_row("sentinel", 0, 4000, 0.02, 30), _ceiling_row("single", 1, 10000, 0.02, 11),
+        _ceiling_row("sentinel", 1, 3000, 0.01, 33), _ceiling_row("sentinel", 1, 3500, 0.3, 22),
+        _ceiling_row("single", 2, 9000, 0.03, 12), _ceiling_row("sentinel", 2, 2000, 0.4, 24),
+    ]  # fmt: skip
+    out = ceilings(rows)
+    per = {r["mode"]: r for r in out["per_mode"]}
+    assert per["single"]["saturated_rounds"] == "3/3"
+    assert (per["single"]["ceiling_entries_s"], per["single"]["ceiling_min"]) == (9000, 8000)
+    assert per["single"]["ceiling_max"] == 10000
+    assert per["sentinel"]["saturated_rounds"] == "2/3"  # round 2 never saturated
+    assert per["sentinel"]["ceiling_entries_s"] == 3500  # median of 4000 and 3000
+    assert per["sentinel"]["best_entries_s"] == 3500  # 4000, 3500 (unsaturated), 2000
+    assert per["single"]["wait_p50_ms"] is None and per["sentinel"]["wait_p99_ms"] == 2.0
+    ratio = {(r["ratio"], r["of"]): r for r in out["ratios"]}
+    c = ratio["sentinel/single", "ceiling"]
+    assert c["per_round"] == [0.5, 0.3, None]
+    assert (c["median"], c["min"], c["max"]) == (0.4, 0.3, 0.5)
+    cost = ratio["sentinel/single", "redis_us_per_sample"]
+    assert cost["per_round"] == [2.5, 2.0, 2.0]  # best levels: 30/12, 22/11, 24/12
+
+
+def test_scale_ceiling_run_on_real_servers(tmp_path):
+    """A short --load ceiling run on real single, sentinel and cluster servers: the table
+    has every column; a level paced far below the ceiling (20 writes/s) carries that
+    rate through the real durable write (WAIT acknowledged by the replica) and is
+    reported NOT saturated, so no ceiling comes from it."""
+    out = tmp_path / "scale.json"
+    args = ["--load", "ceiling", "--modes", "single,sentinel,cluster", "--rounds", "1"]
+    args += ["--levels", "2x1@20", "--level-s", "1.5", "--warmup-s", "0.5", "--writers", "1"]
+    args += ["--completion-tokens", "64", "--prompt-tokens", "16", "--out", str(out)]
+    assert scale_main(args) == 0
+    payload = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in payload["rows"]}
+    assert set(rows) == {"single", "sentinel", "cluster"}
+    for mode, r in rows.items():
+        assert set(CEILING_COLUMNS) <= set(r), mode
+        assert r["errors"] == 0 and r["wait_short"] == 0, (mode, r["first_error"])
+        assert 12 <= r["entries_s"] <= 28, (mode, r["entries_s"])  # the server's own count
+        assert r["samples_s"] == pytest.approx(8 * r["entries_s"], rel=0.01)
+        assert r["main_idle_min"] > 0.5 and r["saturated"] is False, mode
+        assert r["write_p50_ms"] is not None and r["load_avg_1m"] >= 0
+    assert rows["single"]["replica_cpu"] == 0 and rows["single"]["waits_s"] == 0
+    assert rows["single"]["wait_p50_ms"] is None and rows["sentinel"]["wait_p99_ms"] >= 0
+    for mode in ("sentinel", "cluster"):  # the durable path: a WAIT behind every write
+        assert rows[mode]["waits_s"] == pytest.approx(rows[mode]["entries_s"], rel=0.15), mode
+    assert rows["sentinel"]["replica_cpu"] > 0 and rows["cluster"]["replica_cpu"] > 0
+    assert len(rows["cluster"]["main_idle_each"]) == 6 and rows["cluster"]["partitions"] == 3
+    per = {r["mode"]: r for r in payload["ceilings"]["per_mode"]}
+    assert all(
+        p["ceiling_entries_s"] is None and p["saturated_rounds"] == "0/1" for p in per.values()
+    )
+    md = out.with_suffix(".md").read_text()
+    assert "## Ceilings" in md and "sentinel/single" in md

@@ -22,6 +22,10 @@ the CPU it got. Entries are ``--entry-kb`` bytes (35 KB: one group of 8 samples 
 samples/s = entries/s x 8. What this leaves out, and says so in its notes: the
 pipeline's other commands per entry (the batches stream, acks, counters, trims),
 which the scale bench measured at 41-65 us of redis-server CPU per sample.
+
+The pipeline's own rollouts write in each redis.mode (the XADD-once script, and WAIT 1
+behind it with replicas), single, sentinel and cluster side by side, is
+``python -m pipeline.bench scale --load ceiling``.
 """
 
 from __future__ import annotations

@@ -14,6 +14,10 @@ rounds' p50 and p99 write latency, and each round's rate relative to ``xadd`` in
 same round (median, min, max). Primary and replica run with the run's AOF setting
 (``--appendfsync``, default always, as the embedded server); both on this machine, so
 WAIT measures the replica's apply and acknowledgement over loopback, not a network.
+
+One client waiting for each reply is bound by latency, not by Redis: these rates are
+not ceilings. What each mode's write costs Redis at saturation, with enough writes in
+flight, is ``python -m pipeline.bench scale --load ceiling``.
 """
 
 from __future__ import annotations
