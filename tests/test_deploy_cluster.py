@@ -435,13 +435,10 @@ def test_slurm_redis_job_in_cluster_mode_fails_over_and_resumes(slurm, tmp_path)
         assert "ready to exit" in (run_dir / "redis" / f"node-{k}.log").read_text(), k
 
 
-@pytest.mark.slow
-def test_slurm_redis_job_in_cluster_mode_over_tls(slurm, tmp_path):
-    """The job's server certificate set: every node on TLS only (rediss+cluster://, the
-    bus and replication on TLS), a plain-text client refused, a TLS client writes and
-    reads two partitions."""
-    run_dir = tmp_path / "run"
-    _compose(run_dir, "redis=cluster")
+def _tls_job(slurm, run_dir: Path, tmp_path: Path, *overrides: str):
+    """A Redis job's environment with the job's server certificate (TLS only) and the
+    run composed with ``overrides``; returns (env, the client's TLS files)."""
+    _compose(run_dir, *overrides)
     server, client_files = make_run_certs(
         str(tmp_path / "tls"), [_node_addr(), "127.0.0.1", "localhost"]
     )
@@ -449,7 +446,16 @@ def test_slurm_redis_job_in_cluster_mode_over_tls(slurm, tmp_path):
         "NONSTOP_REDIS_TLS_SERVER_CERT": server.cert,
         "NONSTOP_REDIS_TLS_SERVER_KEY": server.key,
     }
-    env = slurm_env(slurm, run_dir, tmp_path / "cache", **tls_env)
+    return slurm_env(slurm, run_dir, tmp_path / "cache", **tls_env), client_files
+
+
+@pytest.mark.slow
+def test_slurm_redis_job_in_cluster_mode_over_tls(slurm, tmp_path):
+    """The job's server certificate set: every node on TLS only (rediss+cluster://, the
+    bus and replication on TLS), a plain-text client refused, a TLS client writes and
+    reads two partitions."""
+    run_dir = tmp_path / "run"
+    env, client_files = _tls_job(slurm, run_dir, tmp_path, "redis=cluster")
     out = tmp_path / "redis.out"
     job = sbatch(env, "redis.sbatch", out, "-N3", "-n6", "--ntasks-per-node=2")
     try:
@@ -473,15 +479,7 @@ def test_slurm_redis_job_in_sentinel_mode_over_tls(slurm, tmp_path):
     """redis.mode=sentinel with the job's server certificate: a rediss+sentinel:// URL,
     nodes and sentinels on TLS only, a TLS client writes through the sentinels."""
     run_dir = tmp_path / "run"
-    _compose(run_dir, "redis=ha")
-    server, client_files = make_run_certs(
-        str(tmp_path / "tls"), [_node_addr(), "127.0.0.1", "localhost"]
-    )
-    tls_env = client_files.env() | {
-        "NONSTOP_REDIS_TLS_SERVER_CERT": server.cert,
-        "NONSTOP_REDIS_TLS_SERVER_KEY": server.key,
-    }
-    env = slurm_env(slurm, run_dir, tmp_path / "cache", **tls_env)
+    env, client_files = _tls_job(slurm, run_dir, tmp_path, "redis=ha")
     out = tmp_path / "redis.out"
     job = sbatch(env, "redis.sbatch", out, "-N3", "-n3")
     try:
