@@ -160,10 +160,7 @@ class LocalCluster:
             missing = self.not_ready()
             if missing is None:
                 self.replica_of = self.pairs()
-                self.ids = {
-                    k: _text(self.node_client(n).execute_command("CLUSTER MYID"))
-                    for k, n in enumerate(self.nodes)
-                }
+                self.ids = {k: node_id(self.node_client(n)) for k, n in enumerate(self.nodes)}
                 return
             time.sleep(0.2)
         self.stop()
@@ -296,7 +293,7 @@ class LocalCluster:
                 self._write_acl([node])
             node.start()
         c = self.node_client(node)
-        lead_id = _text(self.node_client(lead).execute_command("CLUSTER MYID"))
+        lead_id = node_id(self.node_client(lead))
         deadline = time.monotonic() + timeout_s
         if fresh:
             c.execute_command("CLUSTER MEET", "127.0.0.1", lead.port)
@@ -310,7 +307,7 @@ class LocalCluster:
                 if other is not node and old:
                     with contextlib.suppress(redis.ResponseError):  # not known there any more
                         self.node_client(other).execute_command("CLUSTER FORGET", old)
-            self.ids[k] = _text(c.execute_command("CLUSTER MYID"))
+            self.ids[k] = node_id(c)
         while True:
             repl = c.info("replication")
             if repl.get("role") == "slave" and repl.get("master_port") == lead.port:
@@ -341,7 +338,9 @@ class LocalCluster:
         }
 
 
-def _text(reply) -> str:
+def node_id(client: redis.Redis) -> str:
+    """The cluster node id of ``client``'s node (CLUSTER MYID)."""
+    reply = client.execute_command("CLUSTER MYID")
     return reply.decode() if isinstance(reply, bytes) else str(reply)
 
 

@@ -38,6 +38,7 @@ from collections.abc import Callable
 import redis
 from redis.cluster import RedisCluster
 
+from pipeline.redis_cluster import node_id
 from pipeline.streams import Names, RedisRefused, RedisUnavailable, connect
 
 BATCH = 100  # keys per MIGRATE
@@ -67,10 +68,7 @@ def move_slot(
         raise ValueError(f"slot {slot} is on {to} already: nothing to move")
     target = primaries[to]
     src, dst = client.get_redis_connection(source), client.get_redis_connection(target)
-    src_id, dst_id = (
-        _text(src.execute_command("CLUSTER MYID")),
-        _text(dst.execute_command("CLUSTER MYID")),
-    )
+    src_id, dst_id = node_id(src), node_id(dst)
     kwargs = client.nodes_manager.connection_kwargs
     user, password = kwargs.get("username"), kwargs.get("password")
     auth = ["AUTH2", user, password] if user else ["AUTH", password] if password else []
@@ -88,10 +86,6 @@ def move_slot(
         client.get_redis_connection(node).execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
     client.nodes_manager.initialize()
     return source.name, moved
-
-
-def _text(reply) -> str:
-    return reply.decode() if isinstance(reply, bytes) else str(reply)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -502,28 +502,34 @@ CLUSTER_GROUPS = ["-N3", "-n6", "--ntasks-per-node=2", "-c1", ":", "-N1", "-n1",
 CLUSTER_GROUPS += ["-N1", "-n1", "-c2", ":", "-N1", "-n2", "-c2"]
 
 
-@pytest.mark.slow
-def test_slurm_heterogeneous_job_runs_the_whole_pipeline_on_a_cluster(slurm, tmp_path):
+def _whole_pipeline(slurm, tmp_path: Path, redis_override: str, groups: list[str]):
+    """The tiny pipeline (4 steps) under run.sbatch with ``groups``: it completes, the
+    summary says finished, 0 lost, 0 duplicated and every actor applied weights; returns
+    (the job's output, the run directory)."""
     run_dir = tmp_path / "run"
-    env = slurm_env(
-        slurm,
-        run_dir,
-        tmp_path / "cache",
-        NONSTOP_COMPOSE="+exp=tiny redis=cluster trainer.max_steps=4",
-    )
+    compose = f"+exp=tiny {redis_override} trainer.max_steps=4"
+    env = slurm_env(slurm, run_dir, tmp_path / "cache", NONSTOP_COMPOSE=compose)
     log = tmp_path / "run.out"
-    job = sbatch(env, "run.sbatch", log, *CLUSTER_GROUPS)
+    job = sbatch(env, "run.sbatch", log, *groups)
     state, code = wait_done(env, job, 400, log)
     assert (state, code) == ("COMPLETED", "0:0"), tail_of(log, 80)
     text = log.read_text()
-    assert "redis cluster of 6 nodes" in text and "run summary" in text
-    where = re.findall(r"redis cluster node \d on node (\w+)", text)
-    assert sorted(where) == ["n1", "n1", "n2", "n2", "n3", "n3"], text  # two per node
+    assert "run summary" in text
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["outcome"] == "finished" and summary["trainer_steps"] == 4
     acc = summary["accounting"]
     assert acc["groups_lost"] == 0 and acc["groups_duplicated"] == 0, acc
     assert min(summary["weight_updates_applied"].values()) >= 1
+    assert not (run_dir / "redis" / "url").exists()  # Redis stopped with the job
+    return text, run_dir
+
+
+@pytest.mark.slow
+def test_slurm_heterogeneous_job_runs_the_whole_pipeline_on_a_cluster(slurm, tmp_path):
+    text, run_dir = _whole_pipeline(slurm, tmp_path, "redis=cluster", CLUSTER_GROUPS)
+    assert "redis cluster of 6 nodes" in text
+    where = re.findall(r"redis cluster node \d on node (\w+)", text)
+    assert sorted(where) == ["n1", "n1", "n2", "n2", "n3", "n3"], text  # two per node
     aofs = [
         b"".join(
             p.read_bytes() for p in (run_dir / "redis" / f"node-{k}" / "appendonlydir").iterdir()
@@ -532,7 +538,6 @@ def test_slurm_heterogeneous_job_runs_the_whole_pipeline_on_a_cluster(slurm, tmp
     ]
     for k in range(3):  # redis=cluster's 3 partitions all carried rollouts
         assert any(f"{{tiny.p{k}}}:rollouts".encode() in a for a in aofs), k
-    assert not (run_dir / "redis" / "url").exists()  # Redis stopped with the job
 
 
 # run.sbatch's groups in sentinel mode: a node and a sentinel on each of three nodes, the
@@ -547,24 +552,7 @@ def test_slurm_heterogeneous_job_runs_the_whole_pipeline_in_sentinel_mode(slurm,
     the replica and three sentinels on three Slurm nodes (redis-ha.sh), the pools find
     the primary through the sentinels, their work writes wait for the replica (WAIT 1),
     and the run finishes with nothing lost or duplicated."""
-    run_dir = tmp_path / "run"
-    env = slurm_env(
-        slurm,
-        run_dir,
-        tmp_path / "cache",
-        NONSTOP_COMPOSE="+exp=tiny redis=ha trainer.max_steps=4",
-    )
-    log = tmp_path / "run.out"
-    job = sbatch(env, "run.sbatch", log, *SENTINEL_GROUPS)
-    state, code = wait_done(env, job, 400, log)
-    assert (state, code) == ("COMPLETED", "0:0"), tail_of(log, 80)
-    text = log.read_text()
-    assert "run summary" in text
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["outcome"] == "finished" and summary["trainer_steps"] == 4
-    acc = summary["accounting"]
-    assert acc["groups_lost"] == 0 and acc["groups_duplicated"] == 0, acc
-    assert min(summary["weight_updates_applied"].values()) >= 1
+    _, run_dir = _whole_pipeline(slurm, tmp_path, "redis=ha", SENTINEL_GROUPS)
     primary = int((run_dir / "redis" / "primary_node").read_text().split()[0])
     replica = 1 - primary  # nodes 0 and 1 (NONSTOP_REDIS_REPLICAS=1)
     synced = (run_dir / "redis" / f"node-{replica}.log").read_text()
@@ -572,7 +560,6 @@ def test_slurm_heterogeneous_job_runs_the_whole_pipeline_in_sentinel_mode(slurm,
     for k in (primary, replica):  # the replica holds the run's rollouts too
         data = b"".join(p.read_bytes() for p in (run_dir / "redis" / f"node-{k}").rglob("*.*"))
         assert b"tiny:rollouts" in data, f"node-{k} never held a rollout"
-    assert not (run_dir / "redis" / "url").exists()  # Redis stopped with the job
 
 
 def test_cluster_unit_command_loads_per_role_acl_users(tmp_path):

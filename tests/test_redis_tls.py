@@ -313,14 +313,20 @@ def _until(check, timeout_s: float, why=lambda: "") -> None:
         time.sleep(0.1)
 
 
+def _tls_only(kind, folder, monkeypatch):
+    """A started ``kind`` (RedisHA or LocalCluster) on TLS only with certificates of its
+    own in ``folder``/tls; no NONSTOP_REDIS_TLS_* of the caller's leaks into it."""
+    for var in TLS_ENV:
+        monkeypatch.delenv(var, raising=False)
+    topology = kind(str(folder), tls=make_run_certs(str(folder / "tls")))
+    topology.start()
+    return topology
+
+
 @pytest.fixture
 def tls_ha(tmp_path, monkeypatch):
     """redis=ha redis.tls=true's topology: a primary, a replica, three sentinels, TLS only."""
-    for var in TLS_ENV:
-        monkeypatch.delenv(var, raising=False)
-    certs = make_run_certs(str(tmp_path / "ha" / "tls"))
-    ha = RedisHA(str(tmp_path / "ha"), tls=certs)
-    ha.start()
+    ha = _tls_only(RedisHA, tmp_path / "ha", monkeypatch)
     yield ha
     ha.stop()
 
@@ -328,11 +334,7 @@ def tls_ha(tmp_path, monkeypatch):
 @pytest.fixture
 def tls_cluster(tmp_path, monkeypatch):
     """redis=cluster redis.tls=true's cluster: 3 primaries with a replica each, TLS only."""
-    for var in TLS_ENV:
-        monkeypatch.delenv(var, raising=False)
-    certs = make_run_certs(str(tmp_path / "cluster" / "tls"))
-    local = LocalCluster(str(tmp_path / "cluster"), tls=certs)
-    local.start()
+    local = _tls_only(LocalCluster, tmp_path / "cluster", monkeypatch)
     yield local
     local.stop()
 

@@ -1133,7 +1133,7 @@ def ceilings(rows: list[dict]) -> dict:
         tops = [top[m, k] for k in rounds if top[m, k] is not None]
         bests = [best[m, k] for k in rounds]
         med = lambda key, t: spread([r[key] for r in t if r[key] is not None])  # noqa: E731
-        e = med("entries_s", tops)
+        e, us = med("entries_s", tops), med("redis_us_per_sample", bests)[0]
         out["per_mode"].append(
             {
                 "mode": m,
@@ -1144,11 +1144,8 @@ def ceilings(rows: list[dict]) -> dict:
                 "best_entries_s": med("entries_s", bests)[0],
                 "best_main_idle_min": med("main_idle_min", bests)[0],
                 "main_us_per_sample": med("main_us_per_sample", bests)[0],
-                "redis_us_per_sample": med("redis_us_per_sample", bests)[0],
-                "projection_per_core_samples_s": (
-                    round(1e6 / med("redis_us_per_sample", bests)[0])
-                    if med("redis_us_per_sample", bests)[0] else None
-                ),
+                "redis_us_per_sample": us,
+                "projection_per_core_samples_s": round(1e6 / us) if us else None,
                 "redis_cpu": med("redis_cpu", bests)[0],
                 "replica_cpu_share": med("replica_cpu_share", bests)[0],
                 "write_p50_ms": med("write_p50_ms", bests)[0],
