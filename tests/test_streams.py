@@ -200,6 +200,103 @@ def test_a_second_consumer_claims_a_dead_consumers_pending_entries(rclient):
     assert alive.read(10) == []  # nothing is delivered twice once acknowledged
 
 
+def held(client, name: str, **kw) -> Consumer:
+    """A consumer that checks its own pending list at every read (claims, lost replies)."""
+    return Consumer(
+        client, NAMES, NAMES.rollouts, "trainer", name, RolloutGroup, block_ms=20,
+        claim_every_s=0.0, lost_every_s=0.0, **kw,
+    )  # fmt: skip
+
+
+def lose_a_reply(client, name: str, count: int) -> list[str]:
+    """What a read whose reply is lost does on the server: XREADGROUP > as ``name`` on
+    another connection, the entries then pending for ``name`` and never seen by it."""
+    reply = client.xreadgroup("trainer", name, {NAMES.rollouts: ">"}, count=count)
+    return [e[0].decode() for _s, es in reply for e in es]
+
+
+def test_entries_a_lost_read_reply_delivered_are_handed_out_once(rclient):
+    """A read's reply lost after the server delivered (Redis killed after the AOF had
+    it, the client retrying the read): the consumer finds those entries in its own
+    pending list once a later read passed them, hands them out once, and never hands
+    out again an entry it still holds (no recover_pending: the trainer's setting)."""
+    ids = [publish_group(rclient, n) for n in range(6)]
+    c = held(rclient, "trainer", recover_pending=False)
+    first = [i for i, _ in c.read(2)]  # held: not acknowledged
+    assert first == ids[:2]
+    assert lose_a_reply(rclient, "trainer", 2) == ids[2:4]
+    assert [i for i, _ in c.read(2)] == ids[4:]  # newer than the lost ones: read on
+    again = c.read(10)
+    assert [i for i, _ in again] == ids[2:4] and c.lost_replies == 2
+    assert [m for _, m in again] == [group(2), group(3)]
+    assert c.read(10) == []  # the held entries are not handed out a second time
+    c.ack(ids)
+    assert rclient.xpending(NAMES.rollouts, "trainer")["pending"] == 0
+    assert c.read(10) == [] and c.lost_replies == 2
+
+
+def test_entries_still_held_are_not_claimed_back_or_read_again(rclient):
+    """A consumer holding entries past claim_idle_s (XAUTOCLAIM claims them back to
+    itself) or whose read position is set back gets only the entries it does not hold,
+    and the newer ones still flow."""
+    ids = [publish_group(rclient, n) for n in range(4)]
+    c = held(rclient, "pre-0", claim_idle_s=0.05)
+    assert [i for i, _ in c.read(2)] == ids[:2]
+    time.sleep(0.1)  # idle past claim_idle_s, still held
+    assert [i for i, _ in c.read(1)] == ids[2:3] and c.claimed == 0
+    c.set_position("0-0")  # everything after it delivered again
+    assert [i for i, _ in c.read(10)] == ids[3:]  # ids[:3] delivered again, still held
+    assert c.read(10) == []
+    c.ack(ids)
+    assert rclient.xpending(NAMES.rollouts, "trainer")["pending"] == 0
+
+
+def test_a_lost_reply_is_found_at_its_tick_not_before(rclient):
+    ids = [publish_group(rclient, n) for n in range(4)]
+    c = Consumer(
+        rclient, NAMES, NAMES.rollouts, "trainer", "t", RolloutGroup, block_ms=20,
+        lost_every_s=0.5, recover_pending=False,
+    )  # fmt: skip
+    assert [i for i, _ in c.read(1)] == ids[:1]
+    lose_a_reply(rclient, "t", 1)
+    assert [i for i, _ in c.read(1)] == ids[2:3]
+    assert [i for i, _ in c.read(1)] == ids[3:4]  # the tick has not come: new entries
+    time.sleep(0.6)
+    assert [i for i, _ in c.read(5)] == ids[1:2] and c.lost_replies == 1
+
+
+def test_own_pending_entries_are_walked_once_while_held(rclient):
+    """A restarted consumer re-reads what its former process left pending, a page at a
+    time, while it still holds the earlier pages (before: the first page again)."""
+    ids = [publish_group(rclient, n) for n in range(7)]
+    former = consumer(rclient, "pre-0")
+    assert [i for i, _ in former.read(5)] == ids[:5]  # then it dies, holding them
+    again = consumer(rclient, "pre-0")
+    got = [i for i, _ in again.read(2)] + [i for i, _ in again.read(2)]
+    got += [i for i, _ in again.read(2)]
+    assert got == ids[:5]  # the last page is short: its one entry
+    assert [i for i, _ in again.read(10)] == ids[5:]
+
+
+def test_a_pending_entry_gone_from_the_stream_is_reported_not_handed_out(rclient, caplog):
+    ids = [publish_group(rclient, n) for n in range(3)]
+    c = held(rclient, "trainer", recover_pending=False)
+    lost = lose_a_reply(rclient, "trainer", 1)
+    rclient.xdel(NAMES.rollouts, lost[0])
+    assert [i for i, _ in c.read(5)] == ids[1:]
+    with caplog.at_level("ERROR"):
+        assert c.read(5) == [] and c.read(5) == []
+    gone = [r for r in caplog.records if "no longer in the stream" in r.getMessage()]
+    assert len(gone) == 1 and lost[0] in gone[0].getMessage()  # said once, not every tick
+
+
+def test_the_read_position_never_goes_back(rclient):
+    c = consumer(rclient)
+    assert c.position("5-0", ["3-0"]) == "5-0"  # an entry re-read after a lost reply
+    assert c.position("0-0", ["3-0", "2-9"]) == "3-0"
+    assert c.position("2-0", []) == "2-0"
+
+
 # ---------------------------------------------------------------- dead letters
 
 

@@ -72,6 +72,15 @@ class Consumer:
     and every ``claim_every_s`` it XAUTOCLAIMs entries another consumer has
     held for ``claim_idle_s`` (a dead peer). A missing group after a Redis
     restart is recreated when the run's data survived, else DataLost.
+
+    Lost replies: an ``XREADGROUP >`` the server carried out but whose reply never
+    came back (Redis killed or the connection cut after the command ran, and the
+    client's retry read the entries after them) leaves entries pending for this
+    consumer that this process never saw. The consumer keeps the ids it handed out
+    and that are not yet acknowledged or dead-lettered; every ``lost_every_s``
+    (whatever ``recover_pending`` says) it lists its own pending entries up to the
+    newest id a read gave it (XPENDING) and hands out the ones it never handed out
+    (XRANGE), a warning in the log. An id it still holds is never handed out twice.
     """
 
     def __init__(
@@ -88,6 +97,7 @@ class Consumer:
         claim_every_s: float = 10.0,
         dead_maxlen: int = 10000,
         shard: int | None = None,
+        lost_every_s: float = 2.0,
     ):
         self.client, self.names, self.stream = client, names, stream
         self.shard = shard  # a cluster partition: which one this consumer reads (dead letters)
@@ -96,15 +106,26 @@ class Consumer:
         self.dead_maxlen = dead_maxlen
         self.dead_lettered = 0
         self.claimed = 0
+        self.lost_replies = 0  # entries re-read because a read's reply was lost
         self._own_pending = recover_pending
+        self._pending_from = "0"  # the first read's walk through its own pending entries
         self._next_claim = time.monotonic() + claim_every_s if recover_pending else float("inf")
+        self.lost_every_s = lost_every_s  # how often it looks for lost replies (XPENDING)
+        self._next_orphans = time.monotonic() + lost_every_s
+        self._handed: set[str] = set()  # given to the caller, not yet acked or dead-lettered
+        self._newest: str | None = None  # the newest id a read gave this process
+        self._gone: set[str] = set()  # pending here, but no longer in the stream (reported)
         ensure_group(client, stream, group)
 
     def read(self, count: int, wait: bool = True) -> list[tuple[str, Any]]:
         """Up to ``count`` entries (recovered, claimed, then new) as (id, message);
         ``wait=False`` returns at once when nothing waits (no BLOCK)."""
         try:
-            entries = self._recover(count) or self._fetch(count, wait)
+            entries = (
+                self._unheld(self._recover(count))
+                or self._unheld(self._orphans(count))
+                or self._unheld(self._fetch(count, wait))
+            )
         except redis.ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
@@ -114,6 +135,21 @@ class Consumer:
             return []
         return self._decode(entries)
 
+    def _unheld(self, entries: list) -> list:
+        """``entries`` (ids decoded) less those the caller still holds (claimed back from
+        this consumer itself, or read again after a read position was set back); the
+        others are the caller's from now on."""
+        fresh = []
+        for entry_id, fields in entries:
+            entry_id = entry_id.decode()
+            if entry_id in self._handed:
+                continue
+            self._handed.add(entry_id)
+            if self._newest is None or id_tuple(entry_id) > id_tuple(self._newest):
+                self._newest = entry_id
+            fresh.append((entry_id, fields))
+        return fresh
+
     def _fetch(self, count: int, wait: bool = True) -> list:
         block = self.block_ms if wait else None  # BLOCK 0 would wait forever: None = no BLOCK
         reply = self.client.xreadgroup(
@@ -121,22 +157,69 @@ class Consumer:
         )
         return [e for _stream, entries in reply or [] for e in entries]
 
+    def _orphans(self, count: int) -> list:
+        """This consumer's pending entries up to the newest id it was given that it never
+        handed out: delivered by a read whose reply was lost (see the class)."""
+        if self._newest is None or time.monotonic() < self._next_orphans:
+            return []
+        self._next_orphans = time.monotonic() + self.lost_every_s
+        rows = self.client.xpending_range(
+            self.stream,
+            self.group,
+            min="-",
+            max=self._newest,
+            count=len(self._handed) + count,
+            consumername=self.consumer,
+        )
+        ids = [r["message_id"].decode() for r in rows]
+        lost = [i for i in ids if i not in self._handed and i not in self._gone][:count]
+        entries = []
+        for entry_id in lost:
+            found = self.client.xrange(self.stream, entry_id, entry_id)
+            if found and found[0][1]:
+                entries.append(found[0])
+            else:  # trimmed or deleted while pending: nothing left to hand out
+                self._gone.add(entry_id)
+                log.error(
+                    "%s %s is pending for %s but no longer in the stream; it stays pending "
+                    "(XPENDING shows it) and is not handed out",
+                    self.stream,
+                    entry_id,
+                    self.consumer,
+                )
+        if entries:
+            self.lost_replies += len(entries)
+            log.warning(
+                "re-reading %d entries of %s delivered to %s whose read reply was lost "
+                "(a Redis restart or a cut connection): %s",
+                len(entries),
+                self.stream,
+                self.consumer,
+                ", ".join(e[0].decode() for e in entries),
+            )
+        return entries
+
     def _recover(self, count: int) -> list:
         if self._own_pending:
             reply = self.client.xreadgroup(
-                self.group, self.consumer, {self.stream: "0"}, count=count
+                self.group, self.consumer, {self.stream: self._pending_from}, count=count
             )
-            entries = [e for _s, es in reply or [] for e in es if e[1]]
+            listed = [e for _s, es in reply or [] for e in es]
+            if listed:
+                self._pending_from = listed[-1][0]  # the next read walks on from here
+            entries = [e for e in listed if e[1]]
             if entries:
                 log.info("re-reading %d pending entries of %s", len(entries), self.consumer)
                 return entries
-            self._own_pending = False
+            if not listed:
+                self._own_pending = False
         if time.monotonic() >= self._next_claim:
             self._next_claim = time.monotonic() + self.claim_every_s
             reply = self.client.xautoclaim(
                 self.stream, self.group, self.consumer, self.claim_idle_ms, count=count
             )
-            entries = [e for e in reply[1] if e[1]]
+            # this consumer's own entries come back too once idle: those it holds are not news
+            entries = [e for e in reply[1] if e[1] and e[0].decode() not in self._handed]
             if entries:
                 self.claimed += len(entries)
                 log.warning("claimed %d entries a dead consumer left pending", len(entries))
@@ -146,7 +229,6 @@ class Consumer:
     def _decode(self, entries: list) -> list[tuple[str, Any]]:
         out = []
         for entry_id, fields in entries:
-            entry_id = entry_id.decode()
             try:
                 if DATA not in fields:
                     raise BadEntry("entry has no 'data' field")
@@ -176,6 +258,7 @@ class Consumer:
     def ack(self, ids: list[str]) -> None:
         if ids:  # with WAIT behind it in sentinel mode (durable.py)
             durable.xack(self.client, self.stream, self.group, ids)
+            self._handed.difference_update(ids)
 
     # ---- the position interface ShardedConsumer shares (one part: plain entry ids)
     def part_for(self, entry_id: str) -> Part:
@@ -183,8 +266,9 @@ class Consumer:
         return Part(0, self.client, self.names)
 
     def position(self, previous: str, ids: list[str]) -> str:
-        """The read position after ``ids`` (newest entry id), ``previous`` without ids."""
-        return ids[-1] if ids else previous
+        """The read position after ``ids``: the newest of them and ``previous`` (an entry
+        re-read after a lost reply is older than ones read before it)."""
+        return max([previous, *ids], key=id_tuple)
 
     def set_position(self, position: str) -> None:
         """Deliver again everything after ``position`` (XGROUP SETID)."""

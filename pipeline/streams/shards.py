@@ -191,6 +191,10 @@ class ShardedConsumer:
     def claimed(self) -> int:
         return sum(p.claimed for p in self.parts)
 
+    @property
+    def lost_replies(self) -> int:
+        return sum(p.lost_replies for p in self.parts)
+
     def read(self, count: int) -> list[tuple[str, Any]]:
         n = len(self.parts)
         for i in range(n):
