@@ -251,6 +251,36 @@ def test_entries_still_held_are_not_claimed_back_or_read_again(rclient):
     assert rclient.xpending(NAMES.rollouts, "trainer")["pending"] == 0
 
 
+def test_a_read_whose_reply_the_connection_lost_is_recovered(redis_server, rclient):
+    """The real thing: a TCP proxy passes the XREADGROUP to redis-server and closes the
+    connection instead of passing its reply back; redis-py's retry (connect()) reads the
+    entries after the lost ones. The consumer later hands the lost ones out, once."""
+    from pipeline.streams import connect
+    from tests.fault_runs import ReplyDropper
+
+    ids = [publish_group(rclient, n) for n in range(5)]
+    proxy = ReplyDropper(redis_server.port)
+    url = redis_server.url.replace(f":{redis_server.port}/", f":{proxy.port}/")
+    client = connect(url, reconnect_s=4)
+    try:
+        c = Consumer(
+            client, NAMES, NAMES.rollouts, "trainer", "trainer", RolloutGroup, block_ms=20,
+            recover_pending=False, lost_every_s=0.5,
+        )  # fmt: skip
+        assert [i for i, _ in c.read(1)] == ids[:1]
+        proxy.armed.set()  # the next command is the XREADGROUP (no lost-reply tick yet)
+        assert [i for i, _ in c.read(2)] == ids[3:5]  # the retry's reply: ids[1:3] unseen
+        assert not proxy.armed.is_set()  # one reply was dropped
+        time.sleep(0.6)
+        assert [i for i, _ in c.read(10)] == ids[1:3] and c.lost_replies == 2
+        assert c.read(10) == []
+        c.ack(ids)
+        assert rclient.xpending(NAMES.rollouts, "trainer")["pending"] == 0
+    finally:
+        client.close()
+        proxy.sock.close()
+
+
 def test_a_lost_reply_is_found_at_its_tick_not_before(rclient):
     ids = [publish_group(rclient, n) for n in range(4)]
     c = Consumer(
