@@ -19,7 +19,7 @@ node whose data directory was lost comes back empty under a new id and is introd
 (CLUSTER MEET, CLUSTER REPLICATE); one that kept its ``nodes.conf`` rejoins by itself.
 
 With ``redis.acl_file`` (per-role users, deploy/redis/users.acl) every node loads those
-users with per-run passwords (:func:`per_run_users`) plus :data:`ADMIN`, the launcher's,
+users with per-run passwords (pipeline/redis_acl.py) plus its ``ADMIN``, the launcher's,
 redis-cli's and the replicas' user (``user default off`` leaves no other); each pool
 connects as its role's user (``LocalCluster.role_urls``).
 """
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import shutil
 import socket
 import subprocess
@@ -37,13 +36,13 @@ from collections.abc import Callable
 
 import redis
 
+from pipeline.redis_acl import ADMIN, POOL_ROLES, per_run_users, write_node_acl
 from pipeline.redis_server import EmbeddedRedis, free_port
 from pipeline.redis_tls import TLSFiles, make_run_certs, write_private
 from pipeline.streams import RedisUnavailable
 from pipeline.streams.cluster import format_url, gap
 
 NODE_TIMEOUT_MS = 2000  # cluster-node-timeout: a primary silent this long is failed over
-ADMIN = "nonstop-admin"  # with an ACL file: the launcher's own user on every node
 
 
 class LocalCluster:
@@ -106,20 +105,8 @@ class LocalCluster:
         )
 
     def _write_acl(self, nodes: list[EmbeddedRedis]) -> None:
-        """Each node's ACL file: the users of ``acl_file`` and ADMIN (every command, key
-        and channel; the per-run password), mode 0600. A replica promoted in a failover
-        has the same users, since every node loads the same file."""
-        with open(self.acl_file) as f:
-            users = [ln.strip() for ln in f if ln.strip()]
-        if any(ln.split()[:2] == ["user", ADMIN] for ln in users):
-            raise ValueError(
-                f"{self.acl_file} defines the user {ADMIN}, which redis=cluster "
-                "keeps for itself: rename that user"
-            )
-        users.append(f"user {ADMIN} on >{self.password} ~* &* +@all")
-        for node in nodes:
-            os.makedirs(node.data_dir, exist_ok=True)
-            write_private(os.path.join(node.data_dir, "users.acl"), "\n".join(users) + "\n")
+        """Each node's ACL file: ``acl_file``'s users and ADMIN (redis_acl.py)."""
+        write_node_acl(self.acl_file, [n.data_dir for n in nodes], self.password)
 
     def start(self, timeout_s: float = 60.0) -> None:
         """Start the nodes, create the cluster and wait, at most ``timeout_s``, until every
@@ -372,32 +359,6 @@ def cluster_info(client: redis.Redis) -> dict[str, str]:
     if isinstance(text, bytes):
         text = text.decode()
     return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-
-
-POOL_ROLES = ("actor", "preprocessor", "trainer", "evaluator")  # users a pool connects as
-
-
-def per_run_users(src: str, dest: str) -> dict[str, str]:
-    """Copy the ACL file ``src`` (deploy/redis/users.acl) to ``dest`` (mode 0600) with a
-    new password for each user but ``default`` (its passwords and hashes dropped, so the
-    file's placeholders never become real); returns {user: password}."""
-    if not os.path.isfile(src):
-        raise ValueError(
-            f"redis.acl_file={src!r} is not a file: give the path of an ACL file of per-role "
-            "users, e.g. redis.acl_file=deploy/redis/users.acl"
-        )
-    users, out = {}, []
-    with open(src) as f:
-        for line in f:
-            words = line.split()
-            if len(words) >= 2 and words[0] == "user" and words[1] != "default":
-                users[words[1]] = secrets.token_hex(16)
-                rules = [w for w in words[2:] if w[0] not in "><#!" and w != "nopass"]
-                words = ["user", words[1], *rules, f">{users[words[1]]}"]
-            if words:
-                out.append(" ".join(words))
-    write_private(dest, "\n".join(out) + "\n")
-    return users
 
 
 def start_local_cluster(cfg, run_dir: str) -> LocalCluster:

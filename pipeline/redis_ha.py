@@ -15,6 +15,14 @@ With ``redis.tls=true`` every node and sentinel listens on TLS only (``port 0``,
 sentinels over TLS (``tls-replication``), with the run's certificates (RUN_DIR/redis/tls),
 and the URL is ``rediss+sentinel://``.
 
+With ``redis.acl_file`` (per-role users, deploy/redis/users.acl; pipeline/redis_acl.py)
+every node loads those users with per-run passwords plus ``ADMIN``, the user the
+launcher, the replicas (``masteruser``) and the sentinels (``auth-user``) log in as;
+every sentinel defines ``ADMIN`` (the other sentinels' user, ``sentinel-user``) and each
+role's user with the same password, allowed only to ask for the primary. ``user
+default off`` on both leaves no password-only way in; each pool's URL carries its role's
+user (``RedisHA.role_urls``).
+
 A dead node is never restarted as it was (:meth:`RedisHA.watch`, called by the
 supervisor): a primary that came back on its port with an empty or older data set would
 be written to, and replicated, before the sentinels noticed. It is restarted once the
@@ -33,6 +41,7 @@ from collections.abc import Callable
 
 import redis
 
+from pipeline.redis_acl import ADMIN, POOL_ROLES, per_run_users, sentinel_users, write_node_acl
 from pipeline.redis_server import EmbeddedRedis, free_port
 from pipeline.redis_tls import TLSFiles, make_run_certs, write_private
 from pipeline.streams import RedisUnavailable
@@ -56,8 +65,15 @@ class RedisHA:
         replicas: int = 1,
         sentinels: int = 3,
         tls: tuple[TLSFiles, TLSFiles] | None = None,
+        acl_file: str | None = None,
+        acl_users: dict[str, str] | None = None,
     ):
         self.data_dir, self.service = os.path.abspath(data_dir), service
+        # redis.acl_file: the per-run users file every node loads, and {user: password}
+        # for the sentinels' users (pipeline/redis_acl.py)
+        self.acl_file, self.acl_users = acl_file, dict(acl_users or {})
+        self.username = ADMIN if acl_file else ""  # the launcher's, replicas', sentinels'
+        self.role_urls: dict[str, str] = {}  # redis.acl_file: pool role -> its user's URL
         # (server, client) files: every node and sentinel on TLS only (redis.tls=true)
         self.server_tls, self.client_tls = tls if tls else (None, None)
         self.nodes = [
@@ -67,6 +83,7 @@ class RedisHA:
         self.password = self.nodes[0].password
         for node in self.nodes:
             node.password = self.password  # one per-run password: nodes and sentinels
+            node.username = self.username
         self.sentinel_ports = [free_port() for _ in range(sentinels)]
         self.sentinel_procs: list[subprocess.Popen | None] = [None] * sentinels
         self.primary = self.nodes[0]  # the primary as last seen (watch())
@@ -78,6 +95,17 @@ class RedisHA:
             [("127.0.0.1", p) for p in self.sentinel_ports],
             self.service,
             self.password,
+            self.username,
+            tls=self.server_tls is not None,
+        )
+
+    def role_url(self, role: str) -> str:
+        """The sentinel URL with ``role``'s user and password (redis.acl_file)."""
+        return format_url(
+            [("127.0.0.1", p) for p in self.sentinel_ports],
+            self.service,
+            self.acl_users[role],
+            role,
             tls=self.server_tls is not None,
         )
 
@@ -86,7 +114,12 @@ class RedisHA:
         hosts = [("127.0.0.1", port) for port in self.sentinel_ports]
         tls = self.server_tls is not None
         return SentinelURL(
-            hosts, self.service, password=self.password, tls=tls, files=self.client_tls
+            hosts,
+            self.service,
+            username=self.username or None,
+            password=self.password,
+            tls=tls,
+            files=self.client_tls,
         )
 
     # ------------------------------------------------------------------ start, stop
@@ -103,10 +136,21 @@ class RedisHA:
             args += ["--replicaof", "127.0.0.1", str(primary.port)]
         return args
 
+    def _node_acl(self, node: EmbeddedRedis) -> list[str]:
+        """redis.acl_file: the node's own users file (written anew: its data directory
+        may have been lost) and ADMIN for the link to its primary."""
+        if not self.acl_file:
+            return []
+        write_node_acl(self.acl_file, [node.data_dir], self.password)
+        return [
+            "--aclfile", os.path.join(node.data_dir, "users.acl"),
+            "--masteruser", ADMIN,
+        ]  # fmt: skip
+
     def start_node(self, k: int, primary: EmbeddedRedis | None) -> None:
         """Start node ``k`` as the primary (``primary`` None) or as its replica."""
         node = self.nodes[k]
-        node.extra_args = self._node_args(primary)
+        node.extra_args = self._node_args(primary) + self._node_acl(node)
         node.start()
 
     def _sentinel_dir(self, k: int) -> str:
@@ -138,15 +182,25 @@ class RedisHA:
             f"dir {d}",
             f"logfile {os.path.join(d, 'sentinel.log')}",
             f"pidfile {os.path.join(d, 'sentinel.pid')}",
-            f"requirepass {pw}",
-            f"sentinel sentinel-pass {pw}",
+            *self._sentinel_auth(),
             f"sentinel monitor {s} 127.0.0.1 {primary.port} {QUORUM}",
             f"sentinel auth-pass {s} {pw}",
+            *([f"sentinel auth-user {s} {ADMIN}"] if self.acl_file else []),
             f"sentinel down-after-milliseconds {s} {DOWN_AFTER_MS}",
             f"sentinel failover-timeout {s} {FAILOVER_TIMEOUT_MS}",
             f"sentinel parallel-syncs {s} 1",
         ]
         return write_private(path, "\n".join(lines) + "\n")
+
+    def _sentinel_auth(self) -> list[str]:
+        """Who may talk to a sentinel: the per-run password (``requirepass``), or with
+        redis.acl_file no default user, ADMIN and each role's discovery-only user; the
+        other sentinels log in with ``sentinel-pass`` (as ADMIN with an ACL file)."""
+        pw = self.password
+        if not self.acl_file:
+            return [f"requirepass {pw}", f"sentinel sentinel-pass {pw}"]
+        users = sentinel_users(self.acl_users, pw)
+        return [*users, f"sentinel sentinel-user {ADMIN}", f"sentinel sentinel-pass {pw}"]
 
     def start_sentinel(self, k: int, primary: EmbeddedRedis | None = None) -> None:
         """Start sentinel ``k`` from its configuration file (written anew when missing,
@@ -161,7 +215,10 @@ class RedisHA:
                 "redis-server redis-sentinel`)"
             )
         self.sentinel_procs[k] = subprocess.Popen(
-            [exe, path, "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            [exe, path, "--sentinel"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            umask=0o077,  # the file it rewrites holds passwords: still 0600 after
         )
 
     def start(self, timeout_s: float = 30.0) -> None:
@@ -214,6 +271,7 @@ class RedisHA:
         return redis.Redis(
             "127.0.0.1",
             port,
+            username=self.username or None,
             password=self.password,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
@@ -308,9 +366,20 @@ def start_local_ha(cfg, run_dir: str) -> RedisHA:
     write the password (``redis/auth``) and the sentinel URL (``redis/url``, read by
     ``pipeline.inspect --run-dir`` and the faults bench), both mode 0600."""
     d = os.path.join(run_dir, "redis")
+    os.makedirs(d, exist_ok=True)
     tls = make_run_certs(os.path.join(d, "tls")) if cfg.redis.tls.enabled else None
-    ha = RedisHA(d, cfg.redis.sentinel_service, cfg.redis.embedded_appendfsync, tls=tls)
+    acl = getattr(cfg.redis, "acl_file", None)
+    users = per_run_users(os.path.abspath(acl), os.path.join(d, "users.acl")) if acl else {}
+    ha = RedisHA(
+        d,
+        cfg.redis.sentinel_service,
+        cfg.redis.embedded_appendfsync,
+        tls=tls,
+        acl_file=os.path.join(d, "users.acl") if acl else None,
+        acl_users=users,
+    )
     ha.start()
+    ha.role_urls = {r: ha.role_url(r) for r in users if r in POOL_ROLES}
     for name, text in (("auth", ha.password), ("url", ha.url)):
         write_private(os.path.join(d, name), text + "\n")
     nodes = ", ".join(f"node-{k} :{n.port}" for k, n in enumerate(ha.nodes))
@@ -321,7 +390,16 @@ def start_local_ha(cfg, run_dir: str) -> RedisHA:
         f"local redis primary and replica on 127.0.0.1 ({nodes}; node-0 is the primary), "
         f"sentinels on {sentinels}{tls_note} (service {ha.service!r}; password in {d}/auth, "
         f"sentinel URL in {d}/url, AOF in {d}/node-*)\n"
-        f'  redis-cli: redis-cli -p {ha.sentinel_ports[0]}{cli_tls} -a "$(cat {d}/auth)" '
-        f"--no-auth-warning sentinel get-master-addr-by-name {ha.service}"
+        f"  redis-cli: redis-cli -p {ha.sentinel_ports[0]}{cli_tls}"
+        + (f" --user {ha.username}" if ha.username else "")
+        + f' -a "$(cat {d}/auth)" --no-auth-warning sentinel get-master-addr-by-name '
+        + ha.service
+        + (
+            f"\n  ACL users of {acl} on every node, and on every sentinel allowed only to "
+            f"find the primary (per-run passwords in {d}/users.acl): the pools connect as "
+            + ", ".join(sorted(ha.role_urls))
+            if acl
+            else ""
+        )
     )
     return ha

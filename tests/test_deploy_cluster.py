@@ -593,10 +593,6 @@ def test_cluster_unit_command_loads_per_role_acl_users(tmp_path):
                           tmp_path, ports[0])  # fmt: skip
     assert no_user.wait(30) == 2
     assert "give NONSTOP_REDIS_URL the user" in (tmp_path / f"node-{ports[0]}.log").read_text()
-    sentinel_url = f"redis+sentinel://admin:{PASSWORD}@127.0.0.1:1/nonstop/0"
-    sentinel_node = _start_node(env | {"NONSTOP_REDIS_URL": sentinel_url}, tmp_path, ports[1])
-    assert sentinel_node.wait(30) == 2  # its sentinels would need the users too: not wired
-    assert "is for single and cluster nodes" in (tmp_path / f"node-{ports[1]}.log").read_text()
     procs = {p: _start_node(env, tmp_path, p) for p in ports}
     try:
         for p in ports:

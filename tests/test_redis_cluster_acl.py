@@ -19,7 +19,7 @@ import redis
 from omegaconf import OmegaConf
 
 from pipeline.config import Config, validate
-from pipeline.redis_cluster import ADMIN, per_run_users
+from pipeline.redis_acl import ADMIN, per_run_users
 from pipeline.streams import Names, RedisRefused, check_permissions, connect, wait_until
 from pipeline.streams.cluster import parse
 from pipeline.streams.durable import Durability
@@ -228,17 +228,22 @@ def test_a_promoted_replica_has_the_same_users(tmp_path):
         local.stop()
 
 
-def test_acl_file_is_for_redis_cluster_and_gets_per_run_passwords(tmp_path):
+def test_acl_file_is_for_the_launchers_topologies_and_gets_per_run_passwords(tmp_path):
     cfg = OmegaConf.structured(Config)
     acl = str(ROOT / "deploy" / "redis" / "users.acl")
-    for mode, url in (("single", None), ("cluster", "redis+cluster://h:1/")):
+    for mode, url in (
+        ("single", None),
+        ("cluster", "redis+cluster://h:1/"),
+        ("sentinel", "redis+sentinel://h:1/s/0"),
+    ):
         bad = cfg.copy()
         bad.redis.mode, bad.redis.url, bad.redis.acl_file = mode, url, acl
-        with pytest.raises(ValueError, match="redis.acl_file is for redis=cluster"):
+        with pytest.raises(ValueError, match="redis.acl_file is for redis=cluster and redis=ha"):
             validate(bad)
-    ok = cfg.copy()
-    ok.redis.mode, ok.redis.acl_file = "cluster", acl
-    validate(ok)
+    for mode in ("cluster", "sentinel"):  # the nodes (and sentinels) the launcher starts
+        ok = cfg.copy()
+        ok.redis.mode, ok.redis.acl_file = mode, acl
+        validate(ok)
     users = per_run_users(acl, str(tmp_path / "u.acl"))
     assert sorted(users) == ["actor", "evaluator", "operator", "preprocessor", "trainer"]
     text = (tmp_path / "u.acl").read_text()

@@ -23,7 +23,7 @@ from pipeline.config import Config, min_replicas_acked, validate
 from pipeline.redis_ha import RedisHA
 from pipeline.redis_server import free_port
 from pipeline.streams import RedisRefused, RedisUnavailable, connect
-from pipeline.streams.sentinel import NotEnoughReplicas, parse
+from pipeline.streams.sentinel import NotEnoughReplicas, failover_gap, parse
 from tests.launching import ROOT, run_tiny
 from tests.redis_builders import WatchRounds, pool_start_line
 
@@ -221,51 +221,73 @@ def test_primary_loss_mid_run_loses_and_duplicates_nothing(tmp_path):
     assert result["passed"] and proc.returncode == 0, proc.stdout[-3000:]
 
 
+def _deploy_topology(tmp_path, url: str, **env_extra) -> tuple[list, list[int], list[int]]:
+    """A primary, a replica and three sentinels started as the systemd units run them
+    (deploy/bin/nonstop-redis-start, nonstop-sentinel-start) with ``url`` and
+    ``env_extra``: (processes, node ports, sentinel ports); the caller stops them."""
+    node_ports = [free_port(), free_port()]
+    sentinel_ports = [int(h.rsplit(":", 1)[1]) for h in url.split("@")[1].split("/")[0].split(",")]
+    procs = []
+    conf = str(tmp_path / "redis.conf")  # a copy: the sentinels CONFIG REWRITE it
+    shutil.copy(ROOT / "deploy/redis/nonstop-redis.conf", conf)
+    for k, port in enumerate(node_ports):
+        role = {
+            "NONSTOP_REDIS_ROLE": "replica",
+            "NONSTOP_REDIS_REPLICAOF": f"127.0.0.1:{node_ports[0]}",
+        }
+        env = dict(
+            os.environ,
+            NONSTOP_REDIS_URL=url,
+            NONSTOP_REDIS_NODE_PORT=str(port),
+            NONSTOP_REDIS_DIR=str(tmp_path / f"node{k}"),
+            NONSTOP_REDIS_RUNTIME=str(tmp_path / f"run{k}"),
+            **(role if k else {}),
+            **env_extra,
+        )
+        procs.append(
+            subprocess.Popen(
+                ["sh", str(ROOT / "deploy/bin/nonstop-redis-start"), conf]
+                + ["--logfile", str(tmp_path / f"node{k}.log")],
+                env=env,
+            )
+        )
+    for k, port in enumerate(sentinel_ports):
+        env = dict(
+            os.environ,
+            NONSTOP_REDIS_URL=url,
+            NONSTOP_SENTINEL_PORT=str(port),
+            NONSTOP_REDIS_PRIMARY=f"127.0.0.1:{node_ports[0]}",
+            NONSTOP_SENTINEL_DIR=str(tmp_path / f"sentinel{k}"),
+            **env_extra,
+        )
+        log = ["--logfile", str(tmp_path / f"sentinel{k}.log")]
+        procs.append(
+            subprocess.Popen([str(ROOT / "deploy/bin/nonstop-sentinel-start"), *log], env=env)
+        )
+    return procs, node_ports, sentinel_ports
+
+
+def _stop_all(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        p.wait(20)
+
+
+def _sentinel_url(user: str, password: str, ports: list[int]) -> str:
+    hosts = ",".join(f"127.0.0.1:{p}" for p in ports)
+    return f"redis+sentinel://{user}:{password}@{hosts}/nonstop/0"
+
+
 def test_deploy_scripts_start_a_primary_replica_and_sentinels(tmp_path):
     """deploy/bin/nonstop-redis-start (primary, replica) and nonstop-sentinel-start, as the
     systemd units run them: the pools' sentinel URL reaches the primary, which refuses
     writes once its replica is gone; no password on a command line."""
-    password, service = "0123abcd" * 4, "nonstop"
-    node_ports, sentinel_ports = [free_port(), free_port()], [free_port() for _ in range(3)]
-    hosts = ",".join(f"127.0.0.1:{p}" for p in sentinel_ports)
-    url = f"redis+sentinel://:{password}@{hosts}/{service}/0"
-    procs = []
-
-    def start(script, **env):
-        env = dict(os.environ, NONSTOP_REDIS_URL=url, **env)
-        log = ["--logfile", str(tmp_path / f"{script}-{len(procs)}.log")]
-        procs.append(subprocess.Popen([str(ROOT / "deploy/bin" / script), *log], env=env))
-        return procs[-1]
-
-    conf = str(tmp_path / "redis.conf")  # a copy: the sentinels CONFIG REWRITE it
-    shutil.copy(ROOT / "deploy/redis/nonstop-redis.conf", conf)
+    password = "0123abcd" * 4
+    url = _sentinel_url("", password, [free_port() for _ in range(3)])
+    procs, node_ports, _ = _deploy_topology(tmp_path, url)
     try:
-        for k, port in enumerate(node_ports):
-            role = {
-                "NONSTOP_REDIS_ROLE": "replica",
-                "NONSTOP_REDIS_REPLICAOF": f"127.0.0.1:{node_ports[0]}",
-            }
-            env = dict(
-                NONSTOP_REDIS_NODE_PORT=str(port),
-                NONSTOP_REDIS_DIR=str(tmp_path / f"node{k}"),
-                NONSTOP_REDIS_RUNTIME=str(tmp_path / f"run{k}"),
-                **(role if k else {}),
-            )
-            env = dict(os.environ, NONSTOP_REDIS_URL=url, **env)
-            procs.append(
-                subprocess.Popen(
-                    ["sh", str(ROOT / "deploy/bin/nonstop-redis-start"), conf]
-                    + ["--logfile", str(tmp_path / f"node{k}.log")],
-                    env=env,
-                )
-            )
-        for k, port in enumerate(sentinel_ports):
-            start(
-                "nonstop-sentinel-start",
-                NONSTOP_SENTINEL_PORT=str(port),
-                NONSTOP_REDIS_PRIMARY=f"127.0.0.1:{node_ports[0]}",
-                NONSTOP_SENTINEL_DIR=str(tmp_path / f"sentinel{k}"),
-            )
         client = connect(url, startup_s=20)
         _wait(lambda: _in_sync(client), 20, lambda: "the replica never synced")
         client.set("k", "v")
@@ -279,10 +301,62 @@ def test_deploy_scripts_start_a_primary_replica_and_sentinels(tmp_path):
         with pytest.raises(NotEnoughReplicas):
             _wait(lambda: connect(url, reconnect_s=1).set("k", "w") and False, 20)
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(20)
+        _stop_all(procs)
+
+
+def test_deploy_scripts_with_per_role_users_on_nodes_and_sentinels(tmp_path):
+    """NONSTOP_REDIS_ACL_FILE (deploy/redis/users.acl plus an admin user of the
+    operator's) on both scripts: the nodes load the users (no default user), the replica
+    syncs as the URL's admin user, the sentinels know each other and log in to the nodes
+    as it, each pool's user finds the primary through them and may do nothing else
+    there; a SIGKILLed primary is failed over. Without a user in the URL: one line."""
+    from pipeline.redis_acl import SENTINEL_RULES
+
+    password = "0123abcd" * 4
+    acl = (ROOT / "deploy" / "redis" / "users.acl").read_text()
+    for role in ("actor", "preprocessor", "trainer", "operator", "evaluator"):
+        acl = acl.replace(f"CHANGE-ME-{role}", f"pw-{role}")
+    acl += f"user admin on >{password} ~* &* +@all\n"
+    (tmp_path / "users.acl").write_text(acl)
+    ports = [free_port() for _ in range(3)]
+    env = {"NONSTOP_REDIS_ACL_FILE": str(tmp_path / "users.acl"), "NONSTOP_REDIS_MIN_REPLICAS": "0"}
+    for script in ("nonstop-sentinel-start", "nonstop-redis-start"):
+        bare = dict(os.environ, NONSTOP_REDIS_URL=_sentinel_url("", password, ports), **env)
+        bare |= {"NONSTOP_SENTINEL_DIR": str(tmp_path / "x"), "NONSTOP_REDIS_PRIMARY": "h:1"}
+        bare |= {"NONSTOP_REDIS_DIR": str(tmp_path / "y"), "NONSTOP_REDIS_RUNTIME": str(tmp_path)}
+        args = [str(ROOT / "deploy/bin" / script)] + (["/dev/null"] if "redis" in script else [])
+        out = subprocess.run(["sh", *args], env=bare, capture_output=True, text=True, timeout=30)
+        assert out.returncode == 2 and "give NONSTOP_REDIS_URL the user" in out.stderr, out
+    url = _sentinel_url("admin", password, ports)
+    procs, node_ports, _ = _deploy_topology(tmp_path, url, **env)
+    try:
+        actor_url = _sentinel_url("actor", "pw-actor", ports)
+        actor = connect(actor_url, startup_s=20, reconnect_s=60)
+        admin = connect(url, startup_s=20)
+        _wait(lambda: _in_sync(admin), 20, lambda: (tmp_path / "node1.log").read_text())
+        assert actor.xadd("nonstop:acl:rollouts", {"f": "v"})
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            actor.xadd("nonstop:acl:batches", {"f": "v"})
+        for port in ports:
+            s = redis.Redis(port=port, username="actor", password="pw-actor", socket_timeout=2)
+            assert int(s.execute_command("SENTINEL GET-MASTER-ADDR-BY-NAME", "nonstop")[1])
+            for command in ("SENTINEL SET nonstop quorum 1", "SENTINEL FAILOVER nonstop"):
+                with pytest.raises(redis.exceptions.NoPermissionError):
+                    s.execute_command(command)
+            with pytest.raises(redis.AuthenticationError):  # the default user is off
+                redis.Redis(port=port, password=password, socket_timeout=2).ping()
+        parsed = parse(url)
+        _wait(lambda: failover_gap(parsed, 1) is None, 30, lambda: failover_gap(parsed, 1))
+        procs[0].kill()  # the primary
+        procs[0].wait()
+        actor.xadd("nonstop:acl:rollouts", {"f": "w"})  # once the sentinels promoted node1
+        assert actor.connection_pool.get_master_address() == ("127.0.0.1", node_ports[1])
+        assert admin.xlen("nonstop:acl:rollouts") == 2
+        conf = (tmp_path / "sentinel0" / "sentinel.conf").read_text()
+        assert "user default off" in conf and "sentinel auth-user nonstop admin" in conf
+        assert SENTINEL_RULES.split()[-1] in conf
+    finally:
+        _stop_all(procs)
 
 
 def _in_sync(client) -> bool:

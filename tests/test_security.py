@@ -84,6 +84,14 @@ def test_pools_run_as_their_own_restricted_redis_users(tmp_path, acl_redis, mode
             forbidden()
     with pytest.raises(redis.exceptions.AuthenticationError):
         redis.Redis.from_url(acl_redis["actor"].replace("pw-actor", "guess")).ping()
+    trainer = redis.Redis.from_url(acl_redis["trainer"])
+    for forbidden in (
+        lambda: trainer.execute_command("MULTI"),  # nothing uses transactions: scripts do
+        lambda: trainer.xadd("nonstop:tiny:rollouts", {"data": b"x"}),
+        lambda: trainer.flushall(),
+    ):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            forbidden()
 
 
 def test_an_empty_redis_stops_the_run_with_a_clear_message(tmp_path, redis_server):

@@ -61,8 +61,9 @@ class RedisConfig:
     # cluster mode, else 0)
     min_replicas_acked: int | None = None
     wait_timeout_ms: int = 2000
-    # redis=cluster: an ACL file of per-role users (deploy/redis/users.acl) every node the
-    # launcher starts loads, with per-run passwords; each pool connects as its role's user
+    # redis=cluster and redis=ha: an ACL file of per-role users (deploy/redis/users.acl)
+    # every node the launcher starts loads, with per-run passwords (the sentinels get the
+    # same users, allowed only to find the primary); each pool connects as its role's user
     acl_file: str | None = None
 
 
@@ -129,11 +130,13 @@ def validate_cluster(cfg: Any) -> None:
     """``redis.mode=cluster`` (pipeline/streams/cluster.py): a redis+cluster:// URL or none
     (redis=cluster), ``redis.shards`` partitions; WAIT settings."""
     url = _get(cfg, "redis.url")
-    if _get(cfg, "redis.acl_file") and (_get(cfg, "redis.mode") != "cluster" or url):
+    if _get(cfg, "redis.acl_file") and (_get(cfg, "redis.mode") == "single" or url):
         raise ValueError(
-            "redis.acl_file is for redis=cluster (the nodes the launcher starts); a Redis of "
-            "your own loads its ACL itself (aclfile, deploy/redis/users.acl) and each pool "
-            "takes its user's URL from NONSTOP_REDIS_URL_<ROLE>: drop redis.acl_file"
+            "redis.acl_file is for redis=cluster and redis=ha (the nodes and sentinels the "
+            "launcher starts); a Redis of your own loads its ACL itself (aclfile, "
+            "deploy/redis/users.acl; NONSTOP_REDIS_ACL_FILE in deploy/bin/nonstop-redis-start "
+            "and nonstop-sentinel-start) and each pool takes its user's URL from "
+            "NONSTOP_REDIS_URL_<ROLE>: drop redis.acl_file"
         )
     if _get(cfg, "redis.mode") != "cluster":
         return

@@ -8,8 +8,8 @@ URL (it travels in ``redis.url`` / ``NONSTOP_REDIS_URL`` like a ``redis://`` one
 ``HOST:PORT`` are the sentinels (26379 when the port is left out), ``SERVICE`` the name
 they monitor the primary under (``redis.sentinel_service``), ``DB`` the database (0).
 The same user and password authenticate on the nodes (the primary and its replicas) and
-on the sentinels (``requirepass``, or the same ACL user defined there: deploy/redis/
-sentinel.conf). ``rediss+sentinel://`` speaks TLS to the sentinels and to the nodes
+on the sentinels (``requirepass``, or the same ACL user defined there:
+pipeline/redis_acl.py, deploy/bin/nonstop-sentinel-start with NONSTOP_REDIS_ACL_FILE). ``rediss+sentinel://`` speaks TLS to the sentinels and to the nodes
 they name, as ``rediss://`` does to one server: the client checks every certificate
 against ``redis.tls.ca`` and presents ``redis.tls.cert``/``key`` (or the
 ``NONSTOP_REDIS_TLS_*`` variables: pipeline/redis_tls.py) to both.
@@ -213,7 +213,8 @@ def probe(parsed: SentinelURL, startup_s: float, delay_s: float = 0.25) -> tuple
             raise RedisRefused(
                 f"the sentinels of {parsed.shown()} refused the credentials ({refused[0]}): "
                 "the user and password in the URL must be valid on the sentinels too "
-                "(requirepass or an ACL user in sentinel.conf, deploy/redis/sentinel.conf)"
+                "(requirepass, or an ACL user in sentinel.conf: NONSTOP_REDIS_ACL_FILE in "
+                "deploy/bin/nonstop-sentinel-start)"
             )
         if answers and not any(answers.values()):
             raise RedisRefused(
