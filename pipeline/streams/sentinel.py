@@ -9,7 +9,8 @@ URL (it travels in ``redis.url`` / ``NONSTOP_REDIS_URL`` like a ``redis://`` one
 they monitor the primary under (``redis.sentinel_service``), ``DB`` the database (0).
 The same user and password authenticate on the nodes (the primary and its replicas) and
 on the sentinels (``requirepass``, or the same ACL user defined there:
-pipeline/redis_acl.py, deploy/bin/nonstop-sentinel-start with NONSTOP_REDIS_ACL_FILE). ``rediss+sentinel://`` speaks TLS to the sentinels and to the nodes
+pipeline/redis_acl.py, deploy/bin/nonstop-sentinel-start with NONSTOP_REDIS_ACL_FILE).
+``rediss+sentinel://`` speaks TLS to the sentinels and to the nodes
 they name, as ``rediss://`` does to one server: the client checks every certificate
 against ``redis.tls.ca`` and presents ``redis.tls.cert``/``key`` (or the
 ``NONSTOP_REDIS_TLS_*`` variables: pipeline/redis_tls.py) to both.
