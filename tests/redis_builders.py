@@ -91,3 +91,42 @@ def acl_cluster(tmp_path, drop: str = "", role: str = "actor"):
     local.start()
     nodes = [("127.0.0.1", n.port) for n in local.nodes]
     return local, {r: format_url(nodes, f"pw-{r}", r) for r in ROLES}
+
+
+def tiny_run_as_role_users(tmp_path, topology: str, parse, nodes) -> tuple[set[str], object]:
+    """The tiny pipeline on ``topology`` (``redis=cluster`` or ``redis=ha``) with
+    ``redis.acl_file=deploy/redis/users.acl``: after the first step, the users connected
+    to the nodes ``nodes(admin)`` names (``admin``: the run's redis/url, ``parse``d;
+    CLIENT LIST as the launcher's user). Asserts the run finished, 4 steps, 0 groups lost or
+    duplicated, the launcher naming the pools' users; returns (users, run directory)."""
+    import json
+
+    import redis
+
+    from pipeline.redis_acl import ADMIN
+    from tests.launching import launch_tiny, wait_for_step
+
+    run_dir = tmp_path / "run"
+    acl = ROOT / "deploy" / "redis" / "users.acl"
+    proc = launch_tiny(tmp_path, run_dir, topology, f"redis.acl_file={acl}")
+    try:
+        wait_for_step(run_dir, proc, timeout=300)
+        admin = parse((run_dir / "redis" / "url").read_text().strip())
+        assert admin.username == ADMIN
+        users = set()
+        for host, port in nodes(admin):
+            node = redis.Redis(host, port, username=admin.username, password=admin.password)
+            users |= {c["user"] for c in node.client_list()}
+            node.close()
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert {"actor", "preprocessor", "trainer"} <= users, users
+    assert proc.returncode == 0, out[-3000:]
+    assert "the pools connect as actor, evaluator, preprocessor, trainer" in out, out[:3000]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    acc = summary["accounting"]
+    assert summary["outcome"] == "finished" and summary["trainer_steps"] == 4, summary
+    assert acc["groups_lost"] == 0 and acc["groups_duplicated"] == 0, acc
+    return users, run_dir

@@ -24,8 +24,8 @@ from pipeline.streams import Names, RedisRefused, check_permissions, connect, wa
 from pipeline.streams.cluster import parse
 from pipeline.streams.durable import Durability
 from pipeline.weight_publisher import set_rendezvous
-from tests.launching import ROOT, launch_tiny, wait_for_step
-from tests.redis_builders import acl_cluster
+from tests.launching import ROOT
+from tests.redis_builders import acl_cluster, tiny_run_as_role_users
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
 
@@ -291,30 +291,9 @@ def test_tiny_pipeline_on_redis_cluster_with_the_shipped_users(tmp_path):
     shipped users with per-run passwords, each pool connects as its role's user
     (NONSTOP_REDIS_URL_<ROLE>) and passes its start-up probes on every partition; the run
     finishes with nothing lost or duplicated."""
-    run_dir = tmp_path / "run"
-    acl = ROOT / "deploy" / "redis" / "users.acl"
-    proc = launch_tiny(tmp_path, run_dir, "redis=cluster", f"redis.acl_file={acl}")
-    try:
-        wait_for_step(run_dir, proc, timeout=300)
-        users = set()  # who is connected to the nodes (CLIENT LIST as the launcher's user)
-        admin = parse((run_dir / "redis" / "url").read_text().strip())
-        for host, port in admin.nodes:
-            node = redis.Redis(host, port, username=admin.username, password=admin.password)
-            users |= {c["user"] for c in node.client_list()}
-            node.close()
-        out, _ = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert {"actor", "preprocessor", "trainer"} <= users, users
+    users, run_dir = tiny_run_as_role_users(tmp_path, "redis=cluster", parse, lambda a: a.nodes)
     # (superuser): a replica's link to its primary, as CLIENT LIST shows it on the replica
     assert users <= {"actor", "preprocessor", "trainer", "evaluator", ADMIN, "(superuser)"}, users
-    assert proc.returncode == 0, out[-3000:]
-    assert "the pools connect as actor, evaluator, preprocessor, trainer" in out, out[:3000]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    acc = summary["accounting"]
-    assert summary["outcome"] == "finished" and summary["trainer_steps"] == 4, summary
-    assert acc["groups_lost"] == 0 and acc["groups_duplicated"] == 0, acc
     users = (run_dir / "redis" / "users.acl").read_text()
     assert (
         "CHANGE-ME" not in users

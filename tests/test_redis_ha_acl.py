@@ -5,7 +5,6 @@ primary, the password alone opens nothing, a failover (primary SIGKILLed, its da
 deleted) keeps the users on the promoted replica, the rejoined node and a restarted
 sentinel, and the tiny pipeline runs end to end with every pool as its own user."""
 
-import json
 import os
 import shutil
 import signal
@@ -19,8 +18,8 @@ from pipeline.redis_acl import ADMIN, SENTINEL_RULES
 from pipeline.redis_ha import start_local_ha
 from pipeline.streams import Names, RedisRefused, connect, wait_until
 from pipeline.streams.sentinel import format_url, parse
-from tests.launching import ROOT, launch_tiny, wait_for_step
-from tests.redis_builders import WatchRounds
+from tests.launching import ROOT
+from tests.redis_builders import WatchRounds, tiny_run_as_role_users
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
 
@@ -147,34 +146,16 @@ def test_a_failover_keeps_the_users_everywhere(ha_acl):
 def test_tiny_pipeline_on_redis_ha_with_the_shipped_users(tmp_path):
     """redis=ha redis.acl_file=deploy/redis/users.acl: each pool connects through the
     sentinels as its role's user and the run finishes with nothing lost or duplicated."""
-    run_dir = tmp_path / "run"
-    proc = launch_tiny(tmp_path, run_dir, "redis=ha", f"redis.acl_file={ACL}")
-    try:
-        wait_for_step(run_dir, proc, timeout=300)
-        admin = parse((run_dir / "redis" / "url").read_text().strip())
-        assert admin.username == ADMIN
-        users = set()  # who is connected to the primary (CLIENT LIST as the launcher's user)
-        for host, port in admin.sentinels:
-            s = redis.Redis(host, port, username=admin.username, password=admin.password)
-            addr = s.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", admin.service)
-            s.close()
-            node = redis.Redis(
-                addr[0].decode(), int(addr[1]), username=admin.username, password=admin.password
-            )
-            users |= {c["user"] for c in node.client_list()}
-            node.close()
-        out, _ = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert {"actor", "preprocessor", "trainer"} <= users, users
+
+    def primary(admin) -> list[tuple[str, int]]:  # as the first sentinel names it
+        host, port = admin.sentinels[0]
+        s = redis.Redis(host, port, username=admin.username, password=admin.password)
+        addr = s.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", admin.service)
+        s.close()
+        return [(addr[0].decode(), int(addr[1]))]
+
+    users, _ = tiny_run_as_role_users(tmp_path, "redis=ha", parse, primary)
     assert users <= {"actor", "preprocessor", "trainer", "evaluator", ADMIN}, users
-    assert proc.returncode == 0, out[-3000:]
-    assert "the pools connect as actor, evaluator, preprocessor, trainer" in out, out[:3000]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    acc = summary["accounting"]
-    assert summary["outcome"] == "finished" and summary["trainer_steps"] == 4, summary
-    assert acc["groups_lost"] == 0 and acc["groups_duplicated"] == 0, acc
 
 
 def test_acl_users_and_tls_together_on_redis_ha(tmp_path, monkeypatch):
