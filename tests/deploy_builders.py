@@ -1,6 +1,7 @@
 """Shared by the deploy tests (tests/test_deploy.py, tests/test_deploy_cluster.py): the
 systemd units read as systemd reads them, a filesystem root to verify them in
-(``unit_root``, a fixture: tests/conftest.py imports it), the env file's variables."""
+(``unit_root``, a fixture: tests/conftest.py imports it), the env file's variables, and
+stopping the processes a test started as the units would (tests/test_redis_ha.py too)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,17 @@ def env_file(path: Path) -> dict[str, str]:
             key, value = line.split("=", 1)
             env[key] = value[1:-1] if value[:1] == value[-1:] == '"' else value
     return env
+
+
+def stop_processes(procs, timeout_s: float = 30) -> None:
+    """SIGTERM every process still running (as systemd stops a unit), wait for each, and
+    SIGKILL one that outlives ``timeout_s``."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

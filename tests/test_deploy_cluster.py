@@ -26,7 +26,7 @@ from pipeline.redis_tls import make_run_certs
 from pipeline.streams import Names, connect
 from pipeline.streams.cluster import parse as parse_cluster
 from pipeline.streams.sentinel import parse as parse_sentinel
-from tests.deploy_builders import env_file, unit_file, verify_units
+from tests.deploy_builders import env_file, stop_processes, unit_file, verify_units
 from tests.slurm_builders import _job_state, sbatch, slurm_env, tail_of, wait_done
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -162,13 +162,7 @@ def test_cluster_unit_command_starts_nodes_that_form_a_cluster_and_fail_over(
         if tls:  # TLS only: no plain-text port answers
             with pytest.raises(redis.ConnectionError):
                 redis.Redis(port=ports[0], password=PASSWORD, socket_timeout=2).ping()
-        form = subprocess.run(
-            [sys.executable, DEPLOY / "bin" / "nonstop-cluster-form"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=180,
-        )
+        form = _form_cluster(env)
         assert form.returncode == 0, form.stdout + form.stderr
         assert "cluster created" in form.stdout
         client = connect(url, reconnect_s=60, tls=client_files)
@@ -196,14 +190,7 @@ def test_cluster_unit_command_starts_nodes_that_form_a_cluster_and_fail_over(
         _wait(replica_in_sync, 60, lambda: (tmp_path / f"node-{victim.port}.log").read_text())
         assert cluster_info(back)["cluster_state"] == "ok"
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs.values())
     for p in ports:  # each node's AOF and nodes.conf in its state directory
         assert (tmp_path / "state" / str(p) / "nodes.conf").exists()
 
@@ -302,13 +289,7 @@ def test_sentinel_mode_commands_run_on_tls(tmp_path):
         assert client.get("k") == b"v"
         assert client.execute_command("WAIT", 1, 5000) == 1
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
 
 
 # ------------------------------------------------------------------ Slurm (slow)
@@ -604,13 +585,7 @@ def test_cluster_unit_command_loads_per_role_acl_users(tmp_path):
             )
             with pytest.raises(redis.AuthenticationError):  # the default user is off
                 redis.Redis(port=p, password=PASSWORD, socket_timeout=2).ping()
-        form = subprocess.run(
-            [sys.executable, DEPLOY / "bin" / "nonstop-cluster-form"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=180,
-        )
+        form = _form_cluster(env)
         assert form.returncode == 0, form.stdout + form.stderr  # replicas in sync: masteruser
         names = Names("nonstop", "acl", cluster=True)
         actor = connect(f"redis+cluster://actor:pw-actor@{nodes}/", reconnect_s=10)
@@ -624,14 +599,18 @@ def test_cluster_unit_command_loads_per_role_acl_users(tmp_path):
         with pytest.raises(redis.exceptions.NoPermissionError):
             actor.flushall()
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs.values())
+
+
+def _form_cluster(env: dict) -> subprocess.CompletedProcess:
+    """deploy/bin/nonstop-cluster-form over the nodes of ``env``'s NONSTOP_REDIS_URL."""
+    return subprocess.run(
+        [sys.executable, DEPLOY / "bin" / "nonstop-cluster-form"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 def _answers(client) -> bool:

@@ -24,6 +24,7 @@ from pipeline.redis_ha import RedisHA
 from pipeline.redis_server import free_port
 from pipeline.streams import RedisRefused, RedisUnavailable, connect
 from pipeline.streams.sentinel import NotEnoughReplicas, failover_gap, parse
+from tests.deploy_builders import stop_processes
 from tests.launching import ROOT, run_tiny
 from tests.redis_builders import WatchRounds, pool_start_line
 
@@ -267,14 +268,6 @@ def _deploy_topology(tmp_path, url: str, **env_extra) -> tuple[list, list[int], 
     return procs, node_ports, sentinel_ports
 
 
-def _stop_all(procs) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        p.wait(20)
-
-
 def _sentinel_url(user: str, password: str, ports: list[int]) -> str:
     hosts = ",".join(f"127.0.0.1:{p}" for p in ports)
     return f"redis+sentinel://{user}:{password}@{hosts}/nonstop/0"
@@ -301,7 +294,7 @@ def test_deploy_scripts_start_a_primary_replica_and_sentinels(tmp_path):
         with pytest.raises(NotEnoughReplicas):
             _wait(lambda: connect(url, reconnect_s=1).set("k", "w") and False, 20)
     finally:
-        _stop_all(procs)
+        stop_processes(procs)
 
 
 def test_deploy_scripts_with_per_role_users_on_nodes_and_sentinels(tmp_path):
@@ -356,7 +349,7 @@ def test_deploy_scripts_with_per_role_users_on_nodes_and_sentinels(tmp_path):
         assert "user default off" in conf and "sentinel auth-user nonstop admin" in conf
         assert SENTINEL_RULES.split()[-1] in conf
     finally:
-        _stop_all(procs)
+        stop_processes(procs)
 
 
 def _in_sync(client) -> bool:
