@@ -54,7 +54,11 @@ def check_account(result: dict, run_dir) -> dict:
     terms = account_run(str(run_dir))
     produced = {r["group"] for r in records if r.get("event") == "group"}
     assert terms["groups_produced"] == len(produced) == result["groups_produced"] > 0
-    assert terms["problems"] == [] == result["problems"]
+    # named in the failure: which groups, and what is wrong with each
+    assert terms["problems"] == [] == result["problems"], (
+        terms["problems"][:10],
+        result["problems"][:10],
+    )
     assert terms["groups_trained"] > 0 and terms["groups_lost"] == 0
     assert result["drain"]["drained"], result["drain"]
     left = terms["in_flight_after_drain"]
