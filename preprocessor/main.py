@@ -106,9 +106,10 @@ def batch_id(chosen: list) -> str:
 
 
 def score_groups(
-    scorers: list[Scorer], groups: list[RolloutGroup], drop_no_signal: bool
+    scorers: list[Scorer], groups: list[RolloutGroup], drop_no_signal: bool, std: str = "group"
 ) -> tuple[list[RolloutGroup], list[RolloutGroup], Counter]:
-    """Run the scorers and set advantages; return (kept, dropped, scorer counters)."""
+    """Run the scorers and set advantages (``std``: trainer.advantage_std); return (kept,
+    dropped, scorer counters)."""
     items = [ScoredGroup(g) for g in groups]
     counts: Counter = Counter()
     for scorer in scorers:
@@ -117,7 +118,7 @@ def score_groups(
     weights = {s.name: s.weight for s in scorers if s.dense}
     kept, dropped = [], []
     for it in items:
-        signal = set_advantages(it.group.samples, it.dense, weights)
+        signal = set_advantages(it.group.samples, it.dense, weights, std=std)
         (kept if signal or not drop_no_signal else dropped).append(it)
     for scorer in scorers:
         if not scorer.dense and kept:
@@ -132,7 +133,8 @@ def process(
     pipeline.streams.shards Part; default the primary)."""
     cfg = pool.cfg.preprocessor
     groups = [group for _id, group in entries]
-    kept, dropped, counts = score_groups(scorers, groups, cfg.drop_no_signal)
+    std = pool.cfg.trainer.advantage_std
+    kept, dropped, counts = score_groups(scorers, groups, cfg.drop_no_signal, std)
     retire_groups(pool.client, pool.names, [(g.group_id, len(g.samples)) for g in dropped])
     batches = to_batches(kept, cfg.token_budget) if kept else []
     for b in batches:

@@ -6,10 +6,13 @@ from __future__ import annotations
 import numpy as np
 
 
-def group_advantages(rewards: list[float], eps: float = 1e-6) -> np.ndarray:
-    """GRPO advantages: (r - mean) / (std + eps) within one group."""
+def group_advantages(rewards: list[float], eps: float = 1e-6, std: str = "group") -> np.ndarray:
+    """GRPO advantages within one group: (r - mean) / (std + eps) with ``std="group"``
+    (trainer.advantage_std, the default); r - mean with ``std="none"`` (Dr. GRPO, Liu et
+    al. 2025, arXiv 2503.20783: no bias towards groups of small reward spread)."""
     r = np.asarray(rewards, dtype=np.float64)
-    return (r - r.mean()) / (r.std() + eps)
+    centred = r - r.mean()
+    return centred / (r.std() + eps) if std == "group" else centred
 
 
 def has_signal(rewards: list[float], tol: float = 1e-9) -> bool:
@@ -43,7 +46,11 @@ def mix_advantages(
 
 
 def set_advantages(
-    samples: list, dense: dict[str, list[np.ndarray]], weights: dict[str, float], tol: float = 1e-9
+    samples: list,
+    dense: dict[str, list[np.ndarray]],
+    weights: dict[str, float],
+    tol: float = 1e-9,
+    std: str = "group",
 ) -> bool:
     """Write each sample's ``advantage`` (and ``token_advantages`` when there are dense
     parts); return whether the group carries a learning signal.
@@ -54,7 +61,7 @@ def set_advantages(
     mixed advantage is not 0 (step or teacher rewards can teach where outcomes tie).
     """
     rewards = [s.reward for s in samples]
-    outcome = group_advantages(rewards)
+    outcome = group_advantages(rewards, std=std)
     for s, a in zip(samples, outcome, strict=True):
         s.advantage = float(a)
     if not dense:
