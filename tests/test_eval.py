@@ -2,8 +2,8 @@
 from a problem file, and the periodic evaluator pool in a real run."""
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path

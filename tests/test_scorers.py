@@ -217,3 +217,17 @@ def test_model_prm_keeps_within_its_context(cfg):
     assert all(p < len(body) for body, positions, _ in fitted for p in positions)
     counts = prm.score([ScoredGroup(g) for g in groups])
     assert counts["prm_scored_groups"] >= 1
+
+
+def test_reference_logprobs_stay_finite_outside_the_references_own_top_k(cfg):
+    """Tokens the actor sampled (here among all) that the reference's own top_k=1 would
+    cut get a finite reference log-prob: it is never truncated (-inf made the KL inf)."""
+    cfg.preprocessor.scorers = ["reference"]
+    groups = rollouts(cfg.model.path)
+    for g in groups:
+        g.top_k = 1
+    [reference] = build_scorers(cfg)
+    reference.score([ScoredGroup(g) for g in groups])
+    refs = np.concatenate([unpack_f32(s.ref_logprobs) for g in groups for s in g.samples])
+    assert np.isfinite(refs).all()
+    assert (refs < -1e-3).mean() > 0.5  # most sampled tokens were not the reference's top 1
