@@ -42,7 +42,7 @@ from pipeline.stopping import final
 from pipeline.streams import DATA, Consumer, Names, publish, retire_groups
 from pipeline.streams.shards import open_consumer
 from preprocessor.scorers import ScoredGroup, Scorer, build_scorers
-from preprocessor.shaping import pack, set_advantages
+from preprocessor.shaping import pack_whole_groups, set_advantages
 
 log = logging.getLogger("preprocessor")
 GROUP = Names.ROLLOUTS_GROUP
@@ -70,18 +70,22 @@ def sampling_key(group: RolloutGroup) -> tuple[float, float, int]:
 
 
 def to_batches(groups: list[RolloutGroup], budget: int) -> list[TrainBatch]:
-    """Pack the groups' samples into token-budget micro-batches. A TrainBatch carries
-    one set of sampling settings, so groups generated under different settings (actors
-    with other sampling.temperature/top_p/top_k) are packed into separate batches."""
+    """Pack the groups into token-budget micro-batches, each group whole in one
+    (shaping.pack_whole_groups; a group over the budget alone gets consecutive ones of
+    its own). A TrainBatch carries one set of sampling settings, so groups generated
+    under different settings (actors with other sampling.temperature/top_p/top_k) are
+    packed into separate batches."""
     by_settings: dict[tuple, list[RolloutGroup]] = {}
     for g in groups:
         by_settings.setdefault(sampling_key(g), []).append(g)
     out = []
     for (temperature, top_p, top_k), same in by_settings.items():
-        items = [(g, s) for g in same for s in g.samples]
-        lengths = [len(unpack_i32(g.prompt_ids)) + len(s.tokens()) for g, s in items]
-        for idx in pack(lengths, budget):
-            chosen = [items[i] for i in idx]
+        prompt = [len(unpack_i32(g.prompt_ids)) for g in same]
+        lengths = [
+            [p + len(s.tokens()) for s in g.samples] for p, g in zip(prompt, same, strict=True)
+        ]
+        for pairs in pack_whole_groups(lengths, budget):
+            chosen = [(same[gi], same[gi].samples[si]) for gi, si in pairs]
             out.append(
                 TrainBatch(
                     schema=SCHEMA_VERSION,

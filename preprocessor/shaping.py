@@ -92,3 +92,35 @@ def pack(lengths: list[int], token_budget: int) -> list[list[int]]:
     if current:
         batches.append(current)
     return batches
+
+
+def pack_whole_groups(lengths: list[list[int]], token_budget: int) -> list[list[tuple[int, int]]]:
+    """Micro-batches of (group, sample) index pairs that keep each group whole.
+
+    ``lengths[g]`` holds group g's sample lengths. Groups are taken by their longest
+    sample (little padding) and a micro-batch holds whole groups while its padded size
+    (rows x longest) fits ``token_budget``. A group that alone exceeds the budget is split
+    by :func:`pack` into consecutive micro-batches of its own. So a batch entry never
+    mixes part of a group with another group: the trainer, which reads entries until a
+    step's worth of samples, takes a group whole into one step, and staleness cannot
+    drop a group's long samples while its short ones train (their advantages were
+    centred over the whole group).
+    """
+    order = sorted(range(len(lengths)), key=lambda g: max(lengths[g]))
+    batches: list[list[tuple[int, int]]] = []
+    current: list[tuple[int, int]] = []
+    width = 0
+    for g in order:
+        rows, longest = len(lengths[g]), max(lengths[g])
+        if rows * longest > token_budget:  # too big whole: its own micro-batches
+            batches.extend([[(g, i) for i in part] for part in pack(lengths[g], token_budget)])
+            continue
+        new_width = max(width, longest)
+        if current and new_width * (len(current) + rows) > token_budget:
+            batches.append(current)
+            current, new_width = [], longest
+        current.extend((g, i) for i in range(rows))
+        width = new_width
+    if current:
+        batches.append(current)
+    return batches
