@@ -206,6 +206,35 @@ def test_step_versions_count_sampling_steps_only():
     assert steps.take(["req7"]) == {}
 
 
+def test_a_preempted_request_resent_as_new_is_counted_from_its_prefill_tokens():
+    """Model runner V2 (CUDA: Llama from 0.24, every model from 0.32) re-sends a
+    preempted request as a new one whose ``prefill_token_ids`` are prompt + sampled
+    tokens; its recompute, chunked, samples once, at the last chunk. Counted from the
+    prompt, the recompute chunks were taken for sampled steps (stamps inexact)."""
+    steps = StepVersions()
+    rid = "req8-0123abcd"
+    steps.record(sched(new=[(rid, 10, 0)], scheduled={rid: 10}, prefill={rid: 10}), 1)
+    for k in range(5):  # 5 decode steps: 15 tokens known
+        steps.record(sched(cached=[(rid, 10 + k)], scheduled={rid: 1}), 1)
+    steps.record(sched(preempted=[rid]), 1)  # its blocks freed; no tokens for it
+    # re-sent as new under version 2: prompt 10 + 6 sampled = 16 tokens, in 3 chunks
+    steps.record(sched(new=[(rid, 10, 0)], scheduled={rid: 6}, prefill={rid: 16}), 2)
+    steps.record(sched(cached=[(rid, 6)], scheduled={rid: 6}), 2)
+    steps.record(sched(cached=[(rid, 12)], scheduled={rid: 4}), 2)  # last chunk: samples
+    steps.record(sched(cached=[(rid, 16)], scheduled={rid: 1}), 3)
+    assert steps.take(["req8"])["req8"] == [[1, 6], [2, 1], [3, 1]]
+    assert steps.sizes()["preempted"] == 1 and steps.sizes()["resumed"] == 1
+    # model runner V1: resumed among the cached requests, recomputed from 0
+    v1 = StepVersions()
+    v1.record(sched(new=[(rid, 10, 0)], scheduled={rid: 10}), 1)
+    v1.record(sched(cached=[(rid, 10)], scheduled={rid: 1}), 1)  # 12 known
+    v1.record(sched(preempted=[rid]), 1)
+    v1.record(sched(cached=[(rid, 0)], scheduled={rid: 8}, resumed=[rid]), 2)
+    v1.record(sched(cached=[(rid, 8)], scheduled={rid: 4}), 2)  # last chunk: samples
+    assert v1.take(["req8"])["req8"] == [[1, 2], [2, 1]]
+    assert v1.sizes()["resumed"] == 1
+
+
 def test_locked_weights_refuse_non_contiguous_parameters():
     with pytest.raises(ValueError, match="contiguous"):
         LockedWeights([("w", torch.zeros(4, 4).t())], 1.0)

@@ -80,7 +80,10 @@ def load_vllm(allow_untested: bool = False) -> SimpleNamespace:
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError as e:
         raise ValueError(VLLM_MISSING) from e
-    check_vllm_version(getattr(vllm, "__version__", ""), allow_untested)
+    from pipeline.vllm_versions import installed_vllm_platform
+
+    version = getattr(vllm, "__version__", "").split("+")[0]
+    check_vllm_version(version, installed_vllm_platform(), allow_untested)
     return SimpleNamespace(
         version=vllm.__version__,
         AsyncLLM=AsyncLLM,
