@@ -40,7 +40,7 @@ class StepVersions:
     far: its count starts from those, so the recompute chunks are not taken for
     sampled steps (they were, counted from the prompt: stamps went inexact).
     ``preempted`` / ``resumed`` count what the scheduler outputs said (the poll's
-    ``step_records``).
+    ``preemption``).
     """
 
     def __init__(self, keep_finished: int = 65536):
@@ -115,6 +115,4 @@ class StepVersions:
             "taken": len(self.taken),
             "finished": len(self.finished),
             "evicted": self.evicted,
-            "preempted": self.preempted,
-            "resumed": self.resumed,
         }
