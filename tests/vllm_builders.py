@@ -6,6 +6,7 @@ tests. Imported by the test modules and by tests/tp_rank.py; no test lives here.
 
 from __future__ import annotations
 
+import os
 import time
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
@@ -211,6 +212,8 @@ def gpu_settings(**kw):
         max_model_len=1024,
         rpc_timeout_s=120.0,
     )
+    if GPU_DRY_RUN and not torch.cuda.is_available():
+        kw["enforce_eager"] = True  # no torch.compile on the CPU dry run: quicker
     out = VLLMConfig(**{**base, **kw})
     cfg = OmegaConf.structured(Config)
     cfg.actor.engine, cfg.actor.vllm = "vllm", OmegaConf.structured(out)
@@ -225,10 +228,16 @@ def need_gpu() -> None:
 
     import pytest
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (run on the GPU host: deploy/vllm/gpu_proof.sh)")
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("needs vLLM 0.24.0 (CUDA) installed")
+    if not torch.cuda.is_available() and not GPU_DRY_RUN:
+        pytest.skip("needs a CUDA GPU (run on the GPU host: deploy/vllm/gpu_proof.sh)")
+
+
+# NONSTOP_GPU_DRY_RUN=1: the gpu tests' code run on the CPU build of vLLM (eager, float
+# tensors on the CPU), to find a mistake in them before a GPU host is lent
+GPU_DRY_RUN = os.environ.get("NONSTOP_GPU_DRY_RUN") == "1"
+GPU_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def install(engine: VLLMEngine, version: int, tensors: dict[str, torch.Tensor]) -> None:

@@ -7,8 +7,8 @@ vLLM's ``WorkerWrapperBase.init_worker`` asserts that the Worker class has none 
 this class's attributes, then appends this class to ``Worker.__bases__`` (the Worker's
 own methods come first; ``self`` is the Worker). Our names start with ``nonstop_`` or
 ``_nonstop`` so they never clash (and ``destroy_worker_extension``, the hook vLLM 0.33
-calls at shutdown; no Worker of 0.24 or 0.32 has it); ``execute_model`` / ``sample_tokens`` are wrapped
-per instance at install, never overridden in the class::
+calls at shutdown; no Worker of 0.24 or 0.32 has it); ``execute_model`` /
+``sample_tokens`` are wrapped per instance at install, never overridden in the class::
 
     actor process (client)                    engine core (this module)
     collective_rpc("nonstop_install")   -->   wrap execute_model / sample_tokens with the
@@ -235,6 +235,21 @@ class NonstopWorkerExtension:
             w.failed += 1
             w.last_error = f"version {version}: {e}"
             raise
+
+    def nonstop_engine_stream(self) -> dict:
+        """The CUDA streams (handles) at install, at the last step's execute_model entry,
+        and of the last swap's copy (None on the CPU): the gpu tests check that the copy
+        went on the stream the steps run on."""
+        w = self._nonstop
+
+        def handle(stream):
+            return getattr(stream, "cuda_stream", None)
+
+        return {
+            "install": handle(w.install_stream),
+            "last_step": handle(w.compute),
+            "last_swap": w.swaps[-1]["stream"] if w.swaps else w.last_swap_stream,
+        }
 
     def nonstop_poll(self, request_ids: list[str] | None = None, take_swaps: bool = True) -> dict:
         """The worker's state; ``take_swaps``: hand over (and forget) the swap records."""

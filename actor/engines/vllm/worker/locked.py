@@ -97,6 +97,7 @@ class LockedWeights:
         self.stream_of = torch.cuda.current_stream if self.cuda else (lambda: None)
         self.compute = self.stream_of()
         self.install_stream = self.compute
+        self.last_swap_stream: Any = None
         self.side = torch.cuda.Stream() if self.cuda else None
         self.lock = threading.Lock()
         self.lock_timeout_s = lock_timeout_s
@@ -354,4 +355,5 @@ class LockedWeights:
         if prep is not None:  # CPU: the packing done outside the lock, and its memory
             rec["prepare_ms"], rec["prepared_mb"] = prep.prepare_ms, prep.rss_mb
         self.swaps.append(rec)
+        self.last_swap_stream = rec["stream"]
         return rec
