@@ -204,6 +204,11 @@ def gpu_settings(**kw):
     from pipeline.config import Config, VLLMConfig
     from pipeline.config.actor import validate_vllm
 
+    # vLLM forks its engine core unless told otherwise; on the GPU host something in the
+    # pytest process (a plugin of the image's) had initialized CUDA, and every engine
+    # core died with "Cannot re-initialize CUDA in forked subprocess" (2026-11-28)
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
     base = dict(
         in_flight=64,
         gpu_memory_utilization=0.3,
