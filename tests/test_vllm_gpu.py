@@ -1,6 +1,6 @@
 """The vllm engine on a CUDA GPU with vLLM 0.24.0 (``-m gpu``): the GPU proof's tests
-(deploy/vllm/gpu_proof.sh runs them on the GPU host; results in
-bench/results/vllm-gpu-*.md).
+(deploy/vllm/gpu_proof.sh runs them on the GPU host; on an H200, 2026-11-28: 9 passed,
+TP=2 skipped; bench/results/vllm-gpu-2026-11-28.md).
 
 - generation through the engine interface;
 - greedy log-probs under versions A, B, A with CUDA graphs on and off (A reproduced

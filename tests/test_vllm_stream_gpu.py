@@ -1,7 +1,8 @@
 """The actor's streaming loop (actor/stream.py) on real vLLM 0.24.0 (``-m gpu``; skipped
 without CUDA, vLLM or redis-server): 64 requests held in flight across group
 boundaries while groups are scored and published to a real redis-server, and swaps
-during the stream. Written to the recipe; not yet run on a GPU."""
+during the stream. On an H200 (2026-11-28) its engine started and generated, and the
+time limit of the call ended it before it finished: not yet shown on a GPU."""
 
 from __future__ import annotations
 
