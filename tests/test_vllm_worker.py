@@ -275,6 +275,33 @@ def test_the_swap_is_enqueued_on_the_stream_the_last_step_ran_on():
         assert w.swap(version)["stream"] == stream
 
 
+def test_the_old_version_is_freed_after_the_lock_in_pieces():
+    """CPU: the swap exchanges pointers under the lock; the old version's tensors are
+    freed after it is released, one at a time with a pause between (a whole version
+    freed at once kept the GIL from the engine thread: retire_ms in the record)."""
+    worker = FakeWorker(FakeVllmModel(vllm_layout(hf_state(hf_model(0)))))
+    worker.nonstop_install(lock_timeout_s=5.0)
+    w = worker._nonstop
+    held_while_freeing = []
+
+    class Probe:  # one of the retired objects: notes whether the lock is held when freed
+        def __del__(self):
+            held_while_freeing.append(w.lock.locked())
+
+    for version, pause in ((1, 0.002), (2, -1)):
+        w.retire_pause_s = pause
+        ann, flat = announcement(version, hf_state(hf_model(version)))
+        w.stage(ann, MemorySource(flat), time.monotonic() + 10)
+        real = w.cpu.exchange
+        w.cpu.exchange = lambda prep, real=real: [*real(prep), Probe()]
+        rec = w.swap(version)
+        w.cpu.exchange = real
+        n = len(w.params)
+        assert rec["retire_ms"] >= (n * 1e3 * pause if pause > 0 else 0), rec
+        assert rec["retire_worst_ms"] <= rec["retire_ms"]
+    assert held_while_freeing == [False, False]
+
+
 def test_destroy_worker_extension_tears_down_as_vllm_0_33_calls_it():
     """vLLM 0.33's WorkerWrapperBase.shutdown calls ``destroy_worker_extension`` found on
     the extension class with the Worker; the receiver thread ends, staging is dropped,

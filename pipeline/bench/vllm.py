@@ -659,6 +659,8 @@ def swap_part(args, engine, tokenizer, path: str, tmp: str) -> tuple[list[dict],
                     "swap_ms": 1e3 * (t1 - t0),
                     "hold_ms": rec.get("hold_ms"),
                     "lock_wait_ms": rec.get("lock_wait_ms"),
+                    "retire_ms": rec.get("retire_ms"),  # CPU: freeing the old version
+                    "retire_worst_ms": rec.get("retire_worst_ms"),
                     "rpcs": dict(tap.calls),
                     "swap_rpc_ms": 1e3 * tap.call_s.get("nonstop_swap_paused", 0.0),
                 }
@@ -736,6 +738,7 @@ def _row(mode: str, events: list[dict], key: str = "added_gap_ms") -> dict:
             "swap_call_ms_p50": med("swap_ms"),
             "lock_hold_ms_p50": med("hold_ms"),
             "lock_wait_ms_p50": med("lock_wait_ms"),
+            "retire_ms_p50": med("retire_ms"),
             "base_gap_ms_p50": med("base_gap_ms"),
             "stage_s_p50": med("stage_s"),
             "stage_gap_ms_p50": med("stage_gap_ms"),
