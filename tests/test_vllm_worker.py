@@ -275,10 +275,10 @@ def test_the_swap_is_enqueued_on_the_stream_the_last_step_ran_on():
         assert w.swap(version)["stream"] == stream
 
 
-def test_the_old_version_is_freed_after_the_lock_in_pieces():
+def test_the_old_version_is_freed_after_the_lock_is_released():
     """CPU: the swap exchanges pointers under the lock; the old version's tensors are
-    freed after it is released, one at a time with a pause between (a whole version
-    freed at once kept the GIL from the engine thread: retire_ms in the record)."""
+    freed after it is released (on the receiver thread: the engine may step
+    meanwhile), and the record says how long that took (retire_ms)."""
     worker = FakeWorker(FakeVllmModel(vllm_layout(hf_state(hf_model(0)))))
     worker.nonstop_install(lock_timeout_s=5.0)
     w = worker._nonstop
@@ -288,18 +288,12 @@ def test_the_old_version_is_freed_after_the_lock_in_pieces():
         def __del__(self):
             held_while_freeing.append(w.lock.locked())
 
-    for version, pause in ((1, 0.002), (2, -1)):
-        w.retire_pause_s = pause
-        ann, flat = announcement(version, hf_state(hf_model(version)))
-        w.stage(ann, MemorySource(flat), time.monotonic() + 10)
-        real = w.cpu.exchange
-        w.cpu.exchange = lambda prep, real=real: [*real(prep), Probe()]
-        rec = w.swap(version)
-        w.cpu.exchange = real
-        n = len(w.params)
-        assert rec["retire_ms"] >= (n * 1e3 * pause if pause > 0 else 0), rec
-        assert rec["retire_worst_ms"] <= rec["retire_ms"]
-    assert held_while_freeing == [False, False]
+    ann, flat = announcement(1, hf_state(hf_model(1)))
+    w.stage(ann, MemorySource(flat), time.monotonic() + 10)
+    real = w.cpu.exchange
+    w.cpu.exchange = lambda prep: [*real(prep), Probe()]
+    rec = w.swap(1)
+    assert held_while_freeing == [False] and rec["retire_ms"] >= 0
 
 
 def test_destroy_worker_extension_tears_down_as_vllm_0_33_calls_it():

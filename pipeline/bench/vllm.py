@@ -26,7 +26,10 @@ swap (``--parts swap``)
     row takes the same measure over a window of the same length with no swap in it
     (the noise floor of the method).
     Rows also carry the swap call's wall time, the lock hold and lock wait the worker
-    reports, the RPCs the call made, and the staging time (the same for both modes).
+    reports, the RPCs the call made, the staging time (the same for every mode) and,
+    on the CPU, ``retire_ms``: freeing the old version's tensors after the lock
+    (worker/locked.py ``_retire``; bench/results/vllm-cpu-2026-11-28.md). On CUDA
+    (``--model gpu-random``, bf16) the same parts run on the GPU.
 
 throughput (``--parts throughput``)
     ``--prompts`` prompts (the math task's, ``task.group_size`` copies of each, as the
@@ -660,7 +663,6 @@ def swap_part(args, engine, tokenizer, path: str, tmp: str) -> tuple[list[dict],
                     "hold_ms": rec.get("hold_ms"),
                     "lock_wait_ms": rec.get("lock_wait_ms"),
                     "retire_ms": rec.get("retire_ms"),  # CPU: freeing the old version
-                    "retire_worst_ms": rec.get("retire_worst_ms"),
                     "rpcs": dict(tap.calls),
                     "swap_rpc_ms": 1e3 * tap.call_s.get("nonstop_swap_paused", 0.0),
                 }

