@@ -41,7 +41,8 @@ def test_swap_part_on_real_vllm(vllm_engine, tmp_path):
     """One lock and one pause swap while four requests stream: both versions go live
     and every row carries its numbers (a stream whose request restarts inside the swap's
     window is unmeasured there: the streams' restarts are staggered, so at most one)."""
-    args = parse(["--parts", "swap", "--model", "tiny-random", "--swaps", "1", "--streams", "4"])
+    argv = ["--parts", "swap", "--model", "tiny-random", "--swaps", "1", "--streams", "4"]
+    args = parse([*argv, "--modes", "lock,pause"])
     engine = vllm_engine.engine
     try:
         rows, extra = swap_part(args, engine, None, vllm_engine.model_dir, str(tmp_path))

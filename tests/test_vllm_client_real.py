@@ -76,13 +76,15 @@ def test_an_untested_vllm_version_is_refused_unless_allowed(monkeypatch, caplog)
     from actor.engines.vllm.client import load_vllm
     from pipeline.vllm_versions import TESTED_VLLM
 
-    assert vllm.__version__ in TESTED_VLLM and {"0.24.0", "0.32.0"} <= set(TESTED_VLLM)
+    assert (vllm.__version__, "cpu") in TESTED_VLLM
+    assert {("0.24.0", "cuda"), ("0.32.0", "cpu")} == set(TESTED_VLLM)
     assert load_vllm().version == vllm.__version__
     monkeypatch.setattr(vllm, "__version__", "0.31.9")
     with pytest.raises(ValueError) as e:
         load_vllm()
     message = str(e.value)
-    for part in ("vLLM 0.31.9 is installed", "0.24.0", "0.32.0", "allow_untested_version=true"):
+    for part in ("vLLM 0.31.9 on the CPU", "0.24.0 on CUDA", "0.32.0 on the CPU",
+                 "allow_untested_version=true"):  # fmt: skip
         assert part in message, message
     with caplog.at_level("WARNING"):
         assert load_vllm(allow_untested=True).version == "0.31.9"
@@ -97,7 +99,7 @@ def test_the_config_check_refuses_an_untested_version(monkeypatch):
     cfg.actor.vllm.in_flight = 32
     config.validate_engine(cfg)  # the installed vLLM is a tested one
     monkeypatch.setattr(vllm_versions, "installed_vllm_version", lambda: "0.33.0")
-    with pytest.raises(ValueError, match="vLLM 0.33.0 is installed"):
+    with pytest.raises(ValueError, match="vLLM 0.33.0 on the CPU is installed"):
         config.validate_engine(cfg)
     cfg.actor.vllm.allow_untested_version = True
     config.validate_engine(cfg)

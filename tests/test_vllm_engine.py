@@ -22,6 +22,7 @@ from pipeline.transfer import TensorSource
 from tests import vllm_fake
 from tests.vllm_builders import (
     announcement,
+    gpu_settings,
     hf_model,
     hf_state,
     new_version,
@@ -220,3 +221,62 @@ def _always_async():
             self.vllm_config.scheduler_config.async_scheduling = True
 
     return SimpleNamespace(**{**vars(vllm_fake.API), "AsyncLLM": AsyncLLM})
+
+
+def test_the_gpu_tests_settings_start_an_engine_here():
+    """The GPU tests' set-up as far as the CPU goes: their settings (gpu_settings: the
+    project's VLLMConfig, every field, validated) start the engine (a fake vLLM
+    here), so a field they lack fails CI, not the GPU host (it did: AttributeError)."""
+    from dataclasses import asdict
+
+    def start(s):
+        vllm_fake.AsyncLLM.model_tensors = vllm_layout(hf_state(hf_model(0)))
+        return VLLMEngine("unused-folder", None, temperature=1.0, top_p=1.0, top_k=0,
+                          settings=s, api=vllm_fake.API)  # fmt: skip
+
+    built = gpu_settings(enforce_eager=True)
+    engine = start(built)
+    try:
+        assert engine.info["params"] > 0
+        assert vllm_fake.AsyncLLM.last.args.gpu_memory_utilization == 0.3
+        assert [len(o.tokens) for o in engine.generate(prompts(4), 5)] == [5] * 4
+    finally:
+        engine.close()
+    bad = asdict(built)
+    del bad["allow_untested_version"]
+    with pytest.raises(AttributeError, match="allow_untested_version"):
+        start(SimpleNamespace(**bad))  # hand-built settings without it: the GPU host's error
+    with pytest.raises(ValueError, match="actor.vllm.in_flight=200 > actor.vllm.max_num_seqs"):
+        gpu_settings(in_flight=200)
+
+
+def test_error_and_abort_finishes_are_failed_requests_never_completions(make):
+    """vLLM ends a request with finish_reason ``error`` (e.g. a KV load failure) or
+    ``abort``: its unit is dropped as failed in streaming (never trained on), and a
+    batch raises."""
+    engine, fake = make(in_flight=8)
+    fake.core.forced_reasons = {50: "error", 60: "abort"}
+    good, bad = [[1, 2, 3]] * 2, [[50, 2, 3], [1, 2, 3]]
+    engine.submit("good", good, 4)
+    engine.submit("bad", bad, 4)
+    engine.submit("aborted", [[60, 1]], 4)
+    got, deadline = {}, time.monotonic() + 30
+    while engine.held_units and time.monotonic() < deadline:
+        got.update(dict(engine.take(0.5)))
+    assert list(got) == ["good"] and [len(c.tokens) for c in got["good"]] == [4, 4]
+    assert engine.units_failed == 2
+    with pytest.raises(RuntimeError, match="finish_reason=error"):
+        engine.generate(bad, 4)
+
+
+def test_a_quantized_checkpoint_is_refused_in_one_line_before_vllm_starts(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "llama", "quantization_config": {"quant_method": "fp8"}})
+    )
+    with pytest.raises(ValueError) as e:
+        VLLMEngine(str(tmp_path), None, temperature=1.0, top_p=1.0, top_k=0,
+                   settings=settings(), api=vllm_fake.API)  # fmt: skip
+    line = str(e.value)
+    assert "\n" not in line and "quantization_config: fp8" in line and "model.name" in line

@@ -206,6 +206,115 @@ def test_step_versions_count_sampling_steps_only():
     assert steps.take(["req7"]) == {}
 
 
+def test_a_preempted_request_resent_as_new_is_counted_from_its_prefill_tokens():
+    """Model runner V2 (CUDA: Llama from 0.24, every model from 0.32) re-sends a
+    preempted request as a new one whose ``prefill_token_ids`` are prompt + sampled
+    tokens; its recompute, chunked, samples once, at the last chunk. Counted from the
+    prompt, the recompute chunks were taken for sampled steps (stamps inexact)."""
+    steps = StepVersions()
+    rid = "req8-0123abcd"
+    steps.record(sched(new=[(rid, 10, 0)], scheduled={rid: 10}, prefill={rid: 10}), 1)
+    for k in range(5):  # 5 decode steps: 15 tokens known
+        steps.record(sched(cached=[(rid, 10 + k)], scheduled={rid: 1}), 1)
+    steps.record(sched(preempted=[rid]), 1)  # its blocks freed; no tokens for it
+    # re-sent as new under version 2: prompt 10 + 6 sampled = 16 tokens, in 3 chunks
+    steps.record(sched(new=[(rid, 10, 0)], scheduled={rid: 6}, prefill={rid: 16}), 2)
+    steps.record(sched(cached=[(rid, 6)], scheduled={rid: 6}), 2)
+    steps.record(sched(cached=[(rid, 12)], scheduled={rid: 4}), 2)  # last chunk: samples
+    steps.record(sched(cached=[(rid, 16)], scheduled={rid: 1}), 3)
+    assert steps.take(["req8"])["req8"] == [[1, 6], [2, 1], [3, 1]]
+    assert steps.preempted == 1 and steps.resumed == 1
+    # model runner V1: resumed among the cached requests, recomputed from 0
+    v1 = StepVersions()
+    v1.record(sched(new=[(rid, 10, 0)], scheduled={rid: 10}), 1)
+    v1.record(sched(cached=[(rid, 10)], scheduled={rid: 1}), 1)  # 12 known
+    v1.record(sched(preempted=[rid]), 1)
+    v1.record(sched(cached=[(rid, 0)], scheduled={rid: 8}, resumed=[rid]), 2)
+    v1.record(sched(cached=[(rid, 8)], scheduled={rid: 4}), 2)  # last chunk: samples
+    assert v1.take(["req8"])["req8"] == [[1, 2], [2, 1]]
+    assert v1.resumed == 1
+
+
+def test_staging_that_does_not_fit_beside_vllm_is_refused_with_the_arithmetic():
+    """vLLM takes gpu_memory_utilization of the GPU (weights, activations, KV cache)
+    before the extension installs; staging (the weights again) must fit in the rest.
+    A 7.6B bf16 model (15.2 GB) at 0.9 of an 80 GiB H100: refused, saying how much
+    is needed, how much is free and the utilization that would fit."""
+    from actor.engines.vllm.worker.locked import check_staging_memory
+
+    gib = 2**30
+    check_staging_memory(int(3 * gib), free=int(10 * gib), total=80 * gib, utilization=0.9)
+    with pytest.raises(ValueError) as e:
+        check_staging_memory(int(15.2e9), free=int(7.5 * gib), total=80 * gib, utilization=0.9)
+    line = str(e.value)
+    assert "\n" not in line
+    for part in ("needs 14.16 GiB", "= 14.66 GiB", "gpu_memory_utilization=0.9 of this GPU's "
+                 "80.0 GiB only 7.50 GiB is free", "to at most 0.81"):  # fmt: skip
+        assert part in line, line
+    with pytest.raises(ValueError, match="cannot fit on this GPU"):
+        check_staging_memory(90 * gib, free=gib, total=80 * gib, utilization=0.5)
+
+
+def test_the_swap_is_enqueued_on_the_stream_the_last_step_ran_on():
+    """The engine's stream is read at every execute_model entry, not once at install
+    (vLLM 0.32+ moves the engine thread onto a stream of its own when it captures CUDA
+    graphs): each swap record names the stream of the step before it. (On the CPU the
+    streams are stand-ins; the CUDA half runs in the gpu tests.)"""
+    worker = FakeWorker(FakeVllmModel(vllm_layout(hf_state(hf_model(0)))))
+    worker.nonstop_install(lock_timeout_s=5.0)
+    w = worker._nonstop
+    streams = iter(["install", "s1", "s2"])
+    w.stream_of = lambda: next(streams)
+    w.compute = w.stream_of()
+    so = sched(cached=[("r-abcdefgh", 5)], scheduled={"r-abcdefgh": 1})
+    for version, stream in ((1, "s1"), (2, "s2")):
+        worker.execute_model(so)
+        worker.sample_tokens(None)
+        ann, flat = announcement(version, hf_state(hf_model(version)))
+        w.stage(ann, MemorySource(flat), time.monotonic() + 10)
+        assert w.swap(version)["stream"] == stream
+
+
+def test_the_old_version_is_freed_after_the_lock_is_released():
+    """CPU: the swap exchanges pointers under the lock; the old version's tensors are
+    freed after it is released (on the receiver thread: the engine may step
+    meanwhile), and the record says how long that took (retire_ms)."""
+    worker = FakeWorker(FakeVllmModel(vllm_layout(hf_state(hf_model(0)))))
+    worker.nonstop_install(lock_timeout_s=5.0)
+    w = worker._nonstop
+    held_while_freeing = []
+
+    class Probe:  # one of the retired objects: notes whether the lock is held when freed
+        def __del__(self):
+            held_while_freeing.append(w.lock.locked())
+
+    ann, flat = announcement(1, hf_state(hf_model(1)))
+    w.stage(ann, MemorySource(flat), time.monotonic() + 10)
+    real = w.cpu.exchange
+    w.cpu.exchange = lambda prep: [*real(prep), Probe()]
+    rec = w.swap(1)
+    assert held_while_freeing == [False] and rec["retire_ms"] >= 0
+
+
+def test_destroy_worker_extension_tears_down_as_vllm_0_33_calls_it():
+    """vLLM 0.33's WorkerWrapperBase.shutdown calls ``destroy_worker_extension`` found on
+    the extension class with the Worker; the receiver thread ends, staging is dropped,
+    and a second call does nothing."""
+    worker = FakeWorker(FakeVllmModel(vllm_layout(hf_state(hf_model(0)))))
+    before = set(threading.enumerate())
+    worker.nonstop_install(lock_timeout_s=5.0)
+    threads = [t for t in set(threading.enumerate()) - before if t.name == "nonstop-receiver"]
+    assert len(threads) == 1
+    hook = getattr(NonstopWorkerExtension, "destroy_worker_extension", None)
+    assert callable(hook)
+    hook(worker)
+    worker._nonstop_jobs.join()
+    for t in threads:
+        t.join(timeout=5)
+    assert not any(t.is_alive() for t in threads) and worker._nonstop.staging is None
+    hook(worker)
+
+
 def test_locked_weights_refuse_non_contiguous_parameters():
     with pytest.raises(ValueError, match="contiguous"):
         LockedWeights([("w", torch.zeros(4, 4).t())], 1.0)

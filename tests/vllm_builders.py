@@ -6,6 +6,7 @@ tests. Imported by the test modules and by tests/tp_rank.py; no test lives here.
 
 from __future__ import annotations
 
+import os
 import time
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
@@ -106,19 +107,32 @@ def shard(hf: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.
     return out
 
 
-def sched(new=(), cached=(), scheduled=None, finished=()):
-    """A minimal SchedulerOutput: new=[(id, prompt_len, computed)], cached=[(id, computed)]."""
+def sched(new=(), cached=(), scheduled=None, finished=(), prefill=None, preempted=(), resumed=()):
+    """A minimal SchedulerOutput (vLLM 0.24's fields): new=[(id, prompt_len, computed)],
+    cached=[(id, computed)]; ``prefill`` {id: n}: model runner V2's
+    ``prefill_token_ids`` (prompt + sampled tokens of a request re-sent after
+    preemption); ``preempted``: ``preempted_req_ids``; ``resumed``: V1's
+    ``resumed_req_ids`` among the cached ones."""
+    prefill = prefill or {}
     return SimpleNamespace(
         scheduled_new_reqs=[
-            SimpleNamespace(req_id=r, prompt_token_ids=[0] * n, num_computed_tokens=c)
+            SimpleNamespace(
+                req_id=r,
+                prompt_token_ids=[0] * n,
+                num_computed_tokens=c,
+                prefill_token_ids=[0] * prefill[r] if r in prefill else None,
+            )
             for r, n, c in new
         ],
         scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[r for r, _ in cached], num_computed_tokens=[c for _, c in cached]
+            req_ids=[r for r, _ in cached],
+            num_computed_tokens=[c for _, c in cached],
+            resumed_req_ids=set(resumed),
         ),
         num_scheduled_tokens=dict(scheduled or {}),
         total_num_scheduled_tokens=sum((scheduled or {}).values()),
         finished_req_ids=set(finished),
+        preempted_req_ids=set(preempted),
     )
 
 
@@ -149,19 +163,20 @@ def prompts(n: int, length: int = 10, shared: bool = False):
 
 
 def settings(**kw):
+    """``actor.vllm`` for the fake-engine tests: the project's VLLMConfig (every field,
+    so a field the engine reads and a test forgot fails here, not on a GPU host)."""
+    from pipeline.config import VLLMConfig
+
     base = dict(
         in_flight=8,
         gpu_memory_utilization=0.5,
         max_num_seqs=64,
-        tensor_parallel_size=1,
         enforce_eager=True,
-        enable_prefix_caching=True,
         max_model_len=512,
         lock_timeout_s=2.0,
         rpc_timeout_s=20.0,
-        allow_untested_version=False,
     )
-    return SimpleNamespace(**{**base, **kw})
+    return VLLMConfig(**{**base, **kw})
 
 
 # ---- the GPU tests (vLLM 0.24.0): a Llama shape vLLM's GPU attention takes, and a
@@ -176,6 +191,58 @@ GPU_CFG = dict(
     num_key_value_heads=2,
     max_position_embeddings=1024,
 )
+
+
+def gpu_settings(**kw):
+    """``actor.vllm`` for the GPU tests (tests/test_vllm_gpu*.py, deploy/vllm/gpu_proof.sh):
+    the project's VLLMConfig with every field, checked by the config's own
+    ``validate_vllm``, so the set-up that failed on the GPU host (a field missing from
+    hand-built settings) fails on the CPU in CI (tests/test_vllm_engine.py starts the
+    fake engine with them)."""
+    from omegaconf import OmegaConf
+
+    from pipeline.config import Config, VLLMConfig
+    from pipeline.config.actor import validate_vllm
+
+    # vLLM forks its engine core unless told otherwise; on the GPU host something in the
+    # pytest process (a plugin of the image's) had initialized CUDA, and every engine
+    # core died with "Cannot re-initialize CUDA in forked subprocess" (2026-11-28)
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+    base = dict(
+        in_flight=64,
+        gpu_memory_utilization=0.3,
+        max_num_seqs=128,
+        enforce_eager=False,
+        max_model_len=1024,
+        rpc_timeout_s=120.0,
+    )
+    if GPU_DRY_RUN and not torch.cuda.is_available():
+        kw["enforce_eager"] = True  # no torch.compile on the CPU dry run: quicker
+    out = VLLMConfig(**{**base, **kw})
+    cfg = OmegaConf.structured(Config)
+    cfg.actor.engine, cfg.actor.vllm = "vllm", OmegaConf.structured(out)
+    validate_vllm(cfg)
+    return out
+
+
+def need_gpu() -> None:
+    """Skip, saying why, where the GPU tests cannot run: after their settings are built
+    (gpu_settings), so CI on the CPU runs the set-up as far as it goes."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs vLLM 0.24.0 (CUDA) installed")
+    if not torch.cuda.is_available() and not GPU_DRY_RUN:
+        pytest.skip("needs a CUDA GPU (run on the GPU host: deploy/vllm/gpu_proof.sh)")
+
+
+# NONSTOP_GPU_DRY_RUN=1: the gpu tests' code run on the CPU build of vLLM (eager, float
+# tensors on the CPU), to find a mistake in them before a GPU host is lent
+GPU_DRY_RUN = os.environ.get("NONSTOP_GPU_DRY_RUN") == "1"
+GPU_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def install(engine: VLLMEngine, version: int, tensors: dict[str, torch.Tensor]) -> None:

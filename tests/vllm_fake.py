@@ -128,6 +128,8 @@ class Req:
 class FakeCore:
     """The engine-core thread: a scheduler, a prefix cache, the worker."""
 
+    forced_reasons: dict[int, str] = {}  # a prompt's first token -> its finish_reason
+
     def __init__(self, worker, max_num_seqs, caching, step_s):
         self.worker, self.max_num_seqs, self.caching, self.step_s = (
             worker,
@@ -260,7 +262,7 @@ class FakeCore:
                 self.running.remove(r)
                 self.finished_ids.add(r.rid)
                 reason = "stop" if token in stops else "length"
-                self._emit(r, reason)
+                self._emit(r, self.forced_reasons.get(r.prompt[0], reason))
         time.sleep(self.step_s)
 
     def _emit(self, r: Req, reason: str):

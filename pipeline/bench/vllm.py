@@ -10,8 +10,14 @@ swap (``--parts swap``)
     ``weights.update_mode=lock`` (the worker's per-forward lock,
     actor/engines/vllm/worker/locked.py) and ``pause`` (vLLM's
     ``pause_generation(mode="keep")`` + the same swap + ``resume_generation``), in
-    ABBA order, ``--swaps`` of each. The mode is the engine's ``update_mode``
-    attribute, set before each swap: one engine, the same streams, so both modes see
+    ABBA order, ``--swaps`` of each; and ``vllm-reload``, the peers' way (PipelineRL,
+    prime-rl, SkyRL, TRL): vLLM's own ``pause_generation(mode="keep")``, the new
+    weights loaded through vLLM's own path (``collective_rpc("reload_weights")``:
+    the model's ``load_weights`` from a checkpoint folder, then vLLM's layerwise
+    post-processing), ``resume_generation`` - the stall a user of those gets. The
+    three interleave in rounds (lock pause vllm-reload, then reversed). The mode is
+    the engine's ``update_mode`` attribute, set before each swap (vllm-reload: the
+    engine's AsyncLLM called directly): one engine, the same streams, so every mode sees
     the same sequence lengths and machine load. Per swap and stream the *added gap*:
     the longest inter-token gap that overlaps the swap call, less the median gap of
     that stream in the second before it (the swap call's window includes its RPCs:
@@ -20,7 +26,10 @@ swap (``--parts swap``)
     row takes the same measure over a window of the same length with no swap in it
     (the noise floor of the method).
     Rows also carry the swap call's wall time, the lock hold and lock wait the worker
-    reports, the RPCs the call made, and the staging time (the same for both modes).
+    reports, the RPCs the call made, the staging time (the same for every mode) and,
+    on the CPU, ``retire_ms``: freeing the old version's tensors after the lock
+    (worker/locked.py ``_retire``; bench/results/vllm-cpu-2026-11-28.md). On CUDA
+    (``--model gpu-random``, bf16) the same parts run on the GPU.
 
 throughput (``--parts throughput``)
     ``--prompts`` prompts (the math task's, ``task.group_size`` copies of each, as the
@@ -57,12 +66,14 @@ import torch
 
 from pipeline.bench.common import LoadProbe, percentile, print_table, write_json
 
-MODES = ("lock", "pause")
+MODES = ("lock", "pause", "vllm-reload")  # vllm-reload: the peers' way (swap part doc)
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 BEFORE_S = 3.0  # quiet streaming between staging and a swap: control + baseline windows
 BASE_S = 1.0  # the baseline window right before a swap (and before its control window)
 AFTER_S = 1.0  # streaming after a swap before the next staging
 TINY_RANDOM = "tiny-random"  # tests/vllm_real.py's random Llama (swap part only)
+GPU_RANDOM = "gpu-random"  # tests/vllm_builders.py GPU_CFG's shape: head_dim 64 (swap part only)
+RANDOM = (TINY_RANDOM, GPU_RANDOM)
 
 
 # -- machine and load ---------------------------------------------------------------
@@ -83,6 +94,8 @@ def machine() -> dict:
     import transformers
 
     info["torch"], info["transformers"] = torch.__version__, transformers.__version__
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
     try:
         import vllm
 
@@ -181,13 +194,16 @@ def load_now() -> dict:
 
 # -- the model, prompts and weights -----------------------------------------------
 def model_folder(spec: str, tmp: str) -> str:
-    if spec == TINY_RANDOM:  # the shape of tests/vllm_real.py's (vLLM's CPU attention takes it)
+    if spec in RANDOM:  # tests/vllm_real.py's shape (vLLM's CPU attention takes it) / GPU_CFG's
         from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(0)
         shape = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2)
+        if spec == GPU_RANDOM:
+            shape = dict(vocab_size=4096, hidden_size=256, intermediate_size=512)
+            shape |= dict(num_hidden_layers=2)
         shape |= dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-        out = os.path.join(tmp, TINY_RANDOM)
+        out = os.path.join(tmp, spec)
         LlamaForCausalLM(LlamaConfig(**shape, max_position_embeddings=4096)).save_pretrained(out)
         return out
     from pipeline.models import materialize_model
@@ -210,15 +226,29 @@ def math_prompts(tokenizer, n: int, group_size: int, seed: int = 0) -> list[list
     return out
 
 
-def versions_of(path: str) -> list[dict[str, torch.Tensor]]:
-    """Two weight sets a trainer could publish for ``path`` (HF names, float32): the
+def versions_of(path: str, dtype: str = "float32") -> list[dict[str, torch.Tensor]]:
+    """Two weight sets a trainer could publish for ``path`` (HF names, ``dtype``): the
     model's own and the same scaled by 1.01; the swaps alternate between them."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     a = {n: p.detach().clone() for n, p in model.named_parameters()}
     del model
-    return [a, {n: t * 1.01 for n, t in a.items()}]
+    cast = getattr(torch, dtype)
+    return [{n: t.to(cast) for n, t in a.items()}, {n: (t * 1.01).to(cast) for n, t in a.items()}]
+
+
+def checkpoint_folder(path: str, hf: dict[str, torch.Tensor], out: str) -> str:
+    """``hf`` as a checkpoint folder vLLM's ``reload_weights(weights_path=...)`` reads
+    (the model's config beside one safetensors file)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    os.makedirs(out, exist_ok=True)
+    shutil.copy(os.path.join(path, "config.json"), out)
+    save_file({n: t.contiguous() for n, t in hf.items()}, os.path.join(out, "model.safetensors"))
+    return out
 
 
 class Published:
@@ -229,6 +259,7 @@ class Published:
     file too."""
 
     def __init__(self, hf: dict[str, torch.Tensor], bucket_mb: float, path: str):
+        self.dtype = str(next(iter(hf.values())).dtype).removeprefix("torch.")
         from safetensors.torch import save_file
 
         from pipeline.weights import bucket_layout, checksum, flatten
@@ -245,7 +276,7 @@ class Published:
         return WeightAnnouncement(
             schema=SCHEMA_VERSION,
             version=version,
-            dtype="float32",
+            dtype=self.dtype,
             buckets=self.layout,
             checksums=self.checksums,
             targets=["actor-0"],
@@ -283,7 +314,10 @@ def vllm_settings(args):
     from pipeline.config import VLLMConfig
 
     return VLLMConfig(
-        enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, rpc_timeout_s=300.0
+        enforce_eager=args.enforce_eager,
+        max_model_len=args.max_model_len,
+        rpc_timeout_s=300.0,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
 
 
@@ -302,7 +336,7 @@ def start_engine(args, path: str):
         top_p=1.0,
         top_k=0,
         settings=s,
-        dtype="float32",
+        dtype=args.dtype,
         seed=0,
         update_mode="lock",
         transfer_timeout_s=120.0,
@@ -321,7 +355,7 @@ def start_raw(args, path: str):
     llm = LLM(
         model=path,
         skip_tokenizer_init=True,
-        dtype="float32",
+        dtype=args.dtype,
         seed=0,
         max_num_seqs=s.max_num_seqs,
         enforce_eager=s.enforce_eager,
@@ -574,14 +608,21 @@ def swap_part(args, engine, tokenizer, path: str, tmp: str) -> tuple[list[dict],
         ]
     max_len = engine.llm.vllm_config.model_config.max_model_len
     stream_tokens = max_len - max(map(len, prompts)) - 1
+    sets = versions_of(path, args.dtype)
     weights = [
         Published(hf, args.bucket_mb, os.path.join(tmp, f"weights-{i}.safetensors"))
-        for i, hf in enumerate(versions_of(path))
+        for i, hf in enumerate(sets)
     ]
+    modes = [m for m in MODES if m in args.modes]
+    folders = []
+    if "vllm-reload" in modes:
+        folders = [checkpoint_folder(path, hf, os.path.join(tmp, f"ckpt-{i}"))
+                   for i, hf in enumerate(sets)]  # fmt: skip
     tap = RpcTap(engine)
     streams = Streams(engine, prompts, stream_tokens, args.temperature)
-    order = [MODES[(i + i // 2) % 2] for i in range(2 * args.swaps)]  # lock pause pause lock..
+    order = [m for r in range(args.swaps) for m in (modes if r % 2 == 0 else modes[::-1])]
     events: list[dict] = []
+    failures: dict[str, str] = {}  # a mode that failed (vllm-reload on a build without it)
     load = Load()
     streams.start()
     try:
@@ -590,13 +631,24 @@ def swap_part(args, engine, tokenizer, path: str, tmp: str) -> tuple[list[dict],
             version = engine.version + 1
             tap.reset()
             s0 = time.perf_counter()
-            weights[version % 2].stage(engine, version)
+            weights[i % 2].stage(engine, version)  # every mode: the same load meanwhile
             s1 = time.perf_counter()
             time.sleep(BEFORE_S)
-            engine.update_mode = mode
             tap.reset()
             t0 = time.perf_counter()
-            engine.swap(version)
+            if mode == "vllm-reload":
+                if failures.get(mode):
+                    continue  # failed once: the other modes go on
+                try:
+                    vllm_reload(engine, folders[i % 2])
+                except Exception as e:  # recorded with the results, never the whole bench
+                    failures[mode] = f"{type(e).__name__}: {e}"[:500]
+                    print(f"  swap {i} {mode} failed: {failures[mode]}")
+                    streams.check()
+                    continue
+            else:
+                engine.update_mode = mode
+                engine.swap(version)
             t1 = time.perf_counter()
             rec = next((r for r in tap.records if r.get("version") == version), {})
             events.append(
@@ -610,6 +662,7 @@ def swap_part(args, engine, tokenizer, path: str, tmp: str) -> tuple[list[dict],
                     "swap_ms": 1e3 * (t1 - t0),
                     "hold_ms": rec.get("hold_ms"),
                     "lock_wait_ms": rec.get("lock_wait_ms"),
+                    "retire_ms": rec.get("retire_ms"),  # CPU: freeing the old version
                     "rpcs": dict(tap.calls),
                     "swap_rpc_ms": 1e3 * tap.call_s.get("nonstop_swap_paused", 0.0),
                 }
@@ -638,7 +691,7 @@ def swap_part(args, engine, tokenizer, path: str, tmp: str) -> tuple[list[dict],
         ev["restarts_near"] = sum(ev["stage_t"][0] - 1 <= s <= t1 + 1 for s in streams.starts)
         ev["t_rel_s"] = t0 - t_first
         del ev["t"], ev["stage_t"]
-    rows = [_row(m, [e for e in events if e["mode"] == m]) for m in MODES]
+    rows = [_row(m, [e for e in events if e["mode"] == m]) for m in modes]
     rows.append(_row("none (control)", events, key="control_gap_ms"))
     extra = {
         "events": events,
@@ -647,8 +700,21 @@ def swap_part(args, engine, tokenizer, path: str, tmp: str) -> tuple[list[dict],
         "restarts": len(streams.starts) - len(prompts),
         "load": load,
         "order": order,
+        "failures": failures,
     }
     return rows, extra
+
+
+def vllm_reload(engine, folder: str) -> None:
+    """The peers' update, on the same engine: vLLM's pause_generation(keep), its own
+    reload_weights from ``folder`` on every worker, resume_generation."""
+    llm, limit = engine.llm, engine.rpc_timeout_s
+    engine._call(llm.pause_generation(mode="keep", clear_cache=False), limit)
+    try:
+        rpc = llm.collective_rpc("reload_weights", timeout=limit, kwargs={"weights_path": folder})
+        engine._call(rpc, limit + 5)
+    finally:
+        engine._call(llm.resume_generation(), limit)
 
 
 def _row(mode: str, events: list[dict], key: str = "added_gap_ms") -> dict:
@@ -659,8 +725,8 @@ def _row(mode: str, events: list[dict], key: str = "added_gap_ms") -> dict:
         "update_mode": mode,
         "swaps": len(events),
         "samples": len(samples),
-        "added_gap_ms_p50": percentile(samples, 50),
-        "added_gap_ms_p90": percentile(samples, 90),
+        "added_gap_ms_p50": percentile(samples, 50) if samples else None,
+        "added_gap_ms_p90": percentile(samples, 90) if samples else None,
         "added_gap_ms_max": max(samples) if samples else None,
         "per_swap_median_ms": [round(x, 1) for x in per_swap],
     }
@@ -674,6 +740,7 @@ def _row(mode: str, events: list[dict], key: str = "added_gap_ms") -> dict:
             "swap_call_ms_p50": med("swap_ms"),
             "lock_hold_ms_p50": med("hold_ms"),
             "lock_wait_ms_p50": med("lock_wait_ms"),
+            "retire_ms_p50": med("retire_ms"),
             "base_gap_ms_p50": med("base_gap_ms"),
             "stage_s_p50": med("stage_s"),
             "stage_gap_ms_p50": med("stage_gap_ms"),
@@ -690,9 +757,10 @@ def _row(mode: str, events: list[dict], key: str = "added_gap_ms") -> dict:
 def parse(argv: list[str]) -> argparse.Namespace:
     day = datetime.date.today().isoformat()
     p = argparse.ArgumentParser(prog="python -m pipeline.bench vllm", description=__doc__)
-    p.add_argument("--out", default=f"bench/results/vllm-cpu-{day}.json")
+    cuda = torch.cuda.is_available()
+    p.add_argument("--out", default=f"bench/results/vllm-{'gpu' if cuda else 'cpu'}-{day}.json")
     p.add_argument("--parts", default="throughput,swap", help="throughput,swap (either or both)")
-    tiny = f"{TINY_RANDOM}: a random Llama, swap part only"
+    tiny = f"{TINY_RANDOM} / {GPU_RANDOM}: a random Llama, swap part only"
     p.add_argument("--model", default="smollm2-135m-instruct", help=f"spec or folder; {tiny}")
     p.add_argument("--streams", type=int, default=16, help="requests streaming during swaps")
     p.add_argument("--swaps", type=int, default=4, help="swaps per update mode")
@@ -706,14 +774,19 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=2048, help="actor.vllm.max_model_len")
     p.add_argument("--bucket-mb", type=float, default=64.0, help="trainer.bucket_mb")
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile (faster start)")
+    p.add_argument("--modes", default=",".join(MODES), help="update modes to compare")
+    p.add_argument("--dtype", default="bfloat16" if cuda else "float32", help="engine dtype")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="CUDA only")
     p.add_argument("--kv-gib-engine", type=int, default=2)
     p.add_argument("--kv-gib-raw", type=int, default=1)
     args = p.parse_args(argv)
     parts = set(args.parts.split(","))
     if not parts or parts - {"throughput", "swap"}:
         p.error(f"--parts {args.parts!r}: name throughput, swap or both")
-    if args.model == TINY_RANDOM and "throughput" in parts:
-        p.error(f"--model {TINY_RANDOM} has no tokenizer: use it with --parts swap")
+    if args.model in RANDOM and "throughput" in parts:
+        p.error(f"--model {args.model} has no tokenizer: use it with --parts swap")
+    if not set(args.modes.split(",")) <= set(MODES):
+        p.error(f"--modes {args.modes!r}: name some of {', '.join(MODES)}")
     if args.swaps < 1 or args.streams < 1 or args.repeats < 1:
         p.error("--swaps, --streams and --repeats must be at least 1")
     args.part_set = parts
@@ -732,7 +805,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         path = model_folder(args.model, tmp)
         tokenizer = None
-        if args.model != TINY_RANDOM:
+        if args.model not in RANDOM:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(path)

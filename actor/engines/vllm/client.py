@@ -80,7 +80,10 @@ def load_vllm(allow_untested: bool = False) -> SimpleNamespace:
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError as e:
         raise ValueError(VLLM_MISSING) from e
-    check_vllm_version(getattr(vllm, "__version__", ""), allow_untested)
+    from pipeline.vllm_versions import installed_vllm_platform
+
+    version = getattr(vllm, "__version__", "").split("+")[0]
+    check_vllm_version(version, installed_vllm_platform(), allow_untested)
     return SimpleNamespace(
         version=vllm.__version__,
         AsyncLLM=AsyncLLM,
@@ -110,13 +113,18 @@ class VLLMEngine(VLLMRequests, VLLMWeights, Engine):
         lora: Any = None,
         lora_seed: int = 0,
         api: SimpleNamespace | None = None,
+        engine_args: dict | None = None,
     ):
         """``lora``: ``model.lora`` (adapters only; rank 0 or None: full weights);
-        ``lora_seed``: the run's seed, so the version-0 adapter is the trainer's."""
+        ``lora_seed``: the run's seed, so the version-0 adapter is the trainer's;
+        ``engine_args``: more AsyncEngineArgs (tests and benchmarks: e.g. a small
+        ``num_gpu_blocks_override`` that forces preemption)."""
         if update_mode not in ("lock", "pause"):
             raise ValueError(f"weights.update_mode={update_mode!r}; use lock or pause")
+        check_unquantized(model_path)
         self.tokenizer = tokenizer
-        self.api = api or load_vllm(allow_untested=bool(settings.allow_untested_version))
+        allow_untested = bool(settings.allow_untested_version)  # read with or without ``api``
+        self.api = api or load_vllm(allow_untested=allow_untested)
         self.settings, self.update_mode = settings, update_mode
         self.rpc_timeout_s = float(settings.rpc_timeout_s)
         self.stats = EngineStats()
@@ -162,6 +170,7 @@ class VLLMEngine(VLLMRequests, VLLMWeights, Engine):
             async_scheduling=False,  # one recorded step per sampled token (module docstring)
             worker_extension_cls="actor.engines.vllm.worker.extension.NonstopWorkerExtension",
             **vllm_lora.engine_kwargs(lora),
+            **(engine_args or {}),
         )
         self.engine_args = args
         # vLLM's worker groups are gloo groups torch makes itself: they would listen on
@@ -224,12 +233,39 @@ class VLLMEngine(VLLMRequests, VLLMWeights, Engine):
             return
         self.closed = True
         try:
+            if not self.llm.errored:  # channel, TP group, staging (vLLM 0.33 calls it too)
+                try:
+                    self.rpc("destroy_worker_extension", timeout=10.0)
+                except Exception as e:
+                    log.warning("the worker extension's teardown failed: %s", e)
             self.llm.shutdown()
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
             if self.adapter_dir is not None:
                 shutil.rmtree(self.adapter_dir, ignore_errors=True)
+
+
+def check_unquantized(model_path: str) -> None:
+    """Refuse a quantized checkpoint before vLLM starts, in one line: the swap copies a
+    trainer's unquantized tensors into the engine's parameters, and a quantized model's
+    parameters are vLLM's processed form (FP8 failed at start, AWQ/GPTQ/block-FP8 at
+    the first update, leaving the engine on version 0). A folder's ``config.json`` is
+    read here; the worker checks vLLM's own model config as well (a hub name)."""
+    path = os.path.join(model_path, "config.json")
+    if not os.path.isfile(path):
+        return
+    import json
+
+    with open(path) as f:
+        quant = json.load(f).get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise ValueError(
+            f"{model_path} is a quantized checkpoint (quantization_config: {method}): the "
+            "vllm engine swaps unquantized weights only; point model.name at an unquantized "
+            "(bf16/fp16/fp32) checkpoint for actor.engine=vllm"
+        )
 
 
 def _stop_ids(tokenizer) -> set[int]:

