@@ -23,6 +23,7 @@ their spread is the pipeline's own noise at this budget.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -179,8 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default="default,truncated_is,no_std", help=",".join(VARIANTS))
     p.add_argument("--eval-problems", type=int, default=32)
     p.add_argument("--timeout-s", type=float, default=1200.0, help="per run")
+    p.add_argument("--render", help="a JSON (or its .partial) to summarise and redraw")
     p.add_argument("extra", nargs="*", help="Hydra overrides for every run")
     args = p.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            payload = json.load(f)
+        finish(payload, args.out)
+        return 0
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -222,13 +229,18 @@ def main(argv: list[str] | None = None) -> int:
                 write_json(args.out + ".partial", payload)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    payload["summary"] = summarize(payload["rows"])
-    print_table(payload["summary"], COLUMNS)
-    write_json(args.out, payload)
-    base = os.path.splitext(args.out)[0]
-    with open(base + ".md", "w") as f:
-        f.write(markdown(payload))
-    plot(payload["rows"], base + ".png")
+    finish(payload, args.out)
     if os.path.exists(args.out + ".partial"):
         os.remove(args.out + ".partial")
     return 0
+
+
+def finish(payload: dict, out: str) -> None:
+    """The summary per variant, printed and saved with the Markdown table and the PNG."""
+    payload["summary"] = summarize(payload["rows"])
+    print_table(payload["summary"], COLUMNS)
+    write_json(out, payload)
+    base = os.path.splitext(out)[0]
+    with open(base + ".md", "w") as f:
+        f.write(markdown(payload))
+    plot(payload["rows"], base + ".png")
