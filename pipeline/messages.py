@@ -133,7 +133,17 @@ def unpack_mask(ids: bytes, counts: bytes, n_tokens: int) -> list[np.ndarray] | 
 # episode's tool calls or tool time are spent); "infra": the tool's infrastructure
 # failed (its process died, the sandbox would not start): the episode is marked
 # ``infra_failure`` and left out of its group's advantage statistics.
-TOOL_OUTCOMES = ("", "ok", "malformed", "unknown_tool", "oversized", "error", "timeout", "budget", "infra")
+TOOL_OUTCOMES = (
+    "",
+    "ok",
+    "malformed",
+    "unknown_tool",
+    "oversized",
+    "error",
+    "timeout",
+    "budget",
+    "infra",
+)
 
 
 def pack_u8(values) -> bytes:
