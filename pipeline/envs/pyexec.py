@@ -20,6 +20,7 @@ is the answer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -114,10 +115,8 @@ async def _talk(proc, code: str, limit: int) -> bytes:
 
 
 def _kill_group(pgid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # already gone
         os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass  # already gone
 
 
 class PyExecEnv(Environment):

@@ -7,8 +7,8 @@ the ids that close it and open the next assistant turn. Sampled ids are never
 decoded and re-encoded (decoding a turn to parse its tool call is reading only),
 so the trainer and the preprocessor see exactly the engine's ids::
 
-    prompt ids | sampled turn 0 | close + open obs | observation | close + open asst | sampled turn 1
-                 mask 1           mask 0            mask 0        mask 0              mask 1
+    prompt | sampled turn 0 | close, open obs | observation | close, open asst | sampled turn 1
+             mask 1           mask 0           mask 0        mask 0            mask 1
 
 :class:`TurnTemplate` finds the two boundary texts by rendering a conversation
 with sentinel contents through ``apply_chat_template``, and refuses a template
