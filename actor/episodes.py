@@ -182,9 +182,7 @@ class EpisodeRunner:
                     return None
         finally:
             self._all(ep.env.close() for ep in eps)
-        return [
-            (prompts[i], eps[i : i + group_size]) for i in range(0, len(eps), group_size)
-        ]
+        return [(prompts[i], eps[i : i + group_size]) for i in range(0, len(eps), group_size)]
 
     def _turn(self, open_: list, prompts: list, turn: int, should_stop) -> bool:
         """One turn of every open episode: generate, cut, step the environments."""
