@@ -137,7 +137,8 @@ class CalcEnv(Environment):
             start = turn.text.rfind("<calc>")
             end = turn.text.rfind("</calc>")
             if start < 0 or start > end:
-                return self._answer(ToolResult("malformed", error_text("</calc> without <calc>")))
+                bad = ToolResult("malformed", error_text("</calc> without <calc>"))
+                return self._answer(self.tools.count(bad))
             expression = turn.text[start + len("<calc>") : end]
             return self._answer(await self.tools.run(lambda _timeout: _async(calc(expression))))
         unknown = [m.group(1) for m in _TAG.finditer(turn.text) if m.group(1) not in KNOWN_TAGS]
