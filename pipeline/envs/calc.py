@@ -9,7 +9,8 @@ Expressions are evaluated by walking a whitelisted AST (numbers, + - * / // % **
 unary +/-, parentheses), with bounds on the text, the exponent and the size of
 every intermediate value; never ``eval``. Settings (``task.env_args``):
 ``terms`` (numbers per problem, default 3), ``digits`` (per number, default 2),
-``system_prompt`` (default :data:`SYSTEM_PROMPT`, a worked example of the format).
+``system_prompt`` (default :data:`SYSTEM_PROMPT`), ``example`` (default true: a
+worked example of the format as chat turns before the question, :data:`EXAMPLE`).
 """
 
 from __future__ import annotations
@@ -25,14 +26,20 @@ from pipeline.tasks import Problem, score
 
 SYSTEM_PROMPT = (
     "You can use a calculator. To compute something, write <calc>expression</calc> and "
-    "stop; you will be given <result>value</result>. When you know the answer, reply "
-    "with the final number.\n"
-    "Example:\n"
-    "user: What is 12 * 34 + 5?\n"
-    "assistant: <calc>12 * 34 + 5</calc>\n"
-    "user: <result>413</result>\n"
-    "assistant: 413"
+    "stop; you will be given <result>value</result>. Then reply with the final number."
 )
+# a worked example, as chat turns before the question (a 135M model follows turns it
+# has seen far better than a description of them)
+EXAMPLE = [
+    {"role": "user", "content": "What is 12 * 34?"},
+    {"role": "assistant", "content": "<calc>12 * 34</calc>"},
+    {"role": "user", "content": "<result>408</result>"},
+    {"role": "assistant", "content": "408"},
+    {"role": "user", "content": "What is 83 - 45?"},
+    {"role": "assistant", "content": "<calc>83 - 45</calc>"},
+    {"role": "user", "content": "<result>38</result>"},
+    {"role": "assistant", "content": "38"},
+]
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 64
 MAX_MAGNITUDE = 10**30
@@ -127,10 +134,9 @@ class CalcEnv(Environment):
     async def reset(self, problem: Problem) -> list[dict]:
         self.problem = problem
         system = self.settings.get("system_prompt", SYSTEM_PROMPT)
-        return [
-            {"role": "system", "content": system},
-            {"role": "user", "content": problem.question},
-        ]
+        example = EXAMPLE if self.settings.get("example", True) else []
+        question = {"role": "user", "content": problem.question}
+        return [{"role": "system", "content": system}, *example, question]
 
     async def step(self, turn: Turn) -> Step:
         if turn.ended == "stop":  # ended on </calc>: a call
