@@ -155,9 +155,10 @@ class EpisodeRunner:
     def close(self) -> None:
         self.loop.close()
 
-    def run(self, problems: list, group_size: int, should_stop=lambda: False):
+    def run(self, problems: list, group_size: int, should_stop=lambda: False, on_turn=None):
         """G episodes per problem, to their ends; per problem (prompt ids, episodes).
-        None when ``should_stop`` cut a turn short (nothing is published)."""
+        None when ``should_stop`` cut a turn short (nothing is published).
+        ``on_turn(open)``: before each turn, how many episodes are open (0 at the end)."""
         cfg = self.cfg.task
         eps = []
         for _ in range(len(problems) * group_size):
@@ -176,12 +177,16 @@ class EpisodeRunner:
                     )
             for turn in range(cfg.episode.max_turns):
                 open_ = [(i, ep) for i, ep in enumerate(eps) if not ep.done]
+                if on_turn is not None:
+                    on_turn(len(open_))
                 if not open_:
                     break
                 if not self._turn(open_, prompts, turn, should_stop):
                     return None
         finally:
             self._all(ep.env.close() for ep in eps)
+            if on_turn is not None:
+                on_turn(0)
         return [(prompts[i], eps[i : i + group_size]) for i in range(0, len(eps), group_size)]
 
     def _turn(self, open_: list, prompts: list, turn: int, should_stop) -> bool:
@@ -278,7 +283,12 @@ def publish_episodes(pool, runner: EpisodeRunner, rewards, prompts_n: int) -> in
     from actor.publish import send_group, to_group
 
     problems = [runner.tasks.sample() for _ in range(prompts_n)]
-    groups = runner.run(problems, pool.cfg.task.group_size, should_stop=pool.tick)
+    groups = runner.run(
+        problems,
+        pool.cfg.task.group_size,
+        should_stop=pool.tick,
+        on_turn=lambda n: pool.status.set(episodes_open=n),
+    )
     if groups is None or pool.stop.is_set():
         return 0  # a half-finished batch is not published
     for problem, (prompt, eps) in zip(problems, groups, strict=True):

@@ -47,7 +47,8 @@ class ScriptedEngine(Engine):
 
 class EchoEnv(Environment):
     """Answers every turn with ``<result>ok</result>`` (outcome "ok") until turn
-    ``turns`` - 1, which ends the episode with reward 1.0; ``on_step(turn)`` runs first
+    ``turns`` - 1, which ends the episode with reward 1.0 when that turn's text has an
+    even length (else 0.0: rewards differ within a group); ``on_step(turn)`` runs first
     (a test's hook: swap weights between turns)."""
 
     on_step = None
@@ -67,7 +68,7 @@ class EchoEnv(Environment):
         if type(self).on_step is not None:
             type(self).on_step(turn)
         if turn.index + 1 >= int(self.settings.get("turns", 3)):
-            return Step(reward=1.0, done=True)
+            return Step(reward=float(len(turn.text) % 2 == 0), done=True)
         self.tools.count(ToolResult("ok", ""))
         return Step(observation="<result>ok</result>", outcome="ok")
 
