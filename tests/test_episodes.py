@@ -207,3 +207,36 @@ def test_reference_logprobs_of_an_episode_are_the_whole_sequence_forward_on_its_
             want = completion_logprobs(model, full, torch.ones_like(full), comp, 1.0)[comp]
         assert len(got) == ep.n_sampled()
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_inspect_shows_an_actors_episode_counters():
+    from pipeline.inspect import pool_info, render
+
+    actor = {"role": "actor", "state": "generating", "heartbeat": "999", "episodes_open": "8"}
+    actor |= {"episodes": "12", "turns": "30", "tool_calls": "18", "tool.ok": "15"}
+    actor |= {"tool.timeout": "2", "tool.malformed": "1", "infra_failures": "1"}
+    actor |= {"episodes_spanning": "3", "multi_turn": "10"}
+    pools = {"actor-0": pool_info(actor, 1000.0, 30)}
+    snap = {
+        "run": "nonstop:x",
+        "time": 1000.0,
+        "redis": {"version": "7", "used_memory": "1M", "maxmemory_policy": "noeviction"},
+        "trainer_version": 1,
+        "published_version": 1,
+        "samples_in_flight": 0,
+        "streams": {},
+        "pools": pools,
+        "dead_letters": {"count": 0, "reported_by_pools": 0, "recent": []},
+    }
+    text = render(snap)
+    for shown in (
+        "episodes in flight 8",
+        "episodes 12",
+        "turns 30",
+        "tool calls 18",
+        "tool timeout 2",
+        "tool malformed 1",
+        "infra failures 1",
+        "episodes spanning versions 3",
+    ):
+        assert shown in text, text
