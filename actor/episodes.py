@@ -33,7 +33,9 @@ under the engine's lock on its own thread, so a tool never delays a swap.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -148,33 +150,56 @@ class EpisodeRunner:
         )
         self.template.check()  # token in, token out reproduces apply_chat_template
         self.tasks = env_cls.tasks(dict(cfg.task.env_args), seed)
+        # the environments' event loop, on a thread of its own: tool calls run there
+        # while this thread drives the engine (the streaming loop goes on generating)
         self.loop = asyncio.new_event_loop()
-        self.gate = self.loop.run_until_complete(_semaphore(e.concurrency))
-        self.counts: Counter = Counter()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="episode-tools")
+        self._thread.daemon = True
+        self._thread.start()
+        self.gate = self.call(_semaphore(e.concurrency))
 
     def close(self) -> None:
-        self.loop.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+    def spawn(self, coro) -> concurrent.futures.Future:
+        """Run ``coro`` on the environments' loop; its future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro):
+        """Run ``coro`` on the environments' loop and wait for its result."""
+        return self.spawn(coro).result()
+
+    def new_episodes(self, n: int) -> list[Episode]:
+        eps = []
+        for _ in range(n):
+            tools = ToolBox(self.limits, self.gate)
+            eps.append(Episode(self.env_cls(dict(self.cfg.task.env_args), tools), tools))
+        return eps
+
+    def openings(self, problems: list, eps: list[Episode], group_size: int) -> list[list[int]]:
+        """Reset every episode; per problem, the prompt ids its G episodes share."""
+        openings = self._all(ep.env.reset(problems[i // group_size]) for i, ep in enumerate(eps))
+        prompts = [self.template.prompt(m) for m in openings]
+        for i in range(0, len(eps), group_size):
+            if any(p != prompts[i] for p in prompts[i : i + group_size]):
+                raise ValueError(
+                    f"{self.env_cls.__name__}.reset gave different opening messages to "
+                    "the episodes of one task: a group shares one prompt"
+                )
+        return prompts[::group_size]
 
     def run(self, problems: list, group_size: int, should_stop=lambda: False, on_turn=None):
         """G episodes per problem, to their ends; per problem (prompt ids, episodes).
         None when ``should_stop`` cut a turn short (nothing is published).
         ``on_turn(open)``: before each turn, how many episodes are open (0 at the end)."""
         cfg = self.cfg.task
-        eps = []
-        for _ in range(len(problems) * group_size):
-            tools = ToolBox(self.limits, self.gate)
-            eps.append(Episode(self.env_cls(dict(cfg.env_args), tools), tools))
+        eps = self.new_episodes(len(problems) * group_size)
         try:
-            openings = self._all(
-                ep.env.reset(problems[i // group_size]) for i, ep in enumerate(eps)
-            )
-            prompts = [self.template.prompt(m) for m in openings]
-            for i in range(0, len(eps), group_size):
-                if any(p != prompts[i] for p in prompts[i : i + group_size]):
-                    raise ValueError(
-                        f"{self.env_cls.__name__}.reset gave different opening messages to "
-                        "the episodes of one task: a group shares one prompt"
-                    )
+            shared = self.openings(problems, eps, group_size)
+            prompts = [shared[i // group_size] for i in range(len(eps))]
             for turn in range(cfg.episode.max_turns):
                 open_ = [(i, ep) for i, ep in enumerate(eps) if not ep.done]
                 if on_turn is not None:
@@ -199,23 +224,33 @@ class EpisodeRunner:
         )
         if should_stop():
             return False
-        turns = []
-        for (_, ep), out, r in zip(open_, outs, room, strict=True):
-            n, ended = self._cut(out, min(r, per_turn))
-            if n == 0:  # nothing sampled (an engine cut short): the episode ends here, on
-                ep.drop_observation()  # its last sampled id
-                ep.done = True
-                turns.append(None)
-                continue
-            ep.add_turn(out, n)
-            text = self.tokenizer.decode(out.tokens[:n], skip_special_tokens=True)
-            turns.append(Turn(text=text, ended=ended, index=turn))
+        turns = [
+            self.take_turn(ep, out, min(r, per_turn), turn)
+            for (_, ep), out, r in zip(open_, outs, room, strict=True)
+        ]
         live = [(ep, t) for (_, ep), t in zip(open_, turns, strict=True) if t is not None]
         steps = self._all(ep.env.step(t) for ep, t in live)
         last = turn == e.max_turns - 1
         for (ep, t), step in zip(live, steps, strict=True):
-            self._apply(ep, t, step, last)
+            self.apply(ep, t, step, last)
         return True
+
+    def take_turn(self, ep: Episode, out: Completion, room: int, index: int) -> Turn | None:
+        """Add a turn's sampled ids (cut) to ``ep``; the Turn the environment reads, or
+        None when nothing was sampled (the episode then ends on its last sampled id)."""
+        n, ended = self._cut(out, room)
+        if n == 0:  # an engine cut short
+            ep.drop_observation()
+            ep.done = True
+            return None
+        ep.add_turn(out, n)
+        text = self.tokenizer.decode(out.tokens[:n], skip_special_tokens=True)
+        return Turn(text=text, ended=ended, index=index)
+
+    def turn_budget(self, ep: Episode) -> int:
+        """The most ids ``ep``'s next turn may sample."""
+        room = self.cfg.task.episode.max_tokens - len(ep.ids)
+        return min(self.cfg.sampling.max_new_tokens, room)
 
     def _cut(self, out: Completion, room: int) -> tuple[int, str]:
         """(ids kept, how the turn ended): at the first stop string, at EOS, or at the
@@ -228,7 +263,9 @@ class EpisodeRunner:
             return n, "eos"
         return n, "length"
 
-    def _apply(self, ep: Episode, turn: Turn, step: Step, last: bool) -> None:
+    def apply(self, ep: Episode, turn: Turn, step: Step, last: bool) -> None:
+        """The environment's answer to ``turn``: the episode ends, or the observation is
+        appended between the template's boundary ids."""
         ep.reward += float(step.reward)
         ep.infra |= step.infra
         outcome = step.outcome
@@ -253,7 +290,7 @@ class EpisodeRunner:
         async def gather():
             return await asyncio.gather(*coros)
 
-        return self.loop.run_until_complete(gather())
+        return self.call(gather())
 
 
 async def _semaphore(n: int) -> asyncio.Semaphore:

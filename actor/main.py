@@ -29,6 +29,7 @@ import zlib
 
 from actor.batch import batch_groups
 from actor.engines import Engine, make_engine
+from actor.episode_stream import stream_episodes
 from actor.episodes import EpisodeRunner
 from actor.stream import stream_groups
 from pipeline.config import run_secret
@@ -155,9 +156,11 @@ def main(argv: list[str] | None = None) -> None:
     pool = start_pool("actor", argv)
     engine = build_engine(pool)
     task, receiver = build_task(pool, engine), start_receiver(pool, engine)
-    # episodes run turn by turn in the batch loop on every engine (actor/episodes.py)
-    streaming = pool.cfg.pipeline.mode == "async" and engine.streaming and not is_env(task)
-    loop, produced = stream_groups if streaming else batch_groups, None
+    streaming = pool.cfg.pipeline.mode == "async" and engine.streaming
+    # episodes: actor/episode_stream.py (streaming: tools overlap other turns), or turn
+    # by turn in the batch loop (actor/episodes.py)
+    stream = stream_episodes if is_env(task) else stream_groups
+    loop, produced = stream if streaming else batch_groups, None
     try:
         produced = loop(pool, engine, task, engine.tokenizer, Window(200), RewardErrors(), receiver)
     finally:

@@ -5,7 +5,9 @@ lives here."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import time
 
 from omegaconf import OmegaConf
 
@@ -45,6 +47,47 @@ class ScriptedEngine(Engine):
         raise NotImplementedError
 
 
+class StreamingScriptedEngine(ScriptedEngine):
+    """The streaming interface (submit / take, as actor/engines/vllm answers it): each
+    submitted unit finishes at once with ``script[its turn index]``; ``submitted``
+    lists the keys in the order they were submitted."""
+
+    streaming = True
+
+    def __init__(self, script, stop_ids=(), finished=True):
+        super().__init__(script, stop_ids, finished)
+        self.submitted, self._open, self.in_flight_now = [], {}, 0
+        self.stats.swap_ms  # noqa: B018 (Report reads it)
+
+    def submit(self, key, prompts, max_new_tokens):
+        self.submitted.append(key)
+        ids = self.script[min(key[-1], len(self.script) - 1)][:max_new_tokens]
+        self._open[key] = [
+            Completion(list(ids), [-0.25] * len(ids), [self.version] * len(ids), self.finished)
+            for _ in prompts
+        ]
+
+    def take(self, timeout):
+        time.sleep(min(timeout, 0.005))
+        done, self._open = list(self._open.items()), {}
+        return done
+
+    @property
+    def open_units(self):
+        return len(self._open)
+
+    @property
+    def held_units(self):
+        return len(self._open)
+
+    def empty_s(self):
+        return 0.0
+
+    def abort_open(self):
+        n, self._open = len(self._open), {}
+        return n
+
+
 class EchoEnv(Environment):
     """Answers every turn with ``<result>ok</result>`` (outcome "ok") until turn
     ``turns`` - 1, which ends the episode with reward 1.0 when that turn's text has an
@@ -52,6 +95,7 @@ class EchoEnv(Environment):
     (a test's hook: swap weights between turns)."""
 
     on_step = None
+    made = 0  # instances so far (slow_first: the first one's tool takes that many seconds)
 
     @classmethod
     def tasks(cls, settings, seed):
@@ -62,11 +106,15 @@ class EchoEnv(Environment):
         return Tasks()
 
     async def reset(self, problem):
+        self.first = type(self).made == 0
+        type(self).made += 1
         return [{"role": "user", "content": problem.question}]
 
     async def step(self, turn: Turn) -> Step:
         if type(self).on_step is not None:
             type(self).on_step(turn)
+        if self.settings.get("slow_first") and self.first:
+            await asyncio.sleep(float(self.settings["slow_first"]))
         if turn.index + 1 >= int(self.settings.get("turns", 3)):
             return Step(reward=float(len(turn.text) % 2 == 0), done=True)
         self.tools.count(ToolResult("ok", ""))

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from actor.engines.hf import HFEngine
+from actor.episode_stream import stream_episodes
 from actor.episodes import EpisodeRunner, publish_episodes
 from pipeline.envs import load_env
 from pipeline.envs.calc import CalcEnv
@@ -39,7 +40,13 @@ from pipeline.telemetry import MetricsFile, PoolStatus, Window, read_jsonl
 from pipeline.transfer import TensorSource
 from pipeline.weights import bucket_layout, checksum, flatten
 from preprocessor.main import to_batches
-from tests.episode_builders import EchoEnv, ScriptedEngine, env_config, smollm2_tokenizer
+from tests.episode_builders import (
+    EchoEnv,
+    ScriptedEngine,
+    StreamingScriptedEngine,
+    env_config,
+    smollm2_tokenizer,
+)
 from trainer.collate import collate
 from trainer.step import token_logprobs
 
@@ -234,3 +241,58 @@ def test_the_template_check_refuses_a_template_that_is_not_append_only(tiny):
         assert "not append-only" in str(e)
     else:
         raise AssertionError("a rewriting template was accepted")
+
+
+def test_the_streaming_loop_generates_other_episodes_while_a_tool_runs(rclient, tmp_path):
+    """pipeline.mode=async on a streaming engine (actor/episode_stream.py): the first
+    episode's tool takes 1.5 s; meanwhile the other episodes' later turns are submitted
+    and finished, and every group is published whole."""
+    tok = smollm2_tokenizer()
+    engine = StreamingScriptedEngine([encode(tok, "hi")], stop_ids=[tok.eos_token_id])
+    cfg = env_config(max_turns=3)
+    cfg.task.env_args = {"turns": 3, "slow_first": 1.5}
+    cfg.task.group_size, cfg.actor.max_queue_groups = 2, 100
+    cfg.actor.vllm.in_flight = 2  # open_target: 2 groups of 2 episodes at once
+    names = Names("test", "stream")
+    pool = Pool(
+        cfg=cfg,
+        name="actor-0",
+        role="actor",
+        client=rclient,
+        names=names,
+        stop=threading.Event(),
+        status=PoolStatus(rclient, names, "actor-0", "actor"),
+        metrics=MetricsFile(str(tmp_path / "metrics.jsonl")),
+    )
+    rclient.set(names.trainer_version, 0)
+    EchoEnv.made = 0
+    runner = EpisodeRunner(cfg, engine, tok, EchoEnv, seed=0)
+    done = {}
+    loop = threading.Thread(
+        target=lambda: done.setdefault(
+            "groups", stream_episodes(pool, engine, runner, tok, Window(10), None, _Receiver())
+        )
+    )
+    loop.start()
+    t0 = time.monotonic()
+    while (0, 0, 2) not in engine.submitted and time.monotonic() - t0 < 30:
+        time.sleep(0.05)
+    time.sleep(0.5)  # the slow episode's group ends and is published
+    pool.stop.set()
+    loop.join(timeout=30)
+    runner.close()
+    slow_turn_1 = engine.submitted.index((0, 0, 1))
+    # while episode (0, 0)'s first tool call ran, the others went through all three turns
+    for other in ((0, 1, 2), (1, 0, 2), (1, 1, 2)):
+        assert engine.submitted.index(other) < slow_turn_1, engine.submitted
+    entries = rclient.xrange(names.rollouts)
+    assert done["groups"] == len(entries) >= 4
+    for _, fields in entries:
+        group = decode(fields[b"data"], RolloutGroup)
+        group.check()
+        assert [s.turns() for s in group.samples] == [3, 3]
+    assert int(rclient.hget(pool.status.key, "episodes")) == 2 * len(entries)
+
+
+class _Receiver:
+    applied = failed = 0

@@ -1,0 +1,118 @@
+"""Episodes without turn boundaries (``task.kind=env``, a streaming engine - vllm - in
+``pipeline.mode=async``).
+
+::
+
+    reads   the environment's tasks; finished turns from the engine (``take``); the
+            environments' answers (futures on the runner's event-loop thread); what
+            actor/room.py reads (lag, backlog, drain: asked without blocking)
+    writes  <run>:rollouts, one group as soon as its G episodes have ended
+            (actor/publish.py send_group); the status hash (actor/stream.py's Report,
+            and the episode counters); ``turn`` metrics records
+    blocks  never on a tool or on another episode: each episode's turn is a unit of
+            its own in the engine; when it finishes, its tool call runs on the
+            runner's event-loop thread (pipeline/envs/tools.py budgets) while the
+            engine goes on with every other episode's turns, and the next turn is
+            submitted when the tool answers
+
+Up to ``open_target`` groups are open at once (as actor/stream.py keeps groups of
+completions); a new group starts only when the Room has room. On stop, open turns
+are aborted and their groups are never published.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+from actor.episodes import Episode, EpisodeRunner, episode_counts
+from actor.publish import send_group, to_group
+from actor.room import Room
+from actor.stream import Report, open_target
+from pipeline.runtime import Pool
+from pipeline.telemetry import Window
+
+log = logging.getLogger("actor")
+
+
+@dataclass
+class OpenGroup:
+    problem: object
+    prompt: list[int]
+    episodes: list[Episode]
+
+
+def stream_episodes(
+    pool: Pool, engine, runner: EpisodeRunner, tokenizer, rewards: Window, errors, receiver
+) -> int:
+    """Keep the engine fed with episode turns until stop; publish each group as its
+    episodes end. Returns the groups published. (The loops' signature: ``tokenizer``
+    and ``errors`` are the runner's own here.)"""
+    cfg = pool.cfg
+    g, target = cfg.task.group_size, open_target(cfg)
+    last_turn = cfg.task.episode.max_turns - 1
+    room, report = Room(pool, engine), Report(pool, engine, receiver, rewards)
+    keys, groups, steps, published, shown = itertools.count(), {}, {}, 0, None
+
+    def submit(gid: int, k: int, index: int) -> None:
+        ep = groups[gid].episodes[k]
+        prompt = groups[gid].prompt + ep.ids
+        engine.submit((gid, k, index), [prompt], runner.turn_budget(ep))
+
+    try:
+        while not pool.stop.is_set():
+            while len(groups) < target and room(0):
+                gid, problem = next(keys), runner.tasks.sample()
+                eps = runner.new_episodes(g)
+                (prompt,) = runner.openings([problem], eps, g)
+                groups[gid] = OpenGroup(problem, prompt, eps)
+                for k in range(g):
+                    submit(gid, k, 0)
+            for (gid, k, index), (out,) in engine.take(timeout=0.02):
+                ep = groups[gid].episodes[k]
+                turn = runner.take_turn(ep, out, runner.turn_budget(ep), index)
+                if turn is not None:  # its environment answers on the loop thread
+                    steps[(gid, k)] = (runner.spawn(ep.env.step(turn)), turn)
+            for (gid, k), (future, turn) in list(steps.items()):
+                if not future.done():
+                    continue
+                del steps[(gid, k)]
+                ep = groups[gid].episodes[k]
+                runner.apply(ep, turn, future.result(), turn.index == last_turn)
+                if not ep.done:
+                    submit(gid, k, turn.index + 1)
+            for gid in [gid for gid, grp in groups.items() if all(e.done for e in grp.episodes)]:
+                if any(key[0] == gid for key in steps):
+                    continue
+                publish(pool, runner, groups.pop(gid), rewards)
+                published += 1
+                room.changed()
+            open_now = sum(not e.done for grp in groups.values() for e in grp.episodes)
+            if open_now != shown:
+                pool.status.set(episodes_open=open_now)
+                shown = open_now
+            pool.tick()
+            report.tick(published, room)
+    finally:
+        dropped = engine.abort_open()
+        for grp in groups.values():
+            runner.call(_close(grp.episodes))
+        if groups:
+            log.info("stopping: %d unfinished groups (%d turns) aborted", len(groups), dropped)
+    return published
+
+
+async def _close(eps: list[Episode]) -> None:
+    for ep in eps:
+        await ep.env.close()
+
+
+def publish(pool: Pool, runner: EpisodeRunner, grp: OpenGroup, rewards: Window) -> None:
+    runner.call(_close(grp.episodes))
+    samples = [ep.to_sample(k) for k, ep in enumerate(grp.episodes)]
+    rewards.add(*[ep.reward for ep in grp.episodes])
+    counts = episode_counts(grp.episodes)
+    send_group(pool, to_group(pool, grp.problem, grp.prompt, samples), episodes=counts)
+    for name, value in counts.items():
+        pool.status.incr(name, value)
