@@ -1,4 +1,6 @@
-"""Episodes (``task.kind=env``): G multi-turn episodes per task, turn by turn on the engine.
+"""Episodes (``task.kind=env``): G multi-turn episodes per task, turn by turn on the engine
+(the batch loop: the hf engine, sync mode; actor/episode_stream.py drives the same
+EpisodeRunner without turn boundaries on a streaming engine in async mode).
 
 ::
 
@@ -26,8 +28,9 @@ weights it was computed with).
 
 The environment answers each turn (``step``): a tool's observation, appended
 between the template's boundary ids (mask 0), or done with the reward. Tool calls
-run on this loop's own event loop between two turns; the weight receiver swaps
-under the engine's lock on its own thread, so a tool never delays a swap.
+run on the runner's event loop, a thread of its own (here: between two turns); the
+weight receiver swaps under the engine's lock on its own thread, so a tool never
+delays a swap.
 """
 
 from __future__ import annotations
