@@ -296,3 +296,18 @@ def test_the_streaming_loop_generates_other_episodes_while_a_tool_runs(rclient, 
 
 class _Receiver:
     applied = failed = 0
+
+
+def test_the_start_up_check_names_where_the_bridge_leaves_the_template():
+    tok = smollm2_tokenizer()
+    template = TurnTemplate.of(tok, "user", [tok.eos_token_id])
+    template.check()  # SmolLM2's ChatML template: the bridge reproduces it
+    # boundary ids that are not the template's (e.g. "\n" dropped after <|im_end|>)
+    template.open_assistant = template.open_assistant[:1] + template.open_assistant[2:]
+    try:
+        template.check()
+    except ValueError as e:
+        assert "does not reproduce the model's chat template" in str(e)
+        assert "at position" in str(e)
+    else:
+        raise AssertionError("a bridge that differs from the template passed the check")
