@@ -311,3 +311,21 @@ def test_the_start_up_check_names_where_the_bridge_leaves_the_template():
         assert "at position" in str(e)
     else:
         raise AssertionError("a bridge that differs from the template passed the check")
+
+
+def test_an_oversized_observation_is_cut_to_its_token_budget_and_counted():
+    tok = smollm2_tokenizer()
+    call = encode(tok, "<calc>2**60</calc>")  # <result>1152921504606846976</result>
+    engine = ScriptedEngine([call, encode(tok, "1") + [tok.eos_token_id]])
+    cfg = env_config("calc", max_observation_tokens=5)
+    cfg.sampling.max_new_tokens = 32
+    runner = EpisodeRunner(cfg, engine, tok, CalcEnv, seed=0)
+    ((prompt, eps),) = runner.run([Problem(id="p", question="2**60?", answer="1")], 2)
+    runner.close()
+    s = eps[0].to_sample(0)
+    assert s.tool_outcomes == ["oversized", ""]
+    observed = s.tokens()[~s.sampled()].tolist()
+    bridge = runner.template
+    assert (
+        observed == bridge.close_assistant + encode(tok, "<result>115")[:5] + bridge.open_assistant
+    )
