@@ -35,6 +35,7 @@ from preprocessor.main import process, usable
 from preprocessor.scoring import group_logprobs
 from preprocessor.shaping import set_advantages
 from tests.message_builders import episode, episode_group, group
+from tests.trainer_builders import run_step
 from trainer.collate import collate
 
 NAMES = Names("nsrl-ep", "run")
@@ -240,3 +241,31 @@ def test_inspect_shows_an_actors_episode_counters():
         "episodes spanning versions 3",
     ):
         assert shown in text, text
+
+
+def test_the_trainer_dead_letters_a_broken_episode_and_trains_the_good_ones(make_trainer, rclient):
+    trainer = make_trainer(samples_per_step=2)
+    stream, names = trainer.pool.names.batches, trainer.pool.names
+
+    def episodes_batch(bid: str, offsets=None) -> TrainBatch:
+        eps = [episode(k, TURNS, VERSIONS, reward=float(k)) for k in range(2)]
+        for k, ep in enumerate(eps):
+            ep.advantage = 1.0 - 2 * k
+        if offsets is not None:  # a turn offset past the end of the completion
+            eps[0].turn_offsets = pack_i32(offsets)
+        return TrainBatch(
+            schema=SCHEMA_VERSION,
+            batch_id=bid,
+            group_ids=[bid, bid],
+            prompt_ids=[pack_i32([1, 2])] * 2,
+            samples=eps,
+            temperature=1.0,
+        )
+
+    publish(rclient, stream, encode(episodes_batch("bad", offsets=[0, 30])))
+    publish(rclient, stream, encode(episodes_batch("good")))
+    m = run_step(trainer)
+    assert m["sample_ids"] == ["good/0", "good/1"] and m["dead_lettered"] == 2
+    assert m["tokens"] == 10  # 5 sampled tokens each: observation ids are not trained
+    (dead,) = rclient.xrange(names.dead)
+    assert b"bad/0 has a turn offset outside its 9 completion ids" in dead[1][b"reason"]
