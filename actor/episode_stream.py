@@ -50,10 +50,42 @@ def stream_episodes(
     episodes end. Returns the groups published. (The loops' signature: ``tokenizer``
     and ``errors`` are the runner's own here.)"""
     cfg = pool.cfg
-    g, target = cfg.task.group_size, open_target(cfg)
-    last_turn = cfg.task.episode.max_turns - 1
     room, report = Room(pool, engine), Report(pool, engine, receiver, rewards)
-    keys, groups, steps, published, shown = itertools.count(), {}, {}, 0, None
+    shown, published = [None], [0]
+
+    def finished(grp: OpenGroup) -> None:
+        publish(pool, runner, grp, rewards)
+        published[0] += 1
+        room.changed()
+
+    def tick(open_now: int) -> None:
+        if open_now != shown[0]:
+            pool.status.set(episodes_open=open_now)
+            shown[0] = open_now
+        pool.tick()
+        report.tick(published[0], room)
+
+    drive_episodes(
+        engine,
+        runner,
+        cfg.task.group_size,
+        open_target(cfg),
+        admit=lambda: room(0),
+        finished=finished,
+        stop=pool.stop.is_set,
+        tick=tick,
+    )
+    return published[0]
+
+
+def drive_episodes(engine, runner: EpisodeRunner, g: int, target: int, admit, finished, stop, tick):
+    """The loop itself: keep up to ``target`` groups of ``g`` episodes open while
+    ``admit()`` allows a new one; each finished turn's environment step runs on the
+    runner's loop thread while the engine goes on; ``finished(group)`` for each group
+    whose episodes all ended (its environments closed first); ``tick(open episodes)``
+    once per pass; until ``stop()``. Open turns are aborted on the way out."""
+    last_turn = runner.cfg.task.episode.max_turns - 1
+    keys, groups, steps = itertools.count(), {}, {}
 
     def submit(gid: int, k: int, index: int) -> None:
         ep = groups[gid].episodes[k]
@@ -61,8 +93,8 @@ def stream_episodes(
         engine.submit((gid, k, index), [prompt], runner.turn_budget(ep))
 
     try:
-        while not pool.stop.is_set():
-            while len(groups) < target and room(0):
+        while not stop():
+            while len(groups) < target and admit():
                 gid, problem = next(keys), runner.tasks.sample()
                 eps = runner.new_episodes(g)
                 (prompt,) = runner.openings([problem], eps, g)
@@ -83,24 +115,17 @@ def stream_episodes(
                 if not ep.done:
                     submit(gid, k, turn.index + 1)
             for gid in [gid for gid, grp in groups.items() if all(e.done for e in grp.episodes)]:
-                if any(key[0] == gid for key in steps):
-                    continue
-                publish(pool, runner, groups.pop(gid), rewards)
-                published += 1
-                room.changed()
-            open_now = sum(not e.done for grp in groups.values() for e in grp.episodes)
-            if open_now != shown:
-                pool.status.set(episodes_open=open_now)
-                shown = open_now
-            pool.tick()
-            report.tick(published, room)
+                if not any(key[0] == gid for key in steps):
+                    grp = groups.pop(gid)
+                    runner.call(_close(grp.episodes))
+                    finished(grp)
+            tick(sum(not e.done for grp in groups.values() for e in grp.episodes))
     finally:
         dropped = engine.abort_open()
         for grp in groups.values():
             runner.call(_close(grp.episodes))
         if groups:
             log.info("stopping: %d unfinished groups (%d turns) aborted", len(groups), dropped)
-    return published
 
 
 async def _close(eps: list[Episode]) -> None:
@@ -109,7 +134,6 @@ async def _close(eps: list[Episode]) -> None:
 
 
 def publish(pool: Pool, runner: EpisodeRunner, grp: OpenGroup, rewards: Window) -> None:
-    runner.call(_close(grp.episodes))
     samples = [ep.to_sample(k) for k, ep in enumerate(grp.episodes)]
     rewards.add(*[ep.reward for ep in grp.episodes])
     counts = episode_counts(grp.episodes)
