@@ -10,12 +10,15 @@ unary +/-, parentheses), with bounds on the text, the exponent and the size of
 every intermediate value; never ``eval``. Settings (``task.env_args``):
 ``terms`` (numbers per problem, default 3), ``digits`` (per number, default 2),
 ``system_prompt`` (default :data:`SYSTEM_PROMPT`), ``example`` (default true: a
-worked example of the format as chat turns before the question, :data:`EXAMPLE`).
+worked example of the format as chat turns before the question, :data:`EXAMPLE`),
+``tool_delay_s`` (seconds each call takes, a number or ``[low, high]``: a slow tool for
+the agentic benchmark; default 0).
 """
 
 from __future__ import annotations
 
 import ast
+import asyncio
 import operator
 import random
 import re
@@ -146,7 +149,14 @@ class CalcEnv(Environment):
                 bad = ToolResult("malformed", error_text("</calc> without <calc>"))
                 return self._answer(self.tools.count(bad))
             expression = turn.text[start + len("<calc>") : end]
-            return self._answer(await self.tools.run(lambda _timeout: _async(calc(expression))))
+            delay = self._delay()
+
+            async def call(_timeout):
+                if delay:  # tool_delay_s: a slow tool (benchmarks, tests)
+                    await asyncio.sleep(delay)
+                return calc(expression)
+
+            return self._answer(await self.tools.run(call))
         unknown = [m.group(1) for m in _TAG.finditer(turn.text) if m.group(1) not in KNOWN_TAGS]
         if unknown and turn.ended == "eos":
             text = error_text(f"unknown tool {unknown[-1]!r}; the tool is <calc>")
@@ -154,10 +164,14 @@ class CalcEnv(Environment):
         reward, _error = score(turn.text, self.problem.answer)
         return Step(reward=reward, done=True)
 
+    def _delay(self) -> float:
+        """``tool_delay_s``: seconds each call takes, a number or [low, high] (uniform)."""
+        d = self.settings.get("tool_delay_s", 0.0)
+        if isinstance(d, int | float):
+            return float(d)
+        low, high = (float(x) for x in d)
+        return random.Random(f"{self.problem.id}:{self.tools.calls}:{id(self)}").uniform(low, high)
+
     @staticmethod
     def _answer(result: ToolResult) -> Step:
         return Step(observation=result.text, outcome=result.outcome, infra=result.infra)
-
-
-async def _async(value):
-    return value
