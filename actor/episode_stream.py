@@ -85,12 +85,13 @@ def drive_episodes(engine, runner: EpisodeRunner, g: int, target: int, admit, fi
     whose episodes all ended (its environments closed first); ``tick(open episodes)``
     once per pass; until ``stop()``. Open turns are aborted on the way out."""
     last_turn = runner.cfg.task.episode.max_turns - 1
-    keys, groups, steps = itertools.count(), {}, {}
+    keys, groups, steps, turns = itertools.count(), {}, {}, set()
 
     def submit(gid: int, k: int, index: int) -> None:
         ep = groups[gid].episodes[k]
         prompt = groups[gid].prompt + ep.ids
         engine.submit((gid, k, index), [prompt], runner.turn_budget(ep))
+        turns.add((gid, k, index))
 
     try:
         while not stop():
@@ -102,10 +103,20 @@ def drive_episodes(engine, runner: EpisodeRunner, g: int, target: int, admit, fi
                 for k in range(g):
                     submit(gid, k, 0)
             for (gid, k, index), (out,) in engine.take(timeout=0.02):
+                turns.discard((gid, k, index))
+                if gid not in groups:  # dropped: another of its episodes failed at once
+                    continue
                 ep = groups[gid].episodes[k]
                 turn = runner.take_turn(ep, out, runner.turn_budget(ep), index)
                 if turn is not None:  # its environment answers on the loop thread
                     steps[(gid, k)] = (runner.spawn(ep.env.step(turn)), turn)
+            for gid, k, index in turns - engine.held_keys():  # its request failed
+                turns.discard((gid, k, index))
+                if gid in groups and not end_failed(groups[gid].episodes[k]):
+                    log.error("group %s dropped: an episode's first turn failed", gid)
+                    runner.call(_close(groups.pop(gid).episodes))
+                    for key in [key for key in steps if key[0] == gid]:
+                        del steps[key]
             for (gid, k), (future, turn) in list(steps.items()):
                 if not future.done():
                     continue
@@ -126,6 +137,16 @@ def drive_episodes(engine, runner: EpisodeRunner, g: int, target: int, admit, fi
             runner.call(_close(grp.episodes))
         if groups:
             log.info("stopping: %d unfinished groups (%d turns) aborted", len(groups), dropped)
+
+
+def end_failed(ep: Episode) -> bool:
+    """The engine failed a turn's request (logged by the engine): the episode ends on
+    its last sampled id, marked as an infrastructure failure (out of its group's
+    advantage statistics, never scored as a wrong answer). False when it had sampled
+    nothing yet: its group cannot be published and is dropped (never produced)."""
+    ep.drop_observation()
+    ep.done = ep.infra = True
+    return bool(ep.offsets)
 
 
 async def _close(eps: list[Episode]) -> None:

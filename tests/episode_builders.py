@@ -67,10 +67,12 @@ class StreamingScriptedEngine(ScriptedEngine):
             for _ in prompts
         ]
 
+    fail: set = frozenset()  # unit keys whose request fails (take drops them, as vllm does)
+
     def take(self, timeout):
         time.sleep(min(timeout, 0.005))
         done, self._open = list(self._open.items()), {}
-        return done
+        return [(key, outs) for key, outs in done if key not in self.fail]
 
     @property
     def open_units(self):
@@ -79,6 +81,9 @@ class StreamingScriptedEngine(ScriptedEngine):
     @property
     def held_units(self):
         return len(self._open)
+
+    def held_keys(self):
+        return set(self._open)
 
     def empty_s(self):
         return 0.0

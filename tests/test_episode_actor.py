@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from actor.engines.hf import HFEngine
-from actor.episode_stream import stream_episodes
+from actor.episode_stream import drive_episodes, stream_episodes
 from actor.episodes import EpisodeRunner, publish_episodes
 from pipeline.envs import load_env
 from pipeline.envs.calc import CalcEnv
@@ -329,3 +329,32 @@ def test_an_oversized_observation_is_cut_to_its_token_budget_and_counted():
     assert (
         observed == bridge.close_assistant + encode(tok, "<result>115")[:5] + bridge.open_assistant
     )
+
+
+def test_a_failed_turn_request_ends_its_episode_as_an_infra_failure():
+    """The streaming loop's own part (drive_episodes): episode (0, 1)'s second turn fails
+    in the engine: it ends on its first turn, marked infra; group 1's first turn fails:
+    that group is dropped, never finished; the others go on."""
+    tok = smollm2_tokenizer()
+    engine = StreamingScriptedEngine([encode(tok, "hi")], stop_ids=[tok.eos_token_id])
+    engine.fail = {(0, 1, 1), (1, 0, 0)}
+    cfg = env_config(max_turns=3)
+    cfg.task.env_args = {"turns": 3}
+    runner = EpisodeRunner(cfg, engine, tok, EchoEnv, seed=0)
+    started, finished = [0], []
+
+    def admit():
+        started[0] += 1
+        return started[0] <= 3
+
+    drive_episodes(
+        engine, runner, 2, 2, admit, finished.append, lambda: len(finished) >= 2, lambda n: None
+    )
+    runner.close()
+    (g0, g2) = finished
+    assert [ep.infra for ep in g0.episodes] == [False, True]
+    assert [len(ep.offsets) for ep in g0.episodes] == [3, 1]
+    s = g0.episodes[1].to_sample(1)
+    s.check("episode")  # ended on its first turn's sampled ids, the observation taken back
+    assert s.infra_failure and s.n_sampled() == len(s.tokens())
+    assert all(not ep.infra for ep in g2.episodes)
