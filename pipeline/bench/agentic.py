@@ -119,8 +119,9 @@ def main(argv: list[str]) -> int:
     rows, probe = [], LoadProbe()
     try:
         runner = EpisodeRunner(cfg, engine, engine.tokenizer, load_env(cfg.task.env), 0)
+        modes = ("sync", "async") if engine.streaming else ("sync",)  # hf: no streaming
         for repeat in range(args.repeats):
-            for mode in ("sync", "async") if repeat % 2 == 0 else ("async", "sync"):
+            for mode in modes if repeat % 2 == 0 else modes[::-1]:
                 row = {"repeat": repeat, **measure(mode, engine, runner, cfg, args.groups)}
                 print(row, flush=True)
                 rows.append(row)
