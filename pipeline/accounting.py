@@ -202,6 +202,9 @@ def account(
     steps = surviving_steps(records)
     trained = Counter(sid for s in steps for sid in s.get("sample_ids", []))
     stale = {sid for s in steps for sid in s.get("stale_ids", [])}
+    # a step not applied (non-finite): its fresh samples were dead-lettered, its stale ones
+    # are listed in its record
+    stale |= {sid for r in records if r.get("event") == "nonfinite_step" for sid in r["stale_ids"]}
     dead_samples = {sid for d in dead for sid in d["samples"]}
     dead_whole = {g for d in dead for g in d["groups"]}  # rollouts entries: whole groups
     flight_rollouts = set(flight.get("rollouts_groups", []))

@@ -4,7 +4,8 @@ goes on. ``python -m pipeline.evaluator --config RUN_DIR/config.yaml --name eval
 
 ::
 
-    reads   RUN_DIR/checkpoints/step-*/ (each due checkpoint still on disk, oldest
+    reads   the initial model first (version 0, ``eval.at_start``), then
+            RUN_DIR/checkpoints/step-*/ (each due checkpoint still on disk, oldest
             first; a copy of the weights is loaded here: nothing is asked of other pools)
     writes  metrics.jsonl ``eval`` records (step = policy version: greedy_accuracy,
             mean_reward, pass_at_k, ...), which the sinks send to TensorBoard/W&B;
@@ -32,7 +33,7 @@ from typing import Any
 from pipeline import checkpoint
 from pipeline.eval import checkpoint_version, eval_problems, evaluate
 from pipeline.models import load_model
-from pipeline.runtime import Pool, run_main, start_pool
+from pipeline.runtime import Pool, model_path, run_main, start_pool
 from pipeline.streams import Names
 from pipeline.telemetry import read_statuses
 
@@ -77,7 +78,8 @@ def evaluate_once(pool: Pool, path: str, version: int, problems: list) -> dict |
     cfg, t0 = pool.cfg, time.monotonic()
     try:
         model, tokenizer = load_model(path, cfg.model.dtype)
-        written = os.path.getmtime(os.path.join(path, checkpoint.STATE_FILE))
+        state = os.path.join(path, checkpoint.STATE_FILE)  # none in the initial model's folder
+        written = os.path.getmtime(state) if version else time.time()
     except (OSError, ValueError) as e:
         log.warning("checkpoint %s could not be loaded (%s); waiting for the next", path, e)
         return None
@@ -95,6 +97,10 @@ def main(argv: list[str] | None = None) -> None:
     problems, source = eval_problems(cfg)
     log.info("evaluating on %d problems (%s)", len(problems), source)
     last = int(pool.client.hget(pool.status.key, "evaluated_version") or -1)
+    if cfg.eval.at_start and last < 0 and not pool.stop.is_set():
+        # version 0 is the initial model (with model.lora: the base, the adapter's B is 0)
+        report(pool, 0, evaluate_once(pool, model_path(cfg), 0, problems), len(problems))
+        last = 0
     last_t = time.monotonic()
     while not pool.tick():
         due = next_due(checkpoints(run_dir), last, last_t, cfg.eval, cfg.trainer.max_steps)
@@ -107,24 +113,31 @@ def main(argv: list[str] | None = None) -> None:
         if out is None or pool.stop.is_set():
             continue
         last, last_t = version, time.monotonic()
-        pool.record(event="eval", step=version, version=version, problems=len(problems), **out)
-        pool.status.set(
-            state="evaluated",
-            evaluated_version=version,
-            greedy_accuracy=out["greedy_accuracy"],
-            mean_reward=out["mean_reward"],
-            pass_at_k=out["pass_at_k"],
-        )
-        log.info(
-            "v%d: greedy accuracy %.3f, mean reward %.3f, pass@%d %.3f (%.1fs)",
-            version,
-            out["greedy_accuracy"],
-            out["mean_reward"],
-            out["k"],
-            out["pass_at_k"],
-            out["eval_s"],
-        )
+        report(pool, version, out, len(problems))
     pool.status.set(state="stopped")
+
+
+def report(pool: Pool, version: int, out: dict | None, problems: int) -> None:
+    """The ``eval`` record, the status hash and the log line of one evaluation."""
+    if out is None:
+        return
+    pool.record(event="eval", step=version, version=version, problems=problems, **out)
+    pool.status.set(
+        state="evaluated",
+        evaluated_version=version,
+        greedy_accuracy=out["greedy_accuracy"],
+        mean_reward=out["mean_reward"],
+        pass_at_k=out["pass_at_k"],
+    )
+    log.info(
+        "v%d: greedy accuracy %.3f, mean reward %.3f, pass@%d %.3f (%.1fs)",
+        version,
+        out["greedy_accuracy"],
+        out["mean_reward"],
+        out["k"],
+        out["pass_at_k"],
+        out["eval_s"],
+    )
 
 
 def wait_for_final_eval(client, names: Names, cfg: Any) -> bool:

@@ -220,19 +220,32 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defa
         """The per-token invariants: at least one completion token; the episode's
         layout (:meth:`check_episode`); and one log-prob, one policy version, one
         kept-id set (when a sampling mask is recorded) and one ``ref_logprobs`` /
-        ``token_advantages`` value (when set) per *sampled* token. Raise BadEntry
-        starting with ``where`` (e.g. "sample <group>/<index>") that names the field;
-        return the completion tokens."""
+        ``token_advantages`` value (when set) per *sampled* token, every one of them
+        finite, as ``reward`` and ``advantage`` are. Raise BadEntry starting with
+        ``where`` (e.g. "sample <group>/<index>") that names the field; return the
+        completion tokens."""
         try:
             tokens = self.tokens()
-            lengths = {"logprobs": len(unpack_f32(self.logprobs))}
-            lengths["versions"] = len(self.token_versions())
+            floats = {"logprobs": unpack_f32(self.logprobs)}
             if self.ref_logprobs:
-                lengths["ref_logprobs"] = len(unpack_f32(self.ref_logprobs))
+                floats["ref_logprobs"] = unpack_f32(self.ref_logprobs)
             if self.token_advantages:
-                lengths["token_advantages"] = len(unpack_f32(self.token_advantages))
+                floats["token_advantages"] = unpack_f32(self.token_advantages)
+            lengths = {name: len(a) for name, a in floats.items()}
+            lengths["versions"] = len(self.token_versions())
         except ValueError as e:
             raise BadEntry(f"{where}: {e}") from None
+        # a non-finite value would reach the loss (trainer/loss.py) and the weights
+        for name, a in floats.items():
+            if not np.isfinite(a).all():
+                raise BadEntry(
+                    f"{where} has a non-finite {name} value ({a[~np.isfinite(a)][0]}) at token "
+                    f"{int(np.flatnonzero(~np.isfinite(a))[0])}: its writer must give finite "
+                    "values (a log-prob of -inf means a token outside the sampled support)"
+                )
+        for name in ("reward", "advantage"):
+            if not np.isfinite(getattr(self, name)):
+                raise BadEntry(f"{where} has a non-finite {name} ({getattr(self, name)})")
         if len(tokens) == 0:
             raise BadEntry(f"{where} has no completion tokens (completion_ids is empty)")
         sampled = self.check_episode(where, len(tokens))

@@ -208,6 +208,8 @@ def from_run_dir(run_dir: str, records: list[dict], terms: dict) -> dict:
         mode=_config_str(run_dir, "pipeline.mode", "async"),
         actor_engine=_config_str(run_dir, "actor.engine", "hf"),
         last_eval=max(evals, key=lambda r: r["version"], default={}),
+        first_eval=min(evals, key=lambda r: r["version"], default={}),
+        nonfinite_steps=sum(r.get("event") == "nonfinite_step" for r in records),
         reward_mean_first_window=_mean(rewards[:window]),
         reward_mean_last_window=_mean(rewards[-window:]),
         reward_window_steps=window,

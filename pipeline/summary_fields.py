@@ -51,6 +51,9 @@ class Summary:
     mode: str = "async"  # pipeline.mode: async (pipelined) or sync (phases alternate)
     actor_engine: str = "hf"  # actor.engine as resolved for the run (hf or vllm)
     last_eval: dict = field(default_factory=dict)  # the evaluator's last ``eval`` record
+    first_eval: dict = field(default_factory=dict)  # its first (version 0: eval.at_start)
+    # trainer steps not applied: loss or gradient not finite (trainer/main.py skip)
+    nonfinite_steps: int = 0
     dead_lettered_by_role: dict[str, int] = field(default_factory=dict)
     # per actor: versions announced to it, and those it failed to apply (weight_receiver)
     weight_versions_offered: dict[str, int] = field(default_factory=dict)
@@ -109,10 +112,12 @@ class Summary:
             ),
             ("sequences spanning versions", s.sequences_spanning_versions),
             ("stale samples dropped", s.stale_samples_dropped),
+            ("non-finite steps (not applied)", s.nonfinite_steps),
             (
                 f"reward first/last {s.reward_window_steps} steps",
                 f"{_fmt(s.reward_mean_first_window)} -> {_fmt(s.reward_mean_last_window)}",
             ),
+            ("held-out greedy accuracy", _before_after(s.first_eval, s.last_eval)),
             ("held-out eval, last version", _eval_text(s.last_eval)),
             (
                 "dead-lettered entries",
@@ -172,6 +177,15 @@ def _account_row(terms: dict) -> tuple[str, str]:
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
+
+
+def _before_after(first: dict, last: dict) -> str:
+    """``A -> B (vX -> vY)``: the held-out greedy accuracy at the first and last versions
+    evaluated ("-" without an evaluator)."""
+    if not first:
+        return "-"
+    a, b = first["greedy_accuracy"], last["greedy_accuracy"]
+    return f"{a:.3f} -> {b:.3f} (v{first['version']} -> v{last['version']})"
 
 
 def _eval_text(r: dict) -> str:

@@ -42,7 +42,7 @@ from pipeline.stopping import final
 from pipeline.streams import DATA, Consumer, Names, publish, retire_groups
 from pipeline.streams.shards import open_consumer
 from preprocessor.scorers import ScoredGroup, Scorer, build_scorers
-from preprocessor.shaping import pack, set_advantages
+from preprocessor.shaping import pack_whole_groups, set_advantages
 
 log = logging.getLogger("preprocessor")
 GROUP = Names.ROLLOUTS_GROUP
@@ -70,18 +70,22 @@ def sampling_key(group: RolloutGroup) -> tuple[float, float, int]:
 
 
 def to_batches(groups: list[RolloutGroup], budget: int) -> list[TrainBatch]:
-    """Pack the groups' samples into token-budget micro-batches. A TrainBatch carries
-    one set of sampling settings, so groups generated under different settings (actors
-    with other sampling.temperature/top_p/top_k) are packed into separate batches."""
+    """Pack the groups into token-budget micro-batches, each group whole in one
+    (shaping.pack_whole_groups; a group over the budget alone gets consecutive ones of
+    its own). A TrainBatch carries one set of sampling settings, so groups generated
+    under different settings (actors with other sampling.temperature/top_p/top_k) are
+    packed into separate batches."""
     by_settings: dict[tuple, list[RolloutGroup]] = {}
     for g in groups:
         by_settings.setdefault(sampling_key(g), []).append(g)
     out = []
     for (temperature, top_p, top_k), same in by_settings.items():
-        items = [(g, s) for g in same for s in g.samples]
-        lengths = [len(unpack_i32(g.prompt_ids)) + len(s.tokens()) for g, s in items]
-        for idx in pack(lengths, budget):
-            chosen = [items[i] for i in idx]
+        prompt = [len(unpack_i32(g.prompt_ids)) for g in same]
+        lengths = [
+            [p + len(s.tokens()) for s in g.samples] for p, g in zip(prompt, same, strict=True)
+        ]
+        for pairs in pack_whole_groups(lengths, budget):
+            chosen = [(same[gi], same[gi].samples[si]) for gi, si in pairs]
             out.append(
                 TrainBatch(
                     schema=SCHEMA_VERSION,
@@ -106,9 +110,10 @@ def batch_id(chosen: list) -> str:
 
 
 def score_groups(
-    scorers: list[Scorer], groups: list[RolloutGroup], drop_no_signal: bool
+    scorers: list[Scorer], groups: list[RolloutGroup], drop_no_signal: bool, std: str = "group"
 ) -> tuple[list[RolloutGroup], list[RolloutGroup], Counter]:
-    """Run the scorers and set advantages; return (kept, dropped, scorer counters)."""
+    """Run the scorers and set advantages (``std``: trainer.advantage_std); return (kept,
+    dropped, scorer counters)."""
     items = [ScoredGroup(g) for g in groups]
     counts: Counter = Counter()
     for scorer in scorers:
@@ -117,7 +122,7 @@ def score_groups(
     weights = {s.name: s.weight for s in scorers if s.dense}
     kept, dropped = [], []
     for it in items:
-        signal = set_advantages(it.group.samples, it.dense, weights)
+        signal = set_advantages(it.group.samples, it.dense, weights, std=std)
         (kept if signal or not drop_no_signal else dropped).append(it)
     for scorer in scorers:
         if not scorer.dense and kept:
@@ -132,7 +137,8 @@ def process(
     pipeline.streams.shards Part; default the primary)."""
     cfg = pool.cfg.preprocessor
     groups = [group for _id, group in entries]
-    kept, dropped, counts = score_groups(scorers, groups, cfg.drop_no_signal)
+    std = pool.cfg.trainer.advantage_std
+    kept, dropped, counts = score_groups(scorers, groups, cfg.drop_no_signal, std)
     retire_groups(pool.client, pool.names, [(g.group_id, len(g.samples)) for g in dropped])
     batches = to_batches(kept, cfg.token_budget) if kept else []
     for b in batches:

@@ -3,7 +3,7 @@
 ::
 
     reference  reads the rollout's tokens; writes Sample.ref_logprobs from a frozen copy
-               of the initial policy (under the rollout's sampling distribution)
+               of the initial policy (at the rollout's temperature, never truncated)
     prm        reads the completion text; writes ScoredGroup.dense["prm"], per-token
                process advantages from step rewards (preprocessor/prm.py)
     teacher    reads the rollout's tokens and the actor's log-probs; writes
@@ -39,7 +39,10 @@ def pad_id_of(tokenizer) -> int:
 
 
 class ReferenceScorer:
-    """Log-probs of the frozen initial policy, for the trainer's KL term."""
+    """Log-probs of the frozen initial policy, for the trainer's KL term (and its ``kl``
+    metric). Taken at the rollout's temperature without top-k/top-p, as the teacher's:
+    the reference's own truncation would give -inf to tokens outside its support, and an
+    infinite KL."""
 
     name, dense, weight = "reference", False, 0.0
 
@@ -49,7 +52,9 @@ class ReferenceScorer:
     def score(self, items: list[ScoredGroup]) -> dict[str, float]:
         groups = [it.group for it in items]
         for g, lps in zip(
-            groups, group_logprobs(self.model, groups, self.budget, self.pad_id), strict=True
+            groups,
+            group_logprobs(self.model, groups, self.budget, self.pad_id, truncate=False),
+            strict=True,
         ):
             for sample, lp in zip(g.samples, lps, strict=True):
                 sample.ref_logprobs = lp.astype("<f4").tobytes()

@@ -6,10 +6,13 @@ from __future__ import annotations
 import numpy as np
 
 
-def group_advantages(rewards: list[float], eps: float = 1e-6) -> np.ndarray:
-    """GRPO advantages: (r - mean) / (std + eps) within one group."""
+def group_advantages(rewards: list[float], eps: float = 1e-6, std: str = "group") -> np.ndarray:
+    """GRPO advantages within one group: (r - mean) / (std + eps) with ``std="group"``
+    (trainer.advantage_std, the default); r - mean with ``std="none"`` (Dr. GRPO, Liu et
+    al. 2025, arXiv 2503.20783: no bias towards groups of small reward spread)."""
     r = np.asarray(rewards, dtype=np.float64)
-    return (r - r.mean()) / (r.std() + eps)
+    centred = r - r.mean()
+    return centred / (r.std() + eps) if std == "group" else centred
 
 
 def has_signal(rewards: list[float], tol: float = 1e-9) -> bool:
@@ -43,7 +46,11 @@ def mix_advantages(
 
 
 def set_advantages(
-    samples: list, dense: dict[str, list[np.ndarray]], weights: dict[str, float], tol: float = 1e-9
+    samples: list,
+    dense: dict[str, list[np.ndarray]],
+    weights: dict[str, float],
+    tol: float = 1e-9,
+    std: str = "group",
 ) -> bool:
     """Write each sample's ``advantage`` (and ``token_advantages`` when there are dense
     parts); return whether the group carries a learning signal.
@@ -59,7 +66,7 @@ def set_advantages(
     rewards = [s.reward for s, c in zip(samples, counted, strict=True) if c]
     outcome = np.zeros(len(samples))
     if rewards:
-        outcome[counted] = group_advantages(rewards)
+        outcome[counted] = group_advantages(rewards, std=std)
     for s, a in zip(samples, outcome, strict=True):
         s.advantage = float(a)
     if not dense:
@@ -87,6 +94,38 @@ def pack(lengths: list[int], token_budget: int) -> list[list[int]]:
             batches.append(current)
             current = []
         current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def pack_whole_groups(lengths: list[list[int]], token_budget: int) -> list[list[tuple[int, int]]]:
+    """Micro-batches of (group, sample) index pairs that keep each group whole.
+
+    ``lengths[g]`` holds group g's sample lengths. Groups are taken by their longest
+    sample (little padding) and a micro-batch holds whole groups while its padded size
+    (rows x longest) fits ``token_budget``. A group that alone exceeds the budget is split
+    by :func:`pack` into consecutive micro-batches of its own. So a batch entry never
+    mixes part of a group with another group: the trainer, which reads entries until a
+    step's worth of samples, takes a group whole into one step, and staleness cannot
+    drop a group's long samples while its short ones train (their advantages were
+    centred over the whole group).
+    """
+    order = sorted(range(len(lengths)), key=lambda g: max(lengths[g]))
+    batches: list[list[tuple[int, int]]] = []
+    current: list[tuple[int, int]] = []
+    width = 0
+    for g in order:
+        rows, longest = len(lengths[g]), max(lengths[g])
+        if rows * longest > token_budget:  # too big whole: its own micro-batches
+            batches.extend([[(g, i) for i in part] for part in pack(lengths[g], token_budget)])
+            continue
+        new_width = max(width, longest)
+        if current and new_width * (len(current) + rows) > token_budget:
+            batches.append(current)
+            current, new_width = [], longest
+        current.extend((g, i) for i in range(rows))
+        width = new_width
     if current:
         batches.append(current)
     return batches

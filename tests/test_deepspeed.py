@@ -178,3 +178,15 @@ def test_checkpoint_restored_after_a_kill_gives_the_same_next_losses(
     assert second["grad_norm"] == first["grad_norm"][2:]
     if stage == 3:  # the weights an actor received from the ZeRO-3 trainer
         assert_weights_match(str(received), torch_losses["weights"], tiny)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_non_finite_step_is_not_applied_on_two_ranks(tiny, tmp_path, stage):
+    """Step 1 of 4 runs with NaN logits on both ranks: DeepSpeed's stage 0 (checked by
+    the backend) and ZeRO-2 (its own overflow check) leave every rank's weights as they
+    were, report it not applied, and the steps around it train."""
+    out = tmp_path / f"nan{stage}.json"
+    result = run_ranks(out, tiny, "deepspeed", stage, 2, "--nan-at", "1", tmp=tmp_path)
+    assert result["applied"] == [True, False, True, True]  # STEPS steps, the second NaN
+    assert result["unchanged_at_nan"] is True

@@ -58,3 +58,11 @@ def test_a_hub_id_is_used_when_named(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "_try_hub", lambda repo: asked.append(repo) or str(tmp_path))
     assert models.materialize_model(models.SMOLLM2_HUB_ID, str(tmp_path)) == str(tmp_path)
     assert asked == [models.SMOLLM2_HUB_ID]
+
+
+def test_the_math_experiment_evaluates_before_and_after_training():
+    """``make run`` (+exp=math) ends with held-out greedy accuracy v0 -> final: the
+    evaluator runs (eval.every_steps > 0), version 0 first (eval.at_start)."""
+    cfg = cfg_with(exp="math")
+    assert cfg.eval.at_start and cfg.eval.every_steps > 0
+    assert cfg.eval.every_steps % cfg.trainer.checkpoint_every == 0

@@ -3,6 +3,7 @@ from a problem file, and the periodic evaluator pool in a real run."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -114,7 +115,11 @@ def test_periodic_eval_records_each_checkpointed_version(tmp_path):
     )
     assert code == 0, out
     evals = [r for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r.get("event") == "eval"]
-    assert [r["version"] for r in evals] == [2, 4]  # every 2 steps, the final one included
+    # version 0 first (eval.at_start), then every 2 steps, the final one included
+    assert [r["version"] for r in evals] == [0, 2, 4]
+    before_after = f"{evals[0]['greedy_accuracy']:.3f} -> {evals[-1]['greedy_accuracy']:.3f}"
+    row = re.search(r"held-out greedy accuracy +(.*)", out)
+    assert row and row.group(1) == f"{before_after} (v0 -> v4)", out[-2000:]
     for r in evals:
         assert r["pool"] == "evaluator" and r["problems"] == 6 and r["k"] == 2
         assert 0 <= r["greedy_accuracy"] <= 1 and 0 <= r["mean_reward"] <= r["pass_at_k"] + 1e-9

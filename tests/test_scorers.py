@@ -142,12 +142,19 @@ def test_reference_and_model_prm_fill_their_fields(cfg):
     kept, _, counts = score_groups(scorers, groups, drop_no_signal=True)
     assert counts["prm_scored_groups"] == 2 and counts["prm_scored_steps"] > 0
     assert counts["reference_scored_groups"] == 2
+    model, _ = load_model(cfg.model.path)
     for g in kept:
-        for s in g.samples:
-            # reference = the initial policy, here the actor itself, under the same mask
-            np.testing.assert_allclose(
-                unpack_f32(s.ref_logprobs), unpack_f32(s.logprobs), atol=2e-4
-            )
+        # reference = the initial policy (here the actor itself) at the rollout's
+        # temperature, never truncated: finite where the actor's top-p/top-k gave -inf
+        prompts = [unpack_i32(g.prompt_ids)] * len(g.samples)
+        ids, attn, comp = pad_sequences(prompts, [s.tokens() for s in g.samples])
+        with torch.no_grad():
+            full = completion_logprobs(model, ids, attn, comp, g.temperature)
+        for row, s in enumerate(g.samples):
+            ref = unpack_f32(s.ref_logprobs)
+            np.testing.assert_allclose(ref, full[row][comp[row]].numpy(), atol=2e-4)
+            # the actor renormalised over its kept support: never below the untruncated
+            assert (ref <= unpack_f32(s.logprobs) + 2e-4).all()
             assert len(unpack_f32(s.token_advantages)) == len(s.tokens())
     # every step scored by hand on the whole sequence: p(+) / (p(+) + p(-)) at its tag
     g = kept[0]
@@ -210,3 +217,17 @@ def test_model_prm_keeps_within_its_context(cfg):
     assert all(p < len(body) for body, positions, _ in fitted for p in positions)
     counts = prm.score([ScoredGroup(g) for g in groups])
     assert counts["prm_scored_groups"] >= 1
+
+
+def test_reference_logprobs_stay_finite_outside_the_references_own_top_k(cfg):
+    """Tokens the actor sampled (here among all) that the reference's own top_k=1 would
+    cut get a finite reference log-prob: it is never truncated (-inf made the KL inf)."""
+    cfg.preprocessor.scorers = ["reference"]
+    groups = rollouts(cfg.model.path)
+    for g in groups:
+        g.top_k = 1
+    [reference] = build_scorers(cfg)
+    reference.score([ScoredGroup(g) for g in groups])
+    refs = np.concatenate([unpack_f32(s.ref_logprobs) for g in groups for s in g.samples])
+    assert np.isfinite(refs).all()
+    assert (refs < -1e-3).mean() > 0.5  # most sampled tokens were not the reference's top 1

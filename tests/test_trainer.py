@@ -66,6 +66,8 @@ def test_stale_samples_are_rejected_and_counted(make_trainer, rclient):
     publish(rclient, stream, encode(fresh))
     m = run_step(trainer)
     assert m["stale"] == 2 and sorted(m["stale_ids"]) == ["old/0", "old/1"]
+    # both 6 tokens long: the first of four ranges up to sampling.max_new_tokens (32)
+    assert m["stale_by_length"] == {"1-8": 2, "9-16": 0, "17-24": 0, "25+": 0}
     assert m["sample_ids"] == ["new/0", "new/1"] and m["samples"] == 2
     assert trainer.state["stale_samples_dropped"] == 2
     assert retired(trainer) == 4  # two trained, two rejected

@@ -9,7 +9,9 @@ saves the weights after the last step (a safetensors file, HF names): the backen
 full parameter set, or with ``--publish REDIS_URL`` what a real actor receiver in rank
 0's process received when the trainer published them (the test compares them with
 another backend's, never with the publisher's own gather). ``--hang`` waits after
-writing OUT (the test SIGKILLs the group).
+writing OUT (the test SIGKILLs the group). ``--nan-at K``: step K runs with every
+logit NaN (a forward hook), and OUT says whether each step was ``applied`` and whether
+step K left the weights ``unchanged_at_nan`` (every rank's own copy compared).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from pipeline.messages import (
 )
 from trainer import checkpoint
 from trainer.backends import make_backend
+from trainer.backends.base import all_ranks_finite
 from trainer.ranks import Plan, barrier, close, init_ranks, my_share
 from trainer.step import train_step
 
@@ -73,6 +76,11 @@ def synthetic_batches(step: int, n_batches: int = 3) -> list[TrainBatch]:
                 temperature=1.0,
             )
         )
+    return out
+
+
+def nan_logits(_module, _inputs, out):
+    out.logits = out.logits * float("nan")
     return out
 
 
@@ -125,6 +133,7 @@ def main() -> None:
     ap.add_argument("--publish", default="")
     ap.add_argument("--weights", default="")
     ap.add_argument("--hang", action="store_true")
+    ap.add_argument("--nan-at", type=int, default=-1)
     args = ap.parse_args()
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -133,14 +142,24 @@ def main() -> None:
     resume = layout.latest(args.ckpt) if args.resume else None
     backend = make_backend(cfg, ranks, args.model_dir, resume)
     start = layout.load_state(resume)["version"] if resume else 0
-    result: dict = {"loss": [], "grad_norm": [], "start": start}
+    result: dict = {"loss": [], "grad_norm": [], "start": start, "applied": []}
+    module = backend.engine.module if hasattr(backend, "engine") else backend.model
     for step in range(start, args.steps):
         batches = synthetic_batches(step)
         tokens = sum(len(s.tokens()) for b in batches for s in b.samples)
         plan = Plan(version=step, batches=[encode(b) for b in batches], tokens=tokens)
         mine, slots = my_share(ranks, plan)
         first = mine[0] if mine else batches[0]
+        poisoned = step == args.nan_at
+        if poisoned:
+            before = [p.detach().clone() for p in module.parameters()]
+            handle = module.register_forward_hook(nan_logits)
         m = train_step(backend, ranks, mine, slots, first, cfg.trainer, 0, tokens)
+        if poisoned:
+            handle.remove()
+            same = all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+            result["unchanged_at_nan"] = bool(all_ranks_finite(ranks, same))
+        result["applied"].append(m["applied"])
         result["loss"].append(m["loss"])
         result["grad_norm"].append(m["grad_norm"])
         if args.save_at == step + 1:

@@ -39,12 +39,14 @@ from pipeline.streams import DATA, Consumer
 class StepData:
     entry_ids: list[str] = field(default_factory=list)
     batches: list[TrainBatch] = field(default_factory=list)
+    batch_entries: list[str] = field(default_factory=list)  # the entry id of each batch
     samples: int = 0
     stale: int = 0
     duplicates: int = 0
     dead: int = 0  # samples in dead-lettered entries
     retired: int = 0  # samples trained, rejected as stale or dead-lettered (no duplicates)
     stale_ids: list[str] = field(default_factory=list)
+    stale_lengths: list[int] = field(default_factory=list)  # their completion lengths
     sample_ids: set[str] = field(default_factory=set)
 
 
@@ -67,6 +69,7 @@ def admit(
         if version - int(s.token_versions().min()) > max_lag:
             data.stale += 1
             data.stale_ids.append(ids[i])
+            data.stale_lengths.append(len(s.tokens()))
         else:
             keep.append(i)
             data.sample_ids.add(ids[i])
@@ -77,6 +80,20 @@ def admit(
         batch.group_ids = [batch.group_ids[i] for i in keep]
         batch.prompt_ids = [batch.prompt_ids[i] for i in keep]
     return batch
+
+
+def stale_by_length(lengths: list[int], cfg) -> dict[str, int]:
+    """The step's stale drops by completion length, in four equal ranges up to
+    ``sampling.max_new_tokens`` (longer ones, e.g. episodes, in the last): a skew towards
+    long samples would show as counts rising to the right (README "The objective")."""
+    top = max(int(cfg.sampling.max_new_tokens), 4)
+    edges = [round(top * q / 4) for q in (1, 2, 3)]
+    labels = [f"1-{edges[0]}", f"{edges[0] + 1}-{edges[1]}", f"{edges[1] + 1}-{edges[2]}"]
+    labels.append(f"{edges[2] + 1}+")
+    counts = dict.fromkeys(labels, 0)
+    for n in lengths:
+        counts[labels[sum(n > e for e in edges)]] += 1
+    return counts
 
 
 def collect(
@@ -110,6 +127,7 @@ def collect(
             fresh = admit(data, batch, version, cfg.max_lag, seen)
             if fresh is not None:
                 data.batches.append(fresh)
+                data.batch_entries.append(entry_id)
                 data.samples += len(fresh.samples)
         # what the unfinished step holds: fresh samples, and stale ones its record will
         # drop (the faults bench checks them against the trainer's pending list)

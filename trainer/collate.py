@@ -32,6 +32,7 @@ class MicroBatch:
     top_p: float
     top_k: int
     tokens: int  # sampled tokens (the loss covers these)
+    sample_ids: list[str]  # "<group>/<index>" per row (trainer/batches.py sample_ids)
     weight: float = 1.0  # 0.0: a padding pass that keeps the ranks in step
 
 
@@ -90,4 +91,5 @@ def collate(batch: TrainBatch, pad_id: int, device: torch.device) -> MicroBatch:
         top_p=batch.top_p,
         top_k=batch.top_k,
         tokens=int(comp.sum()),
+        sample_ids=[f"{g}/{s.index}" for g, s in zip(batch.group_ids, batch.samples, strict=True)],
     )

@@ -34,20 +34,20 @@ from pipeline.config import run_secret
 from pipeline.messages import TrainBatch, decode, encode
 from pipeline.runtime import Pool, model_path, start_pool
 from pipeline.stopping import final
-from pipeline.streams import Lua, add_once, durable
+from pipeline.streams import DATA, Lua, add_once, durable
 from pipeline.streams.shards import open_consumer
 from pipeline.weight_publisher import WeightPublisher
 from trainer import checkpoint
 from trainer.backends import describe, describe_line, make_backend
-from trainer.batches import StepData, collect, sample_ids
+from trainer.batches import StepData, collect, sample_ids, stale_by_length
 from trainer.ranks import Plan, Ranks, close, init_ranks, my_share, share_plan
-from trainer.step import sample_metrics, train_step
+from trainer.step import StepTotals, sample_metrics, train_step
 
 log = logging.getLogger("trainer")
 GROUP = "trainer"
 # the status-hash field that holds the trainer's own share of samples_retired
 RETIRED_FIELD = "samples_retired_by_trainer"
-COUNTERS = ("samples_trained", "stale_samples_dropped", "duplicates_dropped")
+COUNTERS = ("samples_trained", "stale_samples_dropped", "duplicates_dropped", "nonfinite_steps")
 
 # Take back the retirements past the checkpoint's count; run again, it takes back nothing.
 # KEYS: samples_retired, the trainer's status hash; ARGV: RETIRED_FIELD, the checkpoint's count
@@ -87,6 +87,7 @@ class Trainer:
             "stale_samples_dropped": 0,
             "sequences_spanning_versions": 0,
             "duplicates_dropped": 0,
+            "nonfinite_steps": 0,
             "samples_retired": 0,
             "entry_id": "0-0",
             "recent_samples": {},  # sample id -> version that trained it (dedupe window)
@@ -183,9 +184,11 @@ class Trainer:
             return share_plan(self.ranks, Plan(version=version, stop=True))
         batches = self.data.batches
         tokens = sum(s.n_sampled() for b in batches for s in b.samples)
-        return share_plan(
-            self.ranks, Plan(version=version, batches=[encode(b) for b in batches], tokens=tokens)
+        samples = sum(len(b.samples) for b in batches)
+        plan = Plan(
+            version=version, batches=[encode(b) for b in batches], tokens=tokens, samples=samples
         )
+        return share_plan(self.ranks, plan)
 
     def step(self, plan: Plan) -> dict:
         """Train on the plan, publish and checkpoint when due; records the step (report)."""
@@ -193,6 +196,7 @@ class Trainer:
         t0 = time.monotonic()
         mine, slots = my_share(self.ranks, plan)
         first = mine[0] if mine else decode(plan.batches[0], TrainBatch)
+        totals = StepTotals(plan.tokens, plan.samples, self.pool.cfg.sampling.max_new_tokens)
         metrics = train_step(
             self.backend,
             self.ranks,
@@ -201,9 +205,12 @@ class Trainer:
             first,
             cfg,
             self.pad_id,
-            plan.tokens,
+            totals,
             on_micro=self.pool.tick,  # a long step is progress, not a hang
         )
+        if not metrics.pop("applied"):
+            return self.skip(plan, metrics)
+        metrics.pop("nonfinite_sample_ids")
         s = self.state
         s["version"] = plan.version + 1
         if self.ranks.is_main:
@@ -228,19 +235,68 @@ class Trainer:
             self.consumer.trim(keep_after=self.checkpoint_id)
         return metrics
 
+    def skip(self, plan: Plan, metrics: dict) -> dict:
+        """A step whose loss or gradient was not finite: not applied (the backend left the
+        weights and optimizer as they were), no version, no publish, no checkpoint. Rank 0
+        dead-letters the step's trained entries with the reason, records a
+        ``nonfinite_step`` (the offending sample ids where the loss named them) and counts
+        it in ``nonfinite_steps``; the stale samples it held are dropped as usual."""
+        s = self.state
+        s["nonfinite_steps"] = s.get("nonfinite_steps", 0) + 1
+        if not self.ranks.is_main:
+            return metrics
+        data, offending = self.data, metrics["nonfinite_sample_ids"]
+        ids = [sid for b in data.batches for sid in sample_ids(b)]
+        reason = (
+            f"non-finite step at version {plan.version}: loss {metrics['loss']:.4g}, grad norm "
+            f"{metrics['grad_norm']:.4g}; offending samples "
+            f"{', '.join(offending[:10]) or 'not named (the gradient alone)'}; the step was "
+            "not applied and no version published"
+        )
+        log.error("%s (%d samples dead-lettered)", reason, len(ids))
+        for entry_id, batch in zip(data.batch_entries, data.batches, strict=True):
+            self.consumer.dead_letter(entry_id, {DATA: encode(batch)}, reason)
+        self.pool.record(
+            event="nonfinite_step",
+            version=plan.version,
+            loss=metrics["loss"],
+            grad_norm=metrics["grad_norm"],
+            offending_ids=offending,
+            dead_ids=ids,
+            stale_ids=data.stale_ids,
+        )
+        self._account_intake(trained=0)
+        self.pool.status.set(nonfinite_steps=s["nonfinite_steps"])
+        return metrics
+
     def _account(self, metrics: dict) -> None:
         """Rank 0: counters, dedupe window, ack, samples_retired."""
-        cfg, s, data = self.pool.cfg.trainer, self.state, self.data
+        s, data = self.state, self.data
         metrics.update(sample_metrics(data.batches))
         metrics["sample_ids"] = [sid for b in data.batches for sid in sample_ids(b)]
-        s["samples_trained"] += metrics["samples"]
+        self._account_intake(trained=metrics["samples"])
+        s["sequences_spanning_versions"] += metrics["spanning"]
+        metrics.update(
+            stale=data.stale,
+            version=s["version"],
+            duplicates=data.duplicates,
+            dead_lettered=data.dead,
+            stale_ids=data.stale_ids,
+            stale_by_length=stale_by_length(data.stale_lengths, self.pool.cfg),
+        )
+
+    def _account_intake(self, trained: int) -> None:
+        """Rank 0, after a step (applied or not): counters, dedupe window (samples of a
+        step not applied too: dead-lettered, a re-read must not train them), ack,
+        samples_retired."""
+        cfg, s, data = self.pool.cfg.trainer, self.state, self.data
+        s["samples_trained"] += trained
         s["stale_samples_dropped"] += data.stale
         s["duplicates_dropped"] += data.duplicates
         s["samples_retired"] += data.retired
         horizon = s["version"] - cfg.max_lag - 2  # older duplicates would be rejected as stale
         recent = {k: v for k, v in s["recent_samples"].items() if v >= horizon}
         s["recent_samples"] = recent | dict.fromkeys(data.sample_ids, s["version"])
-        s["sequences_spanning_versions"] += metrics["spanning"]
         s["entry_id"] = self.consumer.position(s["entry_id"], data.entry_ids)
         durable.set_value(self.pool.client, self.pool.names.trainer_version, s["version"])
         self.consumer.ack(data.entry_ids)
@@ -250,18 +306,11 @@ class Trainer:
             self.pool.names.samples_retired,
             self.pool.names.status(self.pool.name),
             "last_retired_step",
-            f"{self.token}:{s['version']}",
+            f"{self.token}:{s['version']}:{s['nonfinite_steps']}",  # a skipped step: no version
             data.retired,
             {RETIRED_FIELD: data.retired, "dead_lettered": dead},
         )
         self.dead_seen = self.consumer.dead_lettered
-        metrics.update(
-            stale=data.stale,
-            version=s["version"],
-            duplicates=data.duplicates,
-            dead_lettered=data.dead,
-            stale_ids=data.stale_ids,
-        )
 
     def report(self, metrics: dict) -> None:
         if not self.ranks.is_main:

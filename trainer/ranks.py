@@ -36,7 +36,8 @@ class Plan(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     version: int  # the version this step produces minus one (the current one)
     batches: list[bytes] = []  # encoded TrainBatch, all ranks' share
-    tokens: int = 0  # completion tokens in all of them (the loss is their mean)
+    tokens: int = 0  # loss tokens in all of them (token_mean divides by them)
+    samples: int = 0  # sequences in all of them (the other loss aggregations)
     stop: bool = False
 
 

@@ -7,6 +7,8 @@ this module owns what the loss is and the step's metrics (summed over ranks).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -14,8 +16,17 @@ import torch.nn.functional as F
 from pipeline.logprobs import masked_logprobs
 from pipeline.messages import TrainBatch
 from trainer.collate import MicroBatch, collate
-from trainer.loss import policy_loss
+from trainer.loss import STAT_NAMES, policy_loss
 from trainer.ranks import Ranks, sum_across
+
+
+@dataclass
+class StepTotals:
+    """What the step's loss is divided by, over every rank's share."""
+
+    tokens: int  # loss-mask tokens
+    samples: int = 0  # sequences (seq_mean_token_mean, constant)
+    divisor: int = 0  # tokens per sequence for loss_aggregation=constant (max_new_tokens)
 
 
 def token_logprobs(model, mb: MicroBatch, autocast_dtype: torch.dtype | None) -> torch.Tensor:
@@ -29,8 +40,25 @@ def token_logprobs(model, mb: MicroBatch, autocast_dtype: torch.dtype | None) ->
     return F.pad(token_lp, (1, 0)).masked_fill(~mb.comp, 0.0)
 
 
-def make_loss_fn(cfg, total_tokens: int, autocast_dtype: torch.dtype | None):
-    """loss_fn(model, mb) -> (scaled loss tensor, [loss, clipped, ratio_sum, kl_sum])."""
+def aggregation_weights(cfg, mb: MicroBatch, totals: StepTotals) -> torch.Tensor:
+    """[rows, 1] weight of each token of ``mb`` in the step's loss (trainer.loss_aggregation):
+    token_mean 1 / the step's tokens; seq_mean_token_mean 1 / (samples x the row's tokens);
+    constant 1 / (samples x sampling.max_new_tokens) (Dr. GRPO). Over every rank."""
+    how = cfg.loss_aggregation
+    rows = mb.comp.shape[0]
+    if how == "token_mean":
+        return torch.full((rows, 1), 1.0 / totals.tokens, device=mb.comp.device)
+    if how == "seq_mean_token_mean":
+        per_row = mb.comp.sum(dim=1, keepdim=True).clamp(min=1).float()
+        return 1.0 / (totals.samples * per_row)
+    if how == "constant":
+        return torch.full((rows, 1), 1.0 / (totals.samples * totals.divisor), device=mb.comp.device)
+    raise ValueError(f"trainer.loss_aggregation={how!r} is not supported")
+
+
+def make_loss_fn(cfg, totals: StepTotals, autocast_dtype: torch.dtype | None, bad: list):
+    """loss_fn(model, mb) -> (scaled loss tensor, stats in STAT_NAMES order + bad rows).
+    Sample ids of rows whose loss is not finite are appended to ``bad``."""
 
     def loss_fn(model, mb: MicroBatch):
         new_lp = token_logprobs(model, mb, autocast_dtype)
@@ -44,9 +72,14 @@ def make_loss_fn(cfg, total_tokens: int, autocast_dtype: torch.dtype | None):
             cfg.is_cap,
             mb.ref_lp,
             cfg.kl_coef,
+            off_policy=cfg.off_policy,
+            kl_estimator=cfg.kl_estimator,
+            weights=aggregation_weights(cfg, mb, totals),
         )
-        loss = parts.loss * (mb.weight / total_tokens)
-        stats = [float(loss.detach()), parts.clipped, parts.ratio_sum, parts.kl_sum]
+        if mb.weight:
+            bad.extend(mb.sample_ids[i] for i in parts.bad_rows)
+        loss = parts.loss * mb.weight
+        stats = parts.stats() + [len(parts.bad_rows)]
         return loss, [v * mb.weight for v in stats]
 
     return loss_fn
@@ -67,31 +100,45 @@ def train_step(
     first,
     cfg,
     pad_id: int,
-    total_tokens: int,
+    totals: StepTotals | int,
     on_micro=lambda: None,
 ) -> dict:
     """Train on this rank's share; returns metrics summed over all ranks.
-    ``on_micro`` runs before each micro-batch (progress for the watchdog)."""
+    ``on_micro`` runs before each micro-batch (progress for the watchdog).
+
+    A step whose loss or gradient is not finite on any rank is not applied (the
+    backend leaves weights and optimizer state as they were): ``applied`` is False and
+    ``nonfinite_sample_ids`` names this rank's offending samples (empty where only the
+    gradient was not finite)."""
+    if isinstance(totals, int):  # token count alone: token_mean needs nothing else
+        totals = StepTotals(tokens=totals, samples=sum(len(b.samples) for b in mine))
     micro = []
     for batch, weight in padded(mine, slots, first):
         mb = collate(batch, pad_id, backend.device)
         mb.weight = weight
         micro.append(mb)
-    inner = make_loss_fn(cfg, total_tokens, backend.autocast_dtype)
+    bad: list[str] = []
+    inner = make_loss_fn(cfg, totals, backend.autocast_dtype, bad)
 
     def loss_fn(model, mb):
         on_micro()
         return inner(model, mb)
 
-    grad_norm, stats = backend.step(micro, loss_fn)
-    loss, clipped, ratio_sum, kl_sum = sum_across(ranks, stats)
+    grad_norm, stats, applied = backend.step(micro, loss_fn)
+    summed = sum_across(ranks, stats or [0.0] * (len(STAT_NAMES) + 1))
+    named = dict(zip(STAT_NAMES + ("nonfinite_rows",), summed, strict=True))
+    n = totals.tokens
     return {
-        "loss": loss,
+        "loss": named["loss"],
         "grad_norm": grad_norm,
-        "tokens": total_tokens,
-        "clip_frac": clipped / total_tokens,
-        "ratio_mean": ratio_sum / total_tokens,
-        "kl": kl_sum / total_tokens,
+        "tokens": n,
+        "clip_frac": named["clipped"] / n,
+        "dual_clip_frac": named["dual_clipped"] / n,
+        "ratio_out_frac": named["ratio_out"] / n,
+        "ratio_mean": named["ratio_sum"] / n,
+        "kl": named["kl_sum"] / n,
+        "applied": applied,
+        "nonfinite_sample_ids": bad,
     }
 
 

@@ -14,6 +14,9 @@ class EvalConfig:
 
     every_steps: int = 0  # evaluate checkpoints whose step is a multiple of this (0: off)
     every_s: float = 0.0  # or the newest checkpoint, at most this often (0: off)
+    # also evaluate version 0 (the initial model) first, so the summary shows the
+    # held-out accuracy before and after training
+    at_start: bool = True
     problems: int = 64  # held-out problems (the arithmetic split has ~30 at difficulty <= 3)
     path: str | None = None  # a problem file to evaluate on; None: the task's held-out split
     samples: int = 4  # sampled completions per problem, for mean reward and pass@k

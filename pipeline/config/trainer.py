@@ -8,6 +8,11 @@ from typing import Any
 
 from pipeline.config.checks import check_choice, check_pool_device, check_positive
 
+ADVANTAGE_STD = ("group", "none")
+LOSS_AGGREGATION = ("token_mean", "seq_mean_token_mean", "constant")
+OFF_POLICY = ("behaviour_clip", "truncated_is")
+KL_ESTIMATORS = ("k3", "k3_ratio")
+
 
 @dataclass
 class TrainerConfig:
@@ -17,10 +22,18 @@ class TrainerConfig:
     lr: float = 1e-5
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    is_cap: float = 2.0  # truncation of the importance weight actor -> trainer
-    kl_coef: float = 0.0
+    clip_low: float = 0.2  # PPO clip below 1 (0 <= clip_low < 1)
+    clip_high: float = 0.28  # PPO clip above 1 (>= 0)
+    # dual clip: for A < 0 the surrogate is bounded by is_cap * A, so past ratio is_cap the
+    # token's gradient is 0 (> 1 + clip_high); with off_policy=truncated_is, the cap C
+    # of the detached importance weight min(pi/mu, C)
+    is_cap: float = 2.0
+    kl_coef: float = 0.0  # weight of the KL term (needs reference log-probs; 0: metric only)
+    # the objective's family (README "The objective"); the defaults are GRPO/DAPO's
+    advantage_std: str = "group"  # group: (r - mean) / std | none: r - mean (Dr. GRPO)
+    loss_aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | constant
+    off_policy: str = "behaviour_clip"  # behaviour_clip | truncated_is
+    kl_estimator: str = "k3"  # k3 | k3_ratio
     max_lag: int = 4  # reject samples whose oldest token is older than this
     publish_every: int = 1
     checkpoint_every: int = 10
@@ -51,6 +64,7 @@ def validate_trainer(cfg: Any) -> None:
         "trainer.bucket_mb",
     )
     t = cfg.trainer
+    validate_objective(cfg)
     if t.max_lag < 0:
         raise ValueError(f"trainer.max_lag={t.max_lag} must be >= 0")
     check_pool_device(cfg, "trainer")
@@ -65,3 +79,31 @@ def validate_trainer(cfg: Any) -> None:
         raise ValueError(
             "trainer.zero_stage is a DeepSpeed setting; use trainer.backend=deepspeed with it"
         )
+
+
+def validate_objective(cfg: Any) -> None:
+    """The loss settings: a clip range that means something, a cap above it, the family."""
+    check_choice(cfg, "trainer.advantage_std", ADVANTAGE_STD)
+    check_choice(cfg, "trainer.loss_aggregation", LOSS_AGGREGATION)
+    check_choice(cfg, "trainer.off_policy", OFF_POLICY)
+    check_choice(cfg, "trainer.kl_estimator", KL_ESTIMATORS)
+    t = cfg.trainer
+    if not 0 <= t.clip_low < 1:
+        raise ValueError(
+            f"trainer.clip_low={t.clip_low} must be in [0, 1): the ratio is clipped below "
+            "at 1 - clip_low (0.2 is usual)"
+        )
+    if t.clip_high < 0:
+        raise ValueError(
+            f"trainer.clip_high={t.clip_high} must be >= 0: the ratio is clipped above at "
+            "1 + clip_high (0.28 is usual)"
+        )
+    if not t.is_cap > 1 + t.clip_high:
+        raise ValueError(
+            f"trainer.is_cap={t.is_cap} must be > 1 + trainer.clip_high = {1 + t.clip_high:g}: "
+            "it is the dual clip (past it a negative-advantage token's gradient is 0) and "
+            "the truncated-IS cap; a cap at or below the clip zeroes or shrinks on-policy "
+            "gradients. There is no 'off': use a large value (e.g. 1e9) to disable it"
+        )
+    if t.kl_coef < 0:
+        raise ValueError(f"trainer.kl_coef={t.kl_coef} must be >= 0")

@@ -19,9 +19,13 @@ class Backend(Protocol):
     autocast_dtype: torch.dtype | None  # compute dtype when weights are kept in fp32
     vocab_size: int
 
-    def step(self, micro: list[MicroBatch], loss_fn: LossFn) -> tuple[float, list[float]]:
+    def step(
+        self, micro: list[MicroBatch], loss_fn: LossFn
+    ) -> tuple[float, list[float] | None, bool]:
         """Zero grads, backward every micro-batch, reduce, clip, one optimizer step.
-        Returns (grad norm, this rank's summed loss_fn stats)."""
+        Returns (grad norm, this rank's summed loss_fn stats, applied). A step whose
+        loss or gradient is not finite on any rank is not applied: weights and
+        optimizer state stay as they were and ``applied`` is False on every rank."""
         ...
 
     def full_parameters(self) -> dict[str, torch.Tensor] | None:
@@ -38,6 +42,17 @@ class Backend(Protocol):
     def lr(self) -> float: ...
 
     def set_lr(self, lr: float) -> None: ...
+
+
+def all_ranks_finite(ranks, finite: bool) -> bool:
+    """True when ``finite`` holds on every rank (one tiny all-reduce with several)."""
+    if ranks.world_size == 1:
+        return finite
+    import torch.distributed as dist
+
+    flag = torch.tensor([0.0 if finite else 1.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ranks.group)
+    return bool(flag.item() == 0.0)
 
 
 class OptimizerLR:

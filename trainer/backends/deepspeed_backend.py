@@ -25,7 +25,7 @@ import torch
 from pipeline import lora
 from pipeline.config import pool_dtype
 from pipeline.models import DTYPES, load_model
-from trainer.backends.base import OptimizerLR
+from trainer.backends.base import OptimizerLR, all_ranks_finite
 from trainer.ranks import Ranks
 
 TAG = "deepspeed"
@@ -97,18 +97,43 @@ class DeepSpeedBackend(OptimizerLR):
             if path is None:
                 raise ValueError(f"{resume_from} holds no DeepSpeed checkpoint (tag {TAG!r})")
 
-    def step(self, micro, loss_fn) -> tuple[float, list[float]]:
+    def step(self, micro, loss_fn) -> tuple[float, list[float] | None, bool]:
+        """One step; not applied when the loss or the gradient is not finite.
+
+        ZeRO-1/2/3 discard such a step themselves (their overflow check finds a
+        non-finite gradient norm, whatever the dtype) and ``was_step_applied`` says so;
+        stage 0 has no such check, so the gradients are checked here and the engine's
+        step is not called. A non-finite loss whose step DeepSpeed applied anyway stops
+        the trainer (RuntimeError) before anything is published."""
         self.engine.train()
-        stats = None
+        stats, loss_finite = None, True
         world = float(self.ranks.world_size)
         for mb in micro:
             loss, s = loss_fn(self.engine, mb)
+            loss_finite &= bool(torch.isfinite(loss.detach()))
             self.engine.backward(loss * world, scale_wrt_gas=False)
             stats = s if stats is None else [a + b for a, b in zip(stats, s, strict=True)]
-        self.engine.step()
+        if self.stage == 0:
+            grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+            finite = loss_finite and all(bool(torch.isfinite(g).all()) for g in grads)
+            applied = all_ranks_finite(self.ranks, finite)
+            if applied:
+                self.engine.step()
+            else:
+                self.engine.zero_grad()
+        else:
+            loss_finite = all_ranks_finite(self.ranks, loss_finite)
+            self.engine.step()
+            applied = bool(self.engine.was_step_applied())
+            if applied and not loss_finite:
+                raise RuntimeError(
+                    "DeepSpeed applied a step whose loss was not finite (its overflow check "
+                    "saw a finite gradient); the weights may be corrupt and nothing was "
+                    "published: restart from the last checkpoint"
+                )
         self.engine.eval()
-        norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan"), stats or [0.0] * 4
+        norm = self.engine.get_global_grad_norm() if applied else float("nan")
+        return float(norm) if norm is not None else float("nan"), stats, applied
 
     def full_parameters(self) -> dict[str, torch.Tensor] | None:
         """Every rank calls this; under ZeRO-3 it gathers the partitioned parameters."""

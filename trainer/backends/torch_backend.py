@@ -22,7 +22,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from pipeline import lora
 from pipeline.config import pool_dtype
 from pipeline.models import DTYPES, load_model
-from trainer.backends.base import OptimizerLR
+from trainer.backends.base import OptimizerLR, all_ranks_finite
 from trainer.ranks import Ranks
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -54,20 +54,25 @@ class TorchBackend(OptimizerLR):
             state = torch.load(path, weights_only=True, map_location=self.device)  # no pickle
             self.optimizer.load_state_dict(state)
 
-    def step(self, micro, loss_fn) -> tuple[float, list[float]]:
+    def step(self, micro, loss_fn) -> tuple[float, list[float] | None, bool]:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=False)
-        stats = None
+        stats, loss_finite = None, True
         for mb in micro:
             loss, s = loss_fn(self.model, mb)
             loss.backward()
+            loss_finite &= bool(torch.isfinite(loss.detach()))
             stats = s if stats is None else [a + b for a, b in zip(stats, s, strict=True)]
         if self.ranks.world_size > 1:
-            self._all_reduce_grads()
+            self._all_reduce_grads()  # a non-finite gradient on any rank reaches every rank
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
-        self.optimizer.step()
+        applied = all_ranks_finite(self.ranks, loss_finite and bool(torch.isfinite(norm)))
+        if applied:
+            self.optimizer.step()
+        else:  # weights and moments stay as they were; the trainer records the step
+            self.optimizer.zero_grad(set_to_none=False)
         self.model.eval()
-        return float(norm), stats or [0.0, 0.0, 0.0, 0.0]
+        return float(norm), stats, applied
 
     def _all_reduce_grads(self) -> None:
         grads = [p.grad for p in self.params if p.grad is not None]
