@@ -24,6 +24,7 @@ table beside it.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from datetime import date
 
@@ -109,6 +110,9 @@ def main(argv: list[str]) -> int:
     from pipeline.runtime import model_path
 
     args = parse(argv)
+    # vLLM's CPU KV cache (GiB): bounded, as pipeline/bench/vllm.py bounds it (unset, a
+    # worker took 12.6 GB here and the kernel killed it)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     low, high = (float(x) for x in args.delay.split(","))
     overrides = ["+exp=calc", "actor.engine=vllm", "actor.vllm.enforce_eager=true"]
     overrides += [f"task.env_args.tool_delay_s=[{low},{high}]", *args.overrides]
