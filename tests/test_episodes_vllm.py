@@ -18,16 +18,35 @@ from tests.vllm_real import (
     new_weights,
     push,
     reset,
+    save_tiny,
     stage,
+    start_engine,
     start_probe,
     take_unit,
     tiny_llama,
+    vllm_available,
     wait_tokens,
 )
 
 pytestmark = pytest.mark.vllm
 TOL = 1e-4  # |log p(vLLM) - log p(transformers)|, float32, same weights (tests/test_vllm_real.py)
 TURN = 100  # sampled tokens per turn (the tiny model has no EOS: every turn runs to it)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """One real engine for the module (tests/vllm_real.py's, with a small memory share:
+    on the CPU vLLM reserves that share of the machine's RAM)."""
+    why = vllm_available()
+    if why is not None:
+        pytest.skip(why)
+    eng = start_engine(
+        save_tiny(str(tmp_path_factory.mktemp("tiny-llama"))), gpu_memory_utilization=0.05
+    )
+    try:
+        yield eng
+    finally:
+        eng.close()
 
 
 def _teacher(seed: int, ids: list[int]) -> torch.Tensor:
@@ -37,8 +56,8 @@ def _teacher(seed: int, ids: list[int]) -> torch.Tensor:
     return torch.tensor([float(lp[t - 1, ids[t]]) for t in range(1, len(ids))], dtype=torch.float64)
 
 
-def test_episode_turns_on_real_vllm_are_stamped_exactly_across_swaps(vllm_engine, monkeypatch):
-    eng = vllm_engine.engine
+def test_episode_turns_on_real_vllm_are_stamped_exactly_across_swaps(engine, monkeypatch):
+    eng = engine
     reset(eng)
     tok = _tiny_tokenizer()  # its chat template bridges the turns (ids < the model's 512)
     cfg = env_config(max_turns=3, max_tokens=480)
