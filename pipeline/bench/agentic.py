@@ -115,7 +115,7 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     low, high = (float(x) for x in args.delay.split(","))
     overrides = ["+exp=calc", "actor.engine=vllm", "actor.vllm.enforce_eager=true"]
-    overrides += [f"task.env_args.tool_delay_s=[{low},{high}]", *args.overrides]
+    overrides += [f"+task.env_args.tool_delay_s=[{low},{high}]", *args.overrides]
     cfg = compose(overrides)
     t0 = time.monotonic()
     engine = make_engine(cfg, model_path(cfg), cfg.run.seed)
