@@ -13,8 +13,9 @@ number of groups:
   of its own, its tool call on the environments' thread while the engine goes on
   with the other episodes' turns.
 
-Per run: wall seconds, episodes/s, sampled tokens/s, turns per episode, tool calls,
-and the engine's empty share (wall time with no request of this actor in it: vllm).
+Both loops first run ``--warmup`` groups untimed. Per run: wall seconds, episodes/s,
+sampled tokens/s, turns per episode, tool calls, and the engine's empty share (wall
+time with no request of this actor in it: vllm).
 Not measured here (they need the whole pipeline): the trainer's idle share and the
 stall at swaps while tools run; a swap never waits for a tool (tools never hold the
 engine's lock: tests/test_episode_actor.py). Writes JSON (``--out``) and a markdown
@@ -40,6 +41,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--groups", type=int, default=6, help="groups per run")
     p.add_argument("--repeats", type=int, default=2, help="interleaved repeats of both")
     p.add_argument("--delay", default="0.5,2.0", help="tool seconds per call: low,high")
+    p.add_argument("--warmup", type=int, default=2, help="groups per mode first, not timed")
     p.add_argument("overrides", nargs="*", help="config overrides (e.g. actor.engine=hf)")
     return p.parse_args(argv)
 
@@ -124,6 +126,8 @@ def main(argv: list[str]) -> int:
     try:
         runner = EpisodeRunner(cfg, engine, engine.tokenizer, load_env(cfg.task.env), 0)
         modes = ("sync", "async") if engine.streaming else ("sync",)  # hf: no streaming
+        for mode in modes:  # the engine's first requests and both loops warmed up
+            measure(mode, engine, runner, cfg, args.warmup)
         for repeat in range(args.repeats):
             for mode in modes if repeat % 2 == 0 else modes[::-1]:
                 row = {"repeat": repeat, **measure(mode, engine, runner, cfg, args.groups)}
@@ -155,7 +159,7 @@ def main(argv: list[str]) -> int:
             f"# agentic bench ({payload['device']}, {payload['engine']}, {payload['model']})\n\n"
         )
         f.write(f"tool delay {low}-{high} s per call; {args.groups} groups of ")
-        f.write(f"{cfg.task.group_size} per run; load {load}\n\n")
+        f.write(f"{cfg.task.group_size} per run after {args.warmup} untimed; load {load}\n\n")
         f.write("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n")
         for r in rows:
             f.write("| " + " | ".join(str(r.get(c)) for c in COLUMNS) + " |\n")
