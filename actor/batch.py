@@ -1,5 +1,6 @@
 """The actor loop in batches: ``sampling.prompts_per_batch`` groups generated together,
-then scored and published (the hf engine, and every engine in ``pipeline.mode=sync``).
+then scored and published (the hf engine, and every engine in ``pipeline.mode=sync``;
+episodes, ``task.kind=env``, on every engine: actor/episodes.py, turn by turn).
 
 ::
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import time
 
 from actor.engines import Engine
+from actor.episodes import EpisodeRunner, publish_episodes
 from actor.publish import publish_group, record_swaps
 from actor.room import Room
 from pipeline.runtime import Pool
@@ -37,6 +39,8 @@ def generate_step(
     """Generate, score and publish one batch of groups (``prompts_n`` prompts, default
     sampling.prompts_per_batch); return groups published."""
     cfg = pool.cfg
+    if isinstance(task, EpisodeRunner):  # task.kind=env: multi-turn episodes
+        return publish_episodes(pool, task, rewards, prompts_n or cfg.sampling.prompts_per_batch)
     g = cfg.task.group_size
     problems = [task.sample() for _ in range(prompts_n or cfg.sampling.prompts_per_batch)]
     system = DEFAULT_SYSTEM_PROMPT if cfg.task.system_prompt is None else cfg.task.system_prompt

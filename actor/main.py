@@ -29,8 +29,11 @@ import zlib
 
 from actor.batch import batch_groups
 from actor.engines import Engine, make_engine
+from actor.episode_stream import stream_episodes
+from actor.episodes import EpisodeRunner
 from actor.stream import stream_groups
 from pipeline.config import run_secret
+from pipeline.envs import load_env
 from pipeline.runtime import EXIT_MISMATCH, Pool, model_path, start_pool
 from pipeline.stopping import final
 from pipeline.tasks import RewardErrors, make_task
@@ -52,9 +55,13 @@ def build_engine(pool: Pool) -> Engine:
     return make_engine(cfg, model_path(cfg), pool_seed(pool, cfg.run.seed))
 
 
-def build_task(pool: Pool):
-    """``task.kind``'s problems, drawn with this pool's seed."""
+def build_task(pool: Pool, engine: Engine):
+    """``task.kind``'s problems, drawn with this pool's seed; for ``task.kind=env`` the
+    EpisodeRunner (actor/episodes.py) that runs the environment's episodes."""
     t = pool.cfg.task
+    if t.kind == "env":
+        env_cls = load_env(t.env)
+        return EpisodeRunner(pool.cfg, engine, engine.tokenizer, env_cls, pool_seed(pool, t.seed))
     return make_task(t.kind, t.difficulty, t.path, pool_seed(pool, t.seed))
 
 
@@ -90,6 +97,10 @@ def resume_counters(pool: Pool, receiver: WeightReceiver) -> None:
         pool.status.key, ["weight_updates_applied", "weight_updates_failed"]
     )
     receiver.applied, receiver.failed = int(applied or 0), int(failed or 0)
+
+
+def is_env(task) -> bool:
+    return isinstance(task, EpisodeRunner)
 
 
 RECEIVER_STOP_S = 3.0  # a stopping actor waits this long for its weight receiver to close
@@ -144,12 +155,17 @@ def finish(pool: Pool, engine: Engine, receiver: WeightReceiver, produced: int |
 def main(argv: list[str] | None = None) -> None:
     pool = start_pool("actor", argv)
     engine = build_engine(pool)
-    task, receiver = build_task(pool), start_receiver(pool, engine)
+    task, receiver = build_task(pool, engine), start_receiver(pool, engine)
     streaming = pool.cfg.pipeline.mode == "async" and engine.streaming
-    loop, produced = stream_groups if streaming else batch_groups, None
+    # episodes: actor/episode_stream.py (streaming: tools overlap other turns), or turn
+    # by turn in the batch loop (actor/episodes.py)
+    stream = stream_episodes if is_env(task) else stream_groups
+    loop, produced = stream if streaming else batch_groups, None
     try:
         produced = loop(pool, engine, task, engine.tokenizer, Window(200), RewardErrors(), receiver)
     finally:
+        if is_env(task):
+            task.close()
         finish(pool, engine, receiver, produced)
     if receiver.fatal is not None:  # one line, and an exit the supervisor does not restart
         log.error("cannot take the trainer's weights: %s", receiver.fatal)

@@ -19,18 +19,15 @@ import uuid
 import numpy as np
 
 from actor.engines import Completion, Engine
-from pipeline.messages import SCHEMA_VERSION, RolloutGroup, encode, pack_i32
+from pipeline.messages import SCHEMA_VERSION, RolloutGroup, Sample, encode, pack_i32
 from pipeline.runtime import Pool
 from pipeline.streams import count_produced, publish
 from pipeline.tasks import RewardErrors, score
 from pipeline.telemetry import Window
 
 
-def to_group(
-    pool: Pool, problem, prompt: list[int], outs: list[Completion], rewards: list[float]
-) -> RolloutGroup:
+def to_group(pool: Pool, problem, prompt: list[int], samples: list[Sample]) -> RolloutGroup:
     e = pool.cfg.sampling
-    samples = [c.to_sample(k, r) for k, (c, r) in enumerate(zip(outs, rewards, strict=True))]
     return RolloutGroup(
         schema=SCHEMA_VERSION,
         group_id=f"{pool.name}:{uuid.uuid4().hex[:16]}",
@@ -72,9 +69,16 @@ def publish_group(
     texts = tokenizer.batch_decode([c.tokens for c in outs], skip_special_tokens=True)
     scores = score_group(pool, texts, problem.answer, errors)
     rewards.add(*scores)
-    group = to_group(pool, problem, prompt, outs, scores)
+    samples = [c.to_sample(k, r) for k, (c, r) in enumerate(zip(outs, scores, strict=True))]
+    send_group(pool, to_group(pool, problem, prompt, samples))
+
+
+def send_group(pool: Pool, group: RolloutGroup, **record) -> None:
+    """XADD a scored group to the rollouts stream (once), record and count it;
+    ``record``: more fields of its ``group`` metrics record (episodes' counters)."""
     per_sample = [s.token_versions() for s in group.samples]
     versions = np.concatenate(per_sample)
+    scores = [s.reward for s in group.samples]
     part = pool.shards.next()  # redis.shards: the next shard or partition in turn
     publish(  # (pipeline/streams/shards.py)
         part.client,
@@ -84,7 +88,7 @@ def publish_group(
         schema=SCHEMA_VERSION,
         group=group.group_id,
         actor=pool.name,
-        problem=problem.id,
+        problem=group.problem_id,
         versions=f"{versions.min()}-{versions.max()}",
         reward=f"{np.mean(scores):.3f}",
         tokens=int(versions.size),
@@ -98,6 +102,7 @@ def publish_group(
         reward=float(np.mean(scores)),
         versions=[int(versions.min()), int(versions.max())],
         spanning=sum(int(v.min() != v.max()) for v in per_sample if v.size),
+        **record,
     )
     # samples_produced (back-pressure) and groups_produced, once even when re-sent
     count_produced(pool.client, pool.names, pool.name, group.group_id, len(group.samples))

@@ -20,6 +20,18 @@ announcement's BucketSpecs say), and the pools' status hashes (pipeline/telemetr
 Token ids, log-probs and per-token policy versions travel as packed
 little-endian arrays (``bytes``), never as lists, and never through pickle.
 Per-token versions are run-length encoded as (version, count) int32 pairs.
+
+A Sample is an *episode*: ``completion_ids`` hold every id after the prompt (each
+turn's sampled ids, and between turns the template's boundary ids and the
+observation's ids), ``loss_mask`` is 1 exactly on the sampled ids, and the
+per-sampled-token arrays (log-probs, versions, reference log-probs, token
+advantages, sampling masks) hold one value per mask=1 id only; observation ids
+carry none. A single-turn completion is the one-turn case, written without
+``loss_mask`` / ``turn_offsets`` (every id sampled) and so as small as before::
+
+    prompt | turn 0 sampled | boundary + observation | turn 1 sampled | ...
+    mask:      1 1 1 1 1         0 0 0 0 0 0 0            1 1 1 1
+    turn_offsets = [0, 12]   (where each run of mask=1 starts)
 A payload that does not decode, carries an unknown field or another schema
 version raises :class:`BadEntry` with the reason; one that decodes but whose
 per-token arrays disagree fails its type's ``check()`` (:meth:`RolloutGroup.check`,
@@ -33,7 +45,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: a Sample is an episode (loss_mask, turn_offsets, tool outcomes)
 MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
 
 
@@ -114,17 +126,41 @@ def unpack_mask(ids: bytes, counts: bytes, n_tokens: int) -> list[np.ndarray] | 
 # TrainBatches, with the preprocessor's fields set.
 
 
-class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
-    """One completion of a prompt, as the actor produced it.
+# What a turn's tool call came to (Sample.tool_outcomes): "" no call; "ok"; the
+# failures the model sees as its observation: "malformed" (the call does not parse),
+# "unknown_tool", "oversized" (output truncated to the token budget), "error" (the
+# tool raised or its program failed), "timeout" (per-call wall clock), "budget" (the
+# episode's tool calls or tool time are spent); "infra": the tool's infrastructure
+# failed (its process died, the sandbox would not start): the episode is marked
+# ``infra_failure`` and left out of its group's advantage statistics.
+TOOL_OUTCOMES = (
+    "",
+    "ok",
+    "malformed",
+    "unknown_tool",
+    "oversized",
+    "error",
+    "timeout",
+    "budget",
+    "infra",
+)
 
-    Fields left at their default are not encoded, so a sample without the
-    optional arrays below is the same payload an older build writes and reads.
+
+def pack_u8(values) -> bytes:
+    return np.asarray(values, dtype=np.uint8).tobytes()
+
+
+class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """One episode of a task, as the actor produced it (a completion: its one-turn case).
+
+    Fields left at their default are not encoded, so a single-turn sample without
+    the optional arrays below is as small as it was before episodes.
     """
 
     index: int  # position inside its group: (group_id, index) names a sample
-    completion_ids: bytes  # int32
+    completion_ids: bytes  # int32: every id after the prompt (sampled and observation)
     logprobs: bytes  # float32: log-prob of each sampled token under the sampling distribution
-    versions: bytes  # int32 RLE pairs: policy version that produced each token
+    versions: bytes  # int32 RLE pairs: policy version that produced each sampled token
     reward: float
     finished: bool  # ended with EOS rather than the token limit
     advantage: float = 0.0  # set by the preprocessor
@@ -139,24 +175,55 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defa
     # False: ``versions`` are lower bounds (the engine could not record each token's
     # version; staleness overstated, never understated), not exact per-token versions
     versions_exact: bool = True
+    # episodes (several turns): uint8 per completion id, 1 exactly on sampled ids (empty:
+    # every id sampled); int32 start of each turn's sampled run in completion_ids
+    # (empty: one turn at 0); per turn one of TOOL_OUTCOMES (empty: no tool calls)
+    loss_mask: bytes = b""
+    turn_offsets: bytes = b""
+    tool_outcomes: list[str] = msgspec.field(default_factory=list)
+    # a tool's infrastructure failed in this episode: trained with advantage 0 and left
+    # out of its group's advantage statistics (never scored as a wrong answer)
+    infra_failure: bool = False
 
     def tokens(self) -> np.ndarray:
+        """Every id after the prompt (sampled, boundary and observation ids)."""
         return unpack_i32(self.completion_ids)
+
+    def sampled(self) -> np.ndarray:
+        """Bool per completion id: True where the model sampled it (the loss mask)."""
+        n = len(self.completion_ids) // 4
+        if not self.loss_mask:
+            return np.ones(n, dtype=bool)
+        return np.frombuffer(self.loss_mask, dtype=np.uint8).astype(bool)
+
+    def n_sampled(self) -> int:
+        """How many ids the model sampled (the length of every per-sampled-token array)."""
+        if not self.loss_mask:
+            return len(self.completion_ids) // 4
+        return int(np.count_nonzero(np.frombuffer(self.loss_mask, dtype=np.uint8)))
+
+    def turn_starts(self) -> np.ndarray:
+        """Where each turn's sampled run starts in completion_ids."""
+        return unpack_i32(self.turn_offsets) if self.turn_offsets else np.zeros(1, np.int32)
+
+    def turns(self) -> int:
+        return len(self.turn_starts())
 
     def token_versions(self) -> np.ndarray:
         return rle_decode(self.versions)
 
     def sampling_mask(self) -> list[np.ndarray] | None:
-        """Per token, the kept vocabulary ids; None when no mask was recorded."""
-        return unpack_mask(self.mask_ids, self.mask_counts, len(self.tokens()))
+        """Per sampled token, the kept vocabulary ids; None when no mask was recorded."""
+        return unpack_mask(self.mask_ids, self.mask_counts, self.n_sampled())
 
     def check(self, where: str) -> np.ndarray:
-        """The per-token invariants: at least one completion token, and one log-prob,
-        one policy version, one kept-id set (when a sampling mask is recorded) and one
-        ``ref_logprobs`` / ``token_advantages`` value (when set) per token, every one
-        of them finite, as ``reward`` and ``advantage`` are. Raise
-        BadEntry starting with ``where`` (e.g. "sample <group>/<index>") that names the
-        field; return the completion tokens."""
+        """The per-token invariants: at least one completion token; the episode's
+        layout (:meth:`check_episode`); and one log-prob, one policy version, one
+        kept-id set (when a sampling mask is recorded) and one ``ref_logprobs`` /
+        ``token_advantages`` value (when set) per *sampled* token, every one of them
+        finite, as ``reward`` and ``advantage`` are. Raise BadEntry starting with
+        ``where`` (e.g. "sample <group>/<index>") that names the field; return the
+        completion tokens."""
         try:
             tokens = self.tokens()
             floats = {"logprobs": unpack_f32(self.logprobs)}
@@ -166,7 +233,6 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defa
                 floats["token_advantages"] = unpack_f32(self.token_advantages)
             lengths = {name: len(a) for name, a in floats.items()}
             lengths["versions"] = len(self.token_versions())
-            self.sampling_mask()
         except ValueError as e:
             raise BadEntry(f"{where}: {e}") from None
         # a non-finite value would reach the loss (trainer/loss.py) and the weights
@@ -182,13 +248,88 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defa
                 raise BadEntry(f"{where} has a non-finite {name} ({getattr(self, name)})")
         if len(tokens) == 0:
             raise BadEntry(f"{where} has no completion tokens (completion_ids is empty)")
+        sampled = self.check_episode(where, len(tokens))
+        kind, what = "tokens", "completion token"
+        if self.loss_mask:
+            kind, what = "sampled tokens", "sampled token (loss_mask 1), none on observation tokens"
         for name, length in lengths.items():
-            if length != len(tokens):
+            if length != sampled:
                 raise BadEntry(
-                    f"{where} has {len(tokens)} tokens but {length} {name}: its writer must "
-                    f"give {name} one value per completion token"
+                    f"{where} has {sampled} {kind} but {length} {name}: its writer must "
+                    f"give {name} one value per {what}"
                 )
+        try:
+            unpack_mask(self.mask_ids, self.mask_counts, sampled)
+        except ValueError as e:
+            raise BadEntry(f"{where}: {e}") from None
         return tokens
+
+    def check_episode(self, where: str, n: int) -> int:
+        """The episode's layout over its ``n`` completion ids: ``loss_mask`` one 0/1 per
+        id, ending on a sampled id; ``turn_offsets`` exactly the starts of the mask's
+        runs of 1 (the first at 0: the model's turn opens the completion); one tool outcome
+        per turn, each a known kind. Return the number of sampled ids."""
+        if not self.loss_mask and not self.turn_offsets:
+            if self.tool_outcomes and len(self.tool_outcomes) != 1:
+                raise BadEntry(
+                    f"{where} is one turn (no turn_offsets) but has "
+                    f"{len(self.tool_outcomes)} tool_outcomes: give one per turn"
+                )
+            self._check_outcomes(where)
+            return n
+        if not self.loss_mask or not self.turn_offsets:
+            missing = "loss_mask" if not self.loss_mask else "turn_offsets"
+            raise BadEntry(
+                f"{where} has {'turn_offsets' if not self.loss_mask else 'loss_mask'} but no "
+                f"{missing}: an episode writes both (or neither, for one turn)"
+            )
+        mask = np.frombuffer(self.loss_mask, dtype=np.uint8)
+        if len(mask) != n:
+            raise BadEntry(
+                f"{where} has {n} completion ids but a loss_mask of {len(mask)}: "
+                "one 0/1 per completion id"
+            )
+        if mask.max() > 1:
+            raise BadEntry(f"{where} has a loss_mask value other than 0 or 1")
+        if mask[0] != 1:
+            raise BadEntry(
+                f"{where} starts with an unsampled token (loss_mask 0): the prompt ends where "
+                "the model's first turn begins, so the first completion id is sampled"
+            )
+        if mask[-1] != 1:
+            raise BadEntry(
+                f"{where} ends on an observation token (loss_mask 0): an episode ends with "
+                "the model's turn, so the last completion id is sampled"
+            )
+        try:
+            offsets = unpack_i32(self.turn_offsets)
+        except BadEntry as e:
+            raise BadEntry(f"{where} turn_offsets: {e}") from None
+        if (offsets < 0).any() or (offsets >= n).any():
+            raise BadEntry(
+                f"{where} has a turn offset outside its {n} completion ids "
+                f"({offsets.tolist()}): each turn starts inside the completion"
+            )
+        starts = np.flatnonzero(mask.astype(bool) & ~np.r_[False, mask[:-1].astype(bool)])
+        if not np.array_equal(starts, offsets):
+            raise BadEntry(
+                f"{where} has turn_offsets {offsets.tolist()} but its loss_mask's sampled "
+                f"runs start at {starts.tolist()}: the mask disagrees with the turns"
+            )
+        if self.tool_outcomes and len(self.tool_outcomes) != len(offsets):
+            raise BadEntry(
+                f"{where} has {len(offsets)} turns but {len(self.tool_outcomes)} "
+                "tool_outcomes: give one per turn"
+            )
+        self._check_outcomes(where)
+        return int(mask.sum())
+
+    def _check_outcomes(self, where: str) -> None:
+        for k, outcome in enumerate(self.tool_outcomes):
+            if outcome not in TOOL_OUTCOMES:
+                raise BadEntry(
+                    f"{where} turn {k} has tool outcome {outcome!r}: one of {TOOL_OUTCOMES}"
+                )
 
 
 class RolloutGroup(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

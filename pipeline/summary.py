@@ -122,6 +122,22 @@ def reward_errors(statuses: dict[str, dict[str, str]]) -> tuple[int, dict[str, i
     return total, dict(reasons)
 
 
+EPISODE_COUNTERS = ("episodes", "turns", "multi_turn", "tool_calls", "infra_failures")
+EPISODE_COUNTERS += ("episodes_spanning",)
+
+
+def episode_counters(statuses: dict[str, dict[str, str]]) -> dict[str, int]:
+    """The actors' episode counters (actor/episodes.py), summed; empty without episodes."""
+    total: Counter = Counter()
+    for st in statuses.values():
+        if st.get("role") != "actor":
+            continue
+        for k, v in st.items():
+            if k in EPISODE_COUNTERS or k.startswith("tool."):
+                total[k] += int(v)
+    return dict(total)
+
+
 def dead_lettered_by_role(statuses: dict[str, dict[str, str]], dead: list[dict]) -> dict[str, int]:
     """Dead-lettered entries per role (preprocessor, trainer): the larger of the pools'
     own counters (HINCRBY in their status hashes: they survive the dead-letter stream's
@@ -258,6 +274,7 @@ def build_summary(
         last_publish_error=trainer.get("last_publish_error", ""),
         reward_errors=errors,
         reward_error_reasons=reasons,
+        episodes=episode_counters(statuses),
         in_flight_group_ids=sorted(
             set(flight["rollouts_groups"])
             | {s.rsplit("/", 1)[0] for s in flight["batches_samples"]}

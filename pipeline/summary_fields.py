@@ -38,6 +38,9 @@ class Summary:
     last_publish_error: str = ""
     reward_errors: int = 0  # rewards that raised (scored 0.0), summed over actors
     reward_error_reasons: dict[str, int] = field(default_factory=dict)
+    # task.kind=env: the actors' episode counters summed (episodes, turns, multi_turn,
+    # tool_calls, tool.<outcome>, infra_failures, episodes_spanning); empty otherwise
+    episodes: dict[str, int] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
     # where every produced group ended (pipeline/accounting.py)
     accounting: dict = field(default_factory=dict)
@@ -128,6 +131,7 @@ class Summary:
                 f"{s.reward_errors}"
                 + "".join(f", {k}={v}" for k, v in sorted(s.reward_error_reasons.items())),
             ),
+            *_episode_rows(s.episodes),
             _account_row(s.accounting),
             ("groups with PRM-scored steps", s.prm_scored_groups),
             ("wall seconds", f"{s.wall_seconds:.1f}"),
@@ -137,6 +141,26 @@ class Summary:
             rows.insert(1, ("from disk only", why + "; ".join(self.redis_unavailable)))
         width = max(len(k) for k, _ in rows)
         return "\n".join(["run summary"] + [f"  {k.ljust(width)}  {v}" for k, v in rows])
+
+
+def _episode_rows(e: dict) -> list[tuple[str, str]]:
+    """task.kind=env: episodes, turns per episode, tool calls by outcome, infra failures,
+    episodes that spanned versions (no rows for a run without episodes)."""
+    if not e.get("episodes"):
+        return []
+    n = e["episodes"]
+    kinds = ", ".join(
+        f"{k.removeprefix('tool.')} {v}" for k, v in sorted(e.items()) if k.startswith("tool.")
+    )
+    return [
+        (
+            "episodes (multi-turn)",
+            f"{n} ({e.get('multi_turn', 0)}), {e.get('turns', 0) / n:.2f} turns per episode",
+        ),
+        ("tool calls", f"{e.get('tool_calls', 0)}" + (f" ({kinds})" if kinds else "")),
+        ("episodes with infra failures", str(e.get("infra_failures", 0))),
+        ("episodes spanning versions", str(e.get("episodes_spanning", 0))),
+    ]
 
 
 def _account_row(terms: dict) -> tuple[str, str]:
@@ -182,6 +206,7 @@ WITHOUT_REDIS: dict[str, tuple[str, ...]] = {
         "prm_scored_groups",
         "reward_errors",
         "reward_error_reasons",
+        "episodes",
     ),
     "the weight publisher's and receivers' counters": (
         "weight_updates_published",

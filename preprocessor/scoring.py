@@ -37,7 +37,8 @@ class ScoredGroup:
 
     @property
     def lengths(self) -> list[int]:
-        return [len(s.tokens()) for s in self.group.samples]
+        """Per sample, its sampled tokens (an episode's observation ids carry no value)."""
+        return [s.n_sampled() for s in self.group.samples]
 
 
 class Scorer(Protocol):
@@ -131,21 +132,29 @@ def shared_prompt_logprobs(
     sampling: tuple[float, float, int],
     masks: list | None,
     pad_id: int,
+    sampled: list[np.ndarray] | None = None,
 ) -> list[np.ndarray]:
-    """Each completion's token log-probs (see :func:`shared_prompt_forward`) under the
-    sampling transformation; ``masks``: one entry per completion, in order, or None."""
+    """Each completion's log-probs of its sampled tokens (see
+    :func:`shared_prompt_forward`) under the sampling transformation; ``masks``: one
+    entry per completion, in order, or None; ``sampled``: per completion the bool loss
+    mask (an episode: observation ids are read, not scored; None: every id sampled)."""
     temperature, top_p, top_k = sampling
     pred, c_ids, valid = shared_prompt_forward(model, prompts, completions, pad_id)
-    logp = masked_logprobs(pred[:, :-1], temperature, top_p, top_k, masks, valid)
+    scored = valid
+    if sampled is not None:
+        scored = torch.zeros_like(valid)
+        for i, m in enumerate(sampled):
+            scored[i, : len(m)] = torch.from_numpy(np.asarray(m, dtype=bool))
+    logp = masked_logprobs(pred[:, :-1], temperature, top_p, top_k, masks, scored)
     token_lp = logp.gather(-1, c_ids[..., None]).squeeze(-1)
-    lengths = valid.sum(-1).tolist()
-    return [token_lp[i, :n].numpy().astype(np.float32) for i, n in enumerate(lengths)]
+    return [token_lp[i][scored[i]].numpy().astype(np.float32) for i in range(len(scored))]
 
 
 def group_logprobs(
     model, groups: list[RolloutGroup], budget: int, pad_id: int, truncate: bool = True
 ) -> list[list[np.ndarray]]:
-    """Per group, each sample's completion log-probs under ``model``, batched.
+    """Per group, each sample's log-probs of its sampled tokens under ``model``, batched
+    (an episode's observation ids are in the forward pass but get no value).
 
     ``truncate``: the rollout's own sampling distribution (temperature, top-k/top-p or
     the recorded sampling mask); otherwise the temperature alone (a teacher's view).
@@ -164,8 +173,15 @@ def group_logprobs(
             masks = None
             if truncate:
                 masks = [s.sampling_mask() for j in part for s in groups[indices[j]].samples]
+            sampled = [s.sampled() for j in part for s in groups[indices[j]].samples]
             lps = shared_prompt_logprobs(
-                model, [prompts[j] for j in part], [comps[j] for j in part], sampling, masks, pad_id
+                model,
+                [prompts[j] for j in part],
+                [comps[j] for j in part],
+                sampling,
+                masks,
+                pad_id,
+                sampled,
             )
             k = 0
             for j in part:

@@ -56,17 +56,22 @@ def set_advantages(
     parts); return whether the group carries a learning signal.
 
     Without dense parts this is plain GRPO: one advantage per sample, and a group whose
-    rewards are all equal has no signal. With them, ``advantage`` keeps the outcome
+    rewards are all equal has no signal. An episode whose tool infrastructure failed
+    (``infra_failure``) is left out of the group's mean and std and gets advantage 0:
+    a dead sandbox is not a wrong answer. With them, ``advantage`` keeps the outcome
     advantage, ``token_advantages`` the mix, and the group has signal when some token's
     mixed advantage is not 0 (step or teacher rewards can teach where outcomes tie).
     """
-    rewards = [s.reward for s in samples]
-    outcome = group_advantages(rewards, std=std)
+    counted = np.array([not s.infra_failure for s in samples])
+    rewards = [s.reward for s, c in zip(samples, counted, strict=True) if c]
+    outcome = np.zeros(len(samples))
+    if rewards:
+        outcome[counted] = group_advantages(rewards, std=std)
     for s, a in zip(samples, outcome, strict=True):
         s.advantage = float(a)
     if not dense:
-        return has_signal(rewards, tol)
-    lengths = [len(s.tokens()) for s in samples]
+        return bool(rewards) and has_signal(rewards, tol)
+    lengths = [s.n_sampled() for s in samples]
     mixed = mix_advantages(outcome, lengths, dense, weights)
     for s, m in zip(samples, mixed, strict=True):
         s.token_advantages = m.astype("<f4").tobytes()

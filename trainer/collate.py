@@ -21,7 +21,9 @@ from pipeline.messages import TrainBatch, unpack_f32, unpack_i32
 class MicroBatch:
     ids: torch.Tensor  # [rows, width] long, right-padded prompt + completion
     attn: torch.Tensor  # [rows, width] long
-    comp: torch.Tensor  # [rows, width] bool: completion positions
+    # [rows, width] bool: the loss mask, True exactly on sampled tokens (a completion's
+    # every token; an episode's observation and boundary ids are False)
+    comp: torch.Tensor
     actor_lp: torch.Tensor  # [rows, width] float32, 0 outside completions
     advantages: torch.Tensor  # [rows, width] float32 per token
     ref_lp: torch.Tensor | None
@@ -29,13 +31,13 @@ class MicroBatch:
     temperature: float
     top_p: float
     top_k: int
-    tokens: int  # completion tokens
+    tokens: int  # sampled tokens (the loss covers these)
     sample_ids: list[str]  # "<group>/<index>" per row (trainer/batches.py sample_ids)
     weight: float = 1.0  # 0.0: a padding pass that keeps the ranks in step
 
 
 def _scatter(values: list[np.ndarray], comp: np.ndarray) -> np.ndarray:
-    """Per-row arrays into the completion positions (rows in order, left to right)."""
+    """Per-row arrays into the sampled positions (rows in order, left to right)."""
     out = np.zeros(comp.shape, dtype=np.float32)
     out[comp] = np.concatenate(values)
     return out
@@ -50,6 +52,12 @@ def collate(batch: TrainBatch, pad_id: int, device: torch.device) -> MicroBatch:
     cols = np.arange(int(total.max()))[None, :]
     attn = cols < total[:, None]
     comp = (cols >= p_len[:, None]) & attn
+    episodes = [i for i, s in enumerate(batch.samples) if s.loss_mask]
+    if episodes:  # observation and boundary ids are read, never trained on
+        sampled = np.ones(comp.shape, dtype=bool)
+        for i in episodes:
+            sampled[i, p_len[i] : total[i]] = batch.samples[i].sampled()
+        comp &= sampled
     ids = np.full(attn.shape, pad_id, dtype=np.int64)
     ids[attn] = np.concatenate(
         [x for p, c in zip(prompts, completions, strict=True) for x in (p, c)]
@@ -82,6 +90,6 @@ def collate(batch: TrainBatch, pad_id: int, device: torch.device) -> MicroBatch:
         temperature=batch.temperature,
         top_p=batch.top_p,
         top_k=batch.top_k,
-        tokens=int(c_len.sum()),
+        tokens=int(comp.sum()),
         sample_ids=[f"{g}/{s.index}" for g, s in zip(batch.group_ids, batch.samples, strict=True)],
     )

@@ -183,7 +183,7 @@ class Trainer:
         if self.data is None:
             return share_plan(self.ranks, Plan(version=version, stop=True))
         batches = self.data.batches
-        tokens = sum(len(s.tokens()) for b in batches for s in b.samples)
+        tokens = sum(s.n_sampled() for b in batches for s in b.samples)
         samples = sum(len(b.samples) for b in batches)
         plan = Plan(
             version=version, batches=[encode(b) for b in batches], tokens=tokens, samples=samples

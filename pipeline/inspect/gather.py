@@ -21,6 +21,7 @@ from pipeline.telemetry import read_statuses
 
 # Streams every run has (or will have); others found under the run's prefix are shown too.
 KNOWN_STREAMS = Names.STREAMS
+EPISODE_TOOL_KINDS = ("ok", "malformed", "unknown_tool", "oversized", "error", "timeout", "budget")
 # Counters worth showing per role, in order, with a short label; the rest go to "other".
 THROUGHPUT = {
     "actor": (
@@ -31,6 +32,16 @@ THROUGHPUT = {
         ("weight_updates_failed", "failed updates"),
         ("reward_mean", "reward"),
         ("reward_errors", "reward errors"),
+        # task.kind=env (actor/episodes.py; absent otherwise)
+        ("episodes_open", "episodes in flight"),
+        ("episodes", "episodes"),
+        ("turns", "turns"),
+        ("multi_turn", "multi-turn"),
+        ("tool_calls", "tool calls"),
+        *((f"tool.{kind}", f"tool {kind}") for kind in EPISODE_TOOL_KINDS),
+        ("infra_failures", "infra failures"),
+        ("episodes_spanning", "episodes spanning versions"),
+        ("episodes_resumed", "episodes resumed"),
         ("behind", "behind"),
         ("backlog", "backlog"),
     ),

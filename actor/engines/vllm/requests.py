@@ -207,6 +207,11 @@ class VLLMRequests:
         """Units submitted and not finished (running, or waiting for slots)."""
         return sum(not u.done.is_set() for u in list(self._open.values()))
 
+    def held_keys(self) -> set:
+        """The keys of the units submitted and not taken yet (a unit take() dropped as
+        failed is no longer held: the episode loop ends its episode)."""
+        return set(self._open)
+
     @property
     def held_units(self) -> int:
         """Units submitted and not taken yet: open, or finished and waiting for take()

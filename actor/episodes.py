@@ -1,0 +1,341 @@
+"""Episodes (``task.kind=env``): G multi-turn episodes per task, turn by turn on the engine
+(the batch loop: the hf engine, sync mode; actor/episode_stream.py drives the same
+EpisodeRunner without turn boundaries on a streaming engine in async mode).
+
+::
+
+    reads   the environment's tasks (task.env, pipeline/envs); the engine's sampled ids,
+            log-probs and per-token versions of each turn
+    writes  one rollout group per task (actor/publish.py send_group: each Sample an
+            episode, pipeline/messages.py); the status hash's episode counters
+            (episodes, turns, tool_calls, tool.<outcome>, infra_failures,
+            episodes_spanning); ``episodes`` fields on each ``group`` metrics record
+    blocks  on the engine for each turn of the open episodes; on the turn's tool calls
+            (bounded: task.episode budgets, pipeline/envs/tools.py)
+
+Per turn, every open episode is one request from token ids (``engine.generate``),
+its prompt the ids it holds: token in, token out (pipeline/envs/template.py). A
+turn ends at EOS, at the episode's token room, or at the first of the
+environment's stop strings (``</calc>``), found by reading the decoded text and
+kept as the sampled id that completed it; later ids the engine sampled past it are
+dropped (the kept ids, their log-probs and their versions are exactly what was
+sampled). Each kept id keeps the version of the forward pass that sampled it, so
+an episode that a swap lands in, inside a turn or between two, is stamped exactly
+where it happened. A turn's prompt is computed again on the engine's live weights
+(hf: no cache across requests; vllm: the prefix cache is salted per version,
+actor/engines/vllm/requests.py, so earlier turns' KV is reused only under the
+weights it was computed with).
+
+The environment answers each turn (``step``): a tool's observation, appended
+between the template's boundary ids (mask 0), or done with the reward. Tool calls
+run on the runner's event loop, a thread of its own (here: between two turns); the
+weight receiver swaps under the engine's lock on its own thread, so a tool never
+delays a swap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from actor.engines import Completion, Engine
+from pipeline.envs import Environment, Step, Turn
+from pipeline.envs.template import TurnTemplate
+from pipeline.envs.tools import ToolBox, ToolLimits
+from pipeline.messages import (
+    Sample,
+    pack_f32,
+    pack_i32,
+    pack_mask,
+    pack_u8,
+    rle_encode,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Episode:
+    """One episode as it grows: every id after the prompt and what the loss needs."""
+
+    env: Environment
+    tools: ToolBox
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    kept: list = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    outcomes: list[str] = field(default_factory=list)
+    reward: float = 0.0
+    done: bool = False
+    finished: bool = False  # the last turn ended at EOS
+    infra: bool = False
+    exact: bool = True
+    observed: int = 0  # ids of the last observation appended
+
+    def add_turn(self, out: Completion, n: int) -> None:
+        self.offsets.append(len(self.ids))
+        self.ids += out.tokens[:n]
+        self.mask += [1] * n
+        self.logprobs += out.logprobs[:n]
+        self.versions += out.versions[:n]
+        self.kept += out.kept[:n]
+        self.exact &= out.versions_exact
+
+    def add_observation(self, ids: list[int]) -> None:
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.observed = len(ids)
+
+    def drop_observation(self) -> None:
+        """Take back the last observation (no turn followed it: an episode ends sampled)."""
+        if self.observed and self.mask[-1] == 0:
+            del self.ids[-self.observed :], self.mask[-self.observed :]
+        self.observed = 0
+
+    def to_sample(self, index: int) -> Sample:
+        mask_ids, mask_counts = pack_mask(self.kept)
+        one_turn = len(self.offsets) == 1
+        return Sample(
+            index=index,
+            completion_ids=pack_i32(self.ids),
+            logprobs=pack_f32(self.logprobs),
+            versions=rle_encode(self.versions),
+            reward=float(self.reward),
+            finished=self.finished,
+            mask_ids=mask_ids,
+            mask_counts=mask_counts,
+            versions_exact=self.exact,
+            # the one-turn episode is written as a plain completion (no mask, no offsets)
+            loss_mask=b"" if one_turn else pack_u8(self.mask),
+            turn_offsets=b"" if one_turn else pack_i32(self.offsets),
+            tool_outcomes=list(self.outcomes),
+            infra_failure=self.infra,
+        )
+
+
+def cut_at_stop(tokenizer, tokens: list[int], stops: tuple[str, ...]) -> int | None:
+    """The fewest leading ids whose text holds one of ``stops`` (None: no stop in them)."""
+    if not stops or not any(s in tokenizer.decode(tokens) for s in stops):
+        return None
+    lo, hi = 1, len(tokens)
+    while lo < hi:  # the text of a longer prefix holds what a shorter one's does
+        mid = (lo + hi) // 2
+        if any(s in tokenizer.decode(tokens[:mid]) for s in stops):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+class EpisodeRunner:
+    """Runs groups of episodes of one environment class on one engine."""
+
+    def __init__(self, cfg, engine: Engine, tokenizer, env_cls: type, seed: int):
+        self.cfg, self.engine, self.tokenizer, self.env_cls = cfg, engine, tokenizer, env_cls
+        e = cfg.task.episode
+        self.limits = ToolLimits(
+            e.max_tool_calls,
+            e.call_timeout_s,
+            e.episode_tool_s,
+            e.concurrency,
+            e.max_observation_tokens,
+        )
+        self.template = TurnTemplate.of(
+            tokenizer, env_cls.observation_role, getattr(engine, "stop_ids", ())
+        )
+        self.template.check()  # token in, token out reproduces apply_chat_template
+        self.tasks = env_cls.tasks(dict(cfg.task.env_args), seed)
+        # the environments' event loop, on a thread of its own: tool calls run there
+        # while this thread drives the engine (the streaming loop goes on generating)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="episode-tools")
+        self._thread.daemon = True
+        self._thread.start()
+        self.gate = self.call(_semaphore(e.concurrency))
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+    def spawn(self, coro) -> concurrent.futures.Future:
+        """Run ``coro`` on the environments' loop; its future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro):
+        """Run ``coro`` on the environments' loop and wait for its result."""
+        return self.spawn(coro).result()
+
+    def new_episodes(self, n: int) -> list[Episode]:
+        eps = []
+        for _ in range(n):
+            tools = ToolBox(self.limits, self.gate)
+            eps.append(Episode(self.env_cls(dict(self.cfg.task.env_args), tools), tools))
+        return eps
+
+    def openings(self, problems: list, eps: list[Episode], group_size: int) -> list[list[int]]:
+        """Reset every episode; per problem, the prompt ids its G episodes share."""
+        openings = self._all(ep.env.reset(problems[i // group_size]) for i, ep in enumerate(eps))
+        prompts = [self.template.prompt(m) for m in openings]
+        for i in range(0, len(eps), group_size):
+            if any(p != prompts[i] for p in prompts[i : i + group_size]):
+                raise ValueError(
+                    f"{self.env_cls.__name__}.reset gave different opening messages to "
+                    "the episodes of one task: a group shares one prompt"
+                )
+        return prompts[::group_size]
+
+    def run(self, problems: list, group_size: int, should_stop=lambda: False, on_turn=None):
+        """G episodes per problem, to their ends; per problem (prompt ids, episodes).
+        None when ``should_stop`` cut a turn short (nothing is published).
+        ``on_turn(open)``: before each turn, how many episodes are open (0 at the end)."""
+        cfg = self.cfg.task
+        eps = self.new_episodes(len(problems) * group_size)
+        try:
+            shared = self.openings(problems, eps, group_size)
+            prompts = [shared[i // group_size] for i in range(len(eps))]
+            for turn in range(cfg.episode.max_turns):
+                open_ = [(i, ep) for i, ep in enumerate(eps) if not ep.done]
+                if on_turn is not None:
+                    on_turn(len(open_))
+                if not open_:
+                    break
+                if not self._turn(open_, prompts, turn, should_stop):
+                    return None
+        finally:
+            self._all(ep.env.close() for ep in eps)
+            if on_turn is not None:
+                on_turn(0)
+        return [(prompts[i], eps[i : i + group_size]) for i in range(0, len(eps), group_size)]
+
+    def _turn(self, open_: list, prompts: list, turn: int, should_stop) -> bool:
+        """One turn of every open episode: generate, cut, step the environments."""
+        e, engine = self.cfg.task.episode, self.engine
+        room = [e.max_tokens - len(ep.ids) for _, ep in open_]
+        per_turn = min(self.cfg.sampling.max_new_tokens, max(room))
+        outs = engine.generate(
+            [prompts[i] + ep.ids for i, ep in open_], per_turn, should_stop=should_stop
+        )
+        if should_stop():
+            return False
+        turns = [
+            self.take_turn(ep, out, min(r, per_turn), turn)
+            for (_, ep), out, r in zip(open_, outs, room, strict=True)
+        ]
+        live = [(ep, t) for (_, ep), t in zip(open_, turns, strict=True) if t is not None]
+        steps = self._all(ep.env.step(t) for ep, t in live)
+        last = turn == e.max_turns - 1
+        for (ep, t), step in zip(live, steps, strict=True):
+            self.apply(ep, t, step, last)
+        return True
+
+    def take_turn(self, ep: Episode, out: Completion, room: int, index: int) -> Turn | None:
+        """Add a turn's sampled ids (cut) to ``ep``; the Turn the environment reads, or
+        None when nothing was sampled (the episode then ends on its last sampled id)."""
+        n, ended = self._cut(out, room)
+        if n == 0:  # an engine cut short
+            ep.drop_observation()
+            ep.done = True
+            return None
+        ep.add_turn(out, n)
+        text = self.tokenizer.decode(out.tokens[:n], skip_special_tokens=True)
+        return Turn(text=text, ended=ended, index=index)
+
+    def turn_budget(self, ep: Episode) -> int:
+        """The most ids ``ep``'s next turn may sample."""
+        room = self.cfg.task.episode.max_tokens - len(ep.ids)
+        return min(self.cfg.sampling.max_new_tokens, room)
+
+    def _cut(self, out: Completion, room: int) -> tuple[int, str]:
+        """(ids kept, how the turn ended): at the first stop string, at EOS, or at the
+        episode's room."""
+        n = min(len(out.tokens), room)
+        at = cut_at_stop(self.tokenizer, out.tokens[:n], self.env_cls.stop)
+        if at is not None:
+            return at, "stop"
+        if out.finished and n == len(out.tokens):
+            return n, "eos"
+        return n, "length"
+
+    def apply(self, ep: Episode, turn: Turn, step: Step, last: bool) -> None:
+        """The environment's answer to ``turn``: the episode ends, or the observation is
+        appended between the template's boundary ids."""
+        ep.reward += float(step.reward)
+        ep.infra |= step.infra
+        outcome = step.outcome
+        if step.done or step.observation is None or last:
+            ep.done, ep.finished = True, turn.ended == "eos"
+            ep.outcomes.append(outcome)
+            return
+        ids, cut = self.template.bridge(
+            ep.ids[-1:], step.observation, self.cfg.task.episode.max_observation_tokens
+        )
+        if cut and outcome == "ok":
+            outcome = "oversized"
+            ep.tools.counts["ok"] -= 1
+            ep.tools.counts["oversized"] += 1
+        ep.outcomes.append(outcome)
+        if len(ep.ids) + len(ids) >= self.cfg.task.episode.max_tokens:
+            ep.done = True  # no room for the observation and another turn
+            return
+        ep.add_observation(ids)
+
+    def _all(self, coros):
+        async def gather():
+            return await asyncio.gather(*coros)
+
+        return self.call(gather())
+
+
+async def _semaphore(n: int) -> asyncio.Semaphore:
+    return asyncio.Semaphore(n)
+
+
+def episode_counts(episodes: list[Episode]) -> dict:
+    """A group's episode counters (status hash and metrics record)."""
+    c: Counter = Counter()
+    for ep in episodes:
+        c["episodes"] += 1
+        c["turns"] += len(ep.offsets)
+        c["tool_calls"] += sum(1 for o in ep.outcomes if o)
+        for o in ep.outcomes:
+            if o:
+                c[f"tool.{o}"] += 1
+        c["infra_failures"] += int(ep.infra)
+        v = np.asarray(ep.versions)
+        c["episodes_spanning"] += int(v.size > 0 and v.min() != v.max())
+        c["multi_turn"] += int(len(ep.offsets) > 1)
+    return dict(c)
+
+
+def publish_episodes(pool, runner: EpisodeRunner, rewards, prompts_n: int) -> int:
+    """Run ``prompts_n`` tasks' groups of episodes and publish each as a rollout group;
+    return the groups published (0 when the pool stopped mid-turn)."""
+    from actor.publish import send_group, to_group
+
+    problems = [runner.tasks.sample() for _ in range(prompts_n)]
+    groups = runner.run(
+        problems,
+        pool.cfg.task.group_size,
+        should_stop=pool.tick,
+        on_turn=lambda n: pool.status.set(episodes_open=n),
+    )
+    if groups is None or pool.stop.is_set():
+        return 0  # a half-finished batch is not published
+    for problem, (prompt, eps) in zip(problems, groups, strict=True):
+        samples = [ep.to_sample(k) for k, ep in enumerate(eps)]
+        rewards.add(*[ep.reward for ep in eps])
+        counts = episode_counts(eps)
+        send_group(pool, to_group(pool, problem, prompt, samples), episodes=counts)
+        for name, value in counts.items():
+            pool.status.incr(name, value)
+    return len(problems)

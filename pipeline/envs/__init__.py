@@ -1,0 +1,108 @@
+"""The environment contract: async, gym-like objects the actor runs episodes with.
+
+One instance per episode (``task.kind=env task.env=module:Class``, settings in
+``task.env_args``, budgets in ``task.tools``)::
+
+    env = Env(settings, tools)                 # tools: ToolBox (budgets, concurrency)
+    messages = await env.reset(problem)        # the opening messages (system, user)
+    step = await env.step(Turn(text, ended))   # after each model turn:
+    step.observation, step.reward, step.done   #   what the model sees next (None when
+    step.outcome, step.infra                   #   done), the turn's reward, the tool
+                                               #   outcome (TOOL_OUTCOMES), infra failure
+    await env.close()
+
+``step`` is gym's ``step(action)`` with the action being the model's turn: the
+environment parses its tool calls from the turn's text (read only: the actor keeps
+the sampled ids) and answers with the observation text, which the actor encodes
+and appends between the template's boundary ids (pipeline/envs/template.py). Every
+value crossing the contract is plain data (strings, numbers, lists of dicts), so
+an HTTP adapter to an OpenEnv-style server can implement the same four methods
+beside the in-process ones.
+
+The problems come from the environment class too: ``Env.tasks(settings, seed)``
+returns an object with ``sample() -> Problem`` (pipeline/tasks.py), the ``task``
+an episode's ``reset`` is given.
+
+Shipped: ``calc`` (pipeline/envs/calc.py: arithmetic with a calculator tool, an AST
+whitelist evaluator) and ``pyexec`` (pipeline/envs/pyexec.py: python code run in a
+separate ``python -I -S`` process under rlimits and a wall-clock limit).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.envs.tools import ToolBox, ToolLimits
+
+BUILTIN = {
+    "calc": "pipeline.envs.calc:CalcEnv",
+    "pyexec": "pipeline.envs.pyexec:PyExecEnv",
+}
+
+
+@dataclass
+class Turn:
+    """One model turn, as the environment reads it."""
+
+    text: str  # the turn's sampled text (decoded for reading; the ids stay as sampled)
+    ended: str  # "stop": on one of the env's stop strings (a tool call); "eos"; "length"
+    index: int = 0  # 0 for the first turn
+
+
+@dataclass
+class Step:
+    """What the environment answers a turn with."""
+
+    observation: str | None = None  # the next observation turn's text; None when done
+    reward: float = 0.0  # the turn's reward (an episode's reward: the sum over its turns)
+    done: bool = False
+    outcome: str = ""  # pipeline.messages.TOOL_OUTCOMES: "" no tool call, "ok", a failure
+    infra: bool = False  # the tool's infrastructure failed (not the model's fault)
+
+
+class Environment:
+    """The base of in-process environments: the contract's defaults."""
+
+    stop: tuple[str, ...] = ()  # strings that end a turn with a tool call (kept in its ids)
+    observation_role = "user"  # the chat role observations are rendered as
+    resumable = False
+
+    def __init__(self, settings: dict[str, Any], tools: ToolBox):
+        self.settings, self.tools = dict(settings), tools
+
+    @classmethod
+    def tasks(cls, settings: dict[str, Any], seed: int):
+        raise NotImplementedError(f"{cls.__name__} gives no tasks (define tasks(settings, seed))")
+
+    async def reset(self, problem) -> list[dict]:
+        raise NotImplementedError
+
+    async def step(self, turn: Turn) -> Step:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        """Release what the episode holds (processes, connections)."""
+
+
+def load_env(spec: str) -> type:
+    """The environment class ``spec`` names: ``calc``, ``pyexec`` or ``module:Class``."""
+    path = BUILTIN.get(spec, spec)
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise ValueError(
+            f"task.env={spec!r} names no environment: give calc, pyexec or module:Class "
+            "(a class with async reset(problem) and step(turn), e.g. pipeline.envs.calc:CalcEnv)"
+        )
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"task.env={spec!r}: cannot load {path}: {e}") from None
+    for method in ("reset", "step", "tasks"):
+        if not callable(getattr(cls, method, None)):
+            raise ValueError(f"task.env={spec!r}: {path} has no {method}() (see pipeline/envs)")
+    return cls
+
+
+__all__ = ["Environment", "Step", "ToolBox", "ToolLimits", "Turn", "load_env"]
