@@ -1,0 +1,235 @@
+"""Operated like a service (issue 34): every pool's /metrics and /health, the launcher's
+real Prometheus, the Grafana dashboard's every query, systemd's watchdog protocol.
+
+One tiny run (``metrics.prometheus=true``, scraped every second) serves the live checks:
+while it runs, /health of a SIGSTOPped preprocessor turns 503 and back to 200 after
+SIGCONT, a SIGKILLed actor comes back on a new port that Prometheus scrapes, and every
+listening socket of the run (pools, their health servers, Prometheus) is on 127.0.0.1;
+after it, Prometheus started again on the run's storage answers PromQL that equals
+summary.json, and every panel of deploy/grafana/nonstop-rl.json returns data.
+
+Checked to fail: with ``judge`` in pipeline/health_server.py returning '' the SIGSTOP check
+fails; with ``nonstop_published_version`` renamed in pipeline/prom.py the summary and
+dashboard checks fail; with metrics.http.host defaulting to 0.0.0.0 the listener check
+lists the health servers; with Notifier.tick's WATCHDOG line removed the watchdog test
+fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pipeline.listeners import listening
+from tests.launching import ROOT, launch_tiny, marked_processes, wait_for_step, wait_until
+from tests.test_listeners import CONFIGURED, _descendants, _name, wrap  # noqa: F401
+
+pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None, reason="no prometheus")
+DASHBOARD = ROOT / "deploy" / "grafana" / "nonstop-rl.json"
+
+
+def get(url: str, timeout: float = 3.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def targets(run_dir: Path) -> dict[str, str]:
+    try:
+        found = json.loads((run_dir / "prometheus" / "targets.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {t["labels"]["pool"]: t["targets"][0] for t in found}
+
+
+def pid_of(run_dir: Path, name: str) -> int:
+    pids = [p for p in marked_processes("NONSTOP_RUN_DIR", str(run_dir.resolve()))]
+    return next(
+        p
+        for p in pids
+        if _name(p) == name
+        and "pipeline.health_server"
+        not in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
+    )
+
+
+class PromQL:
+    def __init__(self, url: str):
+        self.url = url
+
+    def query(self, expr: str, at: float) -> list:
+        q = urllib.parse.urlencode({"query": expr, "time": at})
+        code, body = get(f"{self.url}/api/v1/query?{q}", timeout=10)
+        assert code == 200, body
+        return json.loads(body)["data"]["result"]
+
+    def query_range(self, expr: str, start: float, end: float) -> list:
+        q = urllib.parse.urlencode({"query": expr, "start": start, "end": end, "step": 1})
+        code, body = get(f"{self.url}/api/v1/query_range?{q}", timeout=10)
+        assert code == 200, body
+        return json.loads(body)["data"]["result"]
+
+    def value(self, expr: str, at: float) -> float:
+        result = self.query(expr, at)
+        assert len(result) == 1, (expr, result)
+        return float(result[0]["value"][1])
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory, wrap):  # noqa: F811
+    tmp = tmp_path_factory.mktemp("prom")
+    run_dir = tmp / "run"
+    proc = launch_tiny(
+        tmp,
+        run_dir,
+        "trainer.max_steps=8",
+        "metrics.prometheus=true",
+        "metrics.prometheus_scrape_s=1",
+        "metrics.http.health_deadline_s=3",
+        wrap=wrap,
+    )
+    seen: set[tuple[str, str, int]] = set()
+    done = threading.Event()
+
+    def watch_listeners() -> None:
+        while not done.is_set() and proc.poll() is None:
+            pids = _descendants(proc.pid) | set(
+                marked_processes("NONSTOP_RUN_DIR", str(run_dir.resolve()))
+            )
+            for x in listening(pids):
+                seen.add((_name(x.pid), x.address, x.port))
+            time.sleep(0.2)
+
+    lister = threading.Thread(target=watch_listeners, daemon=True)
+    lister.start()
+    facts: dict = {"start": time.time()}
+    try:
+        wait_for_step(run_dir, proc)
+        pools = targets(run_dir)
+        pre = "http://" + pools["preprocessor-0"]
+        facts["health_before"] = get(pre + "/health")
+        pid = pid_of(run_dir, "preprocessor-0")
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            wait_until(lambda: get(pre + "/health")[0] == 503, timeout=10, every=0.2)
+            facts["stop_to_503_s"] = time.monotonic() - stopped
+            facts["health_stopped"] = get(pre + "/health")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_until(lambda: get(pre + "/health")[0] == 200, timeout=10, every=0.2)
+        facts["health_after"] = get(pre + "/health")
+        old_actor = pools["actor-0"]
+        os.kill(pid_of(run_dir, "actor-0"), signal.SIGKILL)
+        wait_until(lambda: targets(run_dir).get("actor-0") not in (None, old_actor), 60, 0.2)
+        facts["actor_ports"] = (old_actor, targets(run_dir)["actor-0"])
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        done.set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    facts["end"] = time.time()
+    lister.join(5)
+    # Prometheus again, on the run's storage, to query what it scraped
+    port = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{port.getsockname()[1]}"
+    port.close()
+    prom = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={run_dir / 'prometheus' / 'prometheus.yml'}",
+            f"--storage.tsdb.path={run_dir / 'prometheus' / 'data'}",
+            f"--web.listen-address={address}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(lambda: _ready(f"http://{address}"), timeout=60, every=0.3)
+        yield {
+            "code": proc.returncode,
+            "out": out,
+            "run_dir": run_dir,
+            "seen": seen,
+            "promql": PromQL(f"http://{address}"),
+            **facts,
+        }
+    finally:
+        prom.terminate()
+        prom.wait(30)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return get(url + "/-/ready")[0] == 200
+    except OSError:
+        return False
+
+
+def test_run_prints_prometheus_and_every_pool_is_scraped(live):
+    assert live["code"] == 0, live["out"][-3000:]
+    assert "prometheus: http://127.0.0.1:" in live["out"]
+    promql, end = live["promql"], live["end"]
+    scraped = promql.query('max_over_time(up{job="nonstop-rl"}[10m]) == 1', end)
+    pools = {r["metric"]["pool"] for r in scraped}
+    assert {"actor-0", "preprocessor-0", "trainer"} <= pools, scraped
+
+
+def test_promql_equals_summary_at_the_end(live):
+    summary = json.loads((live["run_dir"] / "summary.json").read_text())
+    promql, end = live["promql"], live["end"]
+    trained = promql.value('max_over_time(nonstop_samples_trained{pool="trainer"}[10m])', end)
+    published = promql.value("max_over_time(nonstop_published_version[10m])", end)
+    dead = promql.value("sum(max_over_time(nonstop_dead_lettered[10m]))", end)
+    assert trained == summary["samples_trained"] > 0
+    assert published == summary["newest_published_version"] == 8
+    assert dead == summary["dead_lettered"]
+
+
+def test_health_turns_503_for_a_stopped_preprocessor_and_back(live):
+    assert live["health_before"] == (200, "ok\n")
+    code, reason = live["health_stopped"]
+    assert code == 503 and reason.startswith("stalled"), reason
+    assert live["stop_to_503_s"] < 3 + 3  # the deadline, plus a refresh and the poll
+    assert live["health_after"] == (200, "ok\n")
+
+
+def test_a_restarted_actor_is_scraped_under_its_new_port(live):
+    old, new = live["actor_ports"]
+    assert old != new
+    up = live["promql"].query(f'max_over_time(up{{instance="{new}"}}[10m]) == 1', live["end"])
+    assert [r["metric"]["pool"] for r in up] == ["actor-0"], up
+
+
+def test_every_listener_of_a_watched_run_is_on_the_configured_address(live):
+    seen = live["seen"]
+    names = {s[0] for s in seen}
+    assert {"prometheus", "redis-server", "trainer"} <= names, seen
+    health = {s for s in seen if s[0] == "python" or s[0].startswith("python")}
+    assert len({s[2] for s in health}) >= 3, seen  # a health server per pool at least
+    wrong = sorted(s for s in seen if s[1] != CONFIGURED)
+    assert not wrong, f"listening past {CONFIGURED}: {wrong}"
+
+
+def test_every_dashboard_query_returns_data_on_the_live_run(live):
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert len(exprs) >= 20
+    promql = live["promql"]
+    empty = [e for e in exprs if not promql.query_range(e, live["start"], live["end"])]
+    assert not empty, f"panels whose query returns no data: {empty}"
