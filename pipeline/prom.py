@@ -288,7 +288,7 @@ class Notifier:
         if self.sock is None:
             return
         if self.last is None:
-            self.send(f"READY=1\nMAINPID={os.getpid()}")
+            self.send("READY=1")
             self.last = now
         elif now - self.last >= self.every_s:
             self.send("WATCHDOG=1")

@@ -36,7 +36,6 @@ from pipeline.listeners import listening
 from tests.launching import ROOT, launch_tiny, marked_processes, wait_for_step, wait_until
 from tests.test_listeners import CONFIGURED, _descendants, _name, wrap  # noqa: F401
 
-pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None, reason="no prometheus")
 DASHBOARD = ROOT / "deploy" / "grafana" / "nonstop-rl.json"
 
 
@@ -89,10 +88,49 @@ class PromQL:
         return float(result[0]["value"][1])
 
 
+class NotifySocket:
+    """A stand-in for systemd's notify socket: records (time, sender pid, message), the
+    sender known from its credentials (SO_PASSCRED), as systemd knows it."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self.sock.settimeout(0.2)
+        self.got: list[tuple[float, int, str]] = []
+        self.done = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        size = socket.CMSG_SPACE(12)  # struct ucred: pid, uid, gid
+        while not self.done.is_set():
+            try:
+                data, anc, _, _ = self.sock.recvmsg(4096, size)
+            except TimeoutError:
+                continue
+            pid = next(
+                int.from_bytes(d[:4], "little")
+                for level, kind, d in anc
+                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS
+            )
+            self.got.append((time.time(), pid, data.decode()))
+
+    def of(self, pid: int) -> list[tuple[float, str]]:
+        return [(t, m) for t, p, m in self.got if p == pid]
+
+    def close(self) -> None:
+        self.done.set()
+        self.sock.close()
+
+
 @pytest.fixture(scope="module")
 def live(tmp_path_factory, wrap):  # noqa: F811
+    if shutil.which("prometheus") is None:
+        pytest.skip("no prometheus binary (make setup installs Debian's)")
     tmp = tmp_path_factory.mktemp("prom")
     run_dir = tmp / "run"
+    notify = NotifySocket(tmp / "notify")
     proc = launch_tiny(
         tmp,
         run_dir,
@@ -101,6 +139,7 @@ def live(tmp_path_factory, wrap):  # noqa: F811
         "metrics.prometheus_scrape_s=1",
         "metrics.http.health_deadline_s=3",
         wrap=wrap,
+        env_extra={"NOTIFY_SOCKET": notify.path},
     )
     seen: set[tuple[str, str, int]] = set()
     done = threading.Event()
@@ -123,16 +162,20 @@ def live(tmp_path_factory, wrap):  # noqa: F811
         pre = "http://" + pools["preprocessor-0"]
         facts["health_before"] = get(pre + "/health")
         pid = pid_of(run_dir, "preprocessor-0")
+        facts["preprocessor_pid"] = pid
         os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
+        facts["stopped_at"] = time.time()
         try:
             wait_until(lambda: get(pre + "/health")[0] == 503, timeout=10, every=0.2)
             facts["stop_to_503_s"] = time.monotonic() - stopped
             facts["health_stopped"] = get(pre + "/health")
         finally:
+            facts["continued_at"] = time.time()
             os.kill(pid, signal.SIGCONT)
         wait_until(lambda: get(pre + "/health")[0] == 200, timeout=10, every=0.2)
         facts["health_after"] = get(pre + "/health")
+        facts["after_health_ok"] = time.time()
         old_actor = pools["actor-0"]
         os.kill(pid_of(run_dir, "actor-0"), signal.SIGKILL)
         wait_until(lambda: targets(run_dir).get("actor-0") not in (None, old_actor), 60, 0.2)
@@ -140,6 +183,7 @@ def live(tmp_path_factory, wrap):  # noqa: F811
         out, _ = proc.communicate(timeout=300)
     finally:
         done.set()
+        notify.close()
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
@@ -167,6 +211,7 @@ def live(tmp_path_factory, wrap):  # noqa: F811
             "run_dir": run_dir,
             "seen": seen,
             "promql": PromQL(f"http://{address}"),
+            "notify": notify,
             **facts,
         }
     finally:
@@ -233,3 +278,48 @@ def test_every_dashboard_query_returns_data_on_the_live_run(live):
     promql = live["promql"]
     empty = [e for e in exprs if not promql.query_range(e, live["start"], live["end"])]
     assert not empty, f"panels whose query returns no data: {empty}"
+
+
+def test_pools_ping_systemds_watchdog_and_a_stopped_one_stops(live):
+    """READY=1 once from each pool, then WATCHDOG=1 about every second; none from the
+    preprocessor while it is SIGSTOPped, and again after SIGCONT."""
+    notify = live["notify"]
+    pid = live["preprocessor_pid"]
+    got = notify.of(pid)
+    assert [m for _, m in got].count("READY=1") == 1, got[:5]
+    assert got[0][1] == "READY=1"
+    stopped, continued = live["stopped_at"], live["continued_at"]
+    before = [t for t, m in got if m == "WATCHDOG=1" and t < stopped]
+    during = [t for t, m in got if m == "WATCHDOG=1" and stopped + 0.5 < t < continued]
+    after = [t for t, m in got if m == "WATCHDOG=1" and t > continued]
+    assert len(before) >= 2 and not during and after, (before[-3:], during, after[:3])
+    assert continued - stopped > 2  # the stop was long enough to miss pings
+    senders = {p for _, p, m in notify.got if m == "READY=1"}
+    assert len(senders) >= 4  # trainer, preprocessor, actor-0 and its restart
+
+
+def _refused(tmp, *overrides, path=None) -> str:
+    env = {"PATH": path} if path is not None else None
+    proc = launch_tiny(tmp, Path(tmp) / "run", *overrides, env_extra=env)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out[-2000:]
+    return [line for line in out.splitlines() if line.startswith("error:")][0]
+
+
+def test_bad_metrics_settings_are_refused_in_one_line_before_the_run_starts(tmp_path):
+    line = _refused(tmp_path / "a", "metrics.http.enabled=true", "metrics.http.host=192.0.2.254")
+    assert "metrics.http.host=192.0.2.254" in line and "127.0.0.1" in line, line
+    line = _refused(tmp_path / "b", "metrics.http.enabled=true", "metrics.http.port=9400")
+    assert "metrics.http.port=9400" in line and "metrics.http.port=0" in line, line
+    line = _refused(tmp_path / "c", "metrics.prometheus=true", path=str(tmp_path))
+    assert "metrics.prometheus=true" in line and "apt-get install prometheus" in line, line
+    assert not (tmp_path / "c" / "run" / "config.yaml").exists()  # nothing started
+
+
+def test_a_port_in_use_is_refused_naming_the_key():
+    from pipeline.prom import bind
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=f"metrics.http.port={port}: in use"):
+            bind("127.0.0.1", port)
