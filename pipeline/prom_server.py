@@ -68,6 +68,27 @@ def config_text(targets: str, scrape_s: float) -> str:
     )
 
 
+def targets_of(run: str, statuses: dict[str, dict[str, str]]) -> list[dict]:
+    """Prometheus file-based discovery entries: one per pool with a ``metrics_url`` in its
+    status hash (a restarted pool has written its new port there)."""
+    return [
+        {
+            "targets": [st["metrics_url"]],
+            "labels": {"run": run, "pool": name, "role": st.get("role", "")},
+        }
+        for name, st in sorted(statuses.items())
+        if st.get("metrics_url")
+    ]
+
+
+def write_targets(path: str, targets: list[dict]) -> None:
+    """Replace ``path`` at once (Prometheus never reads half a file)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(targets, f, indent=1)
+    os.replace(tmp, path)
+
+
 def free_port(host: str) -> int:
     with contextlib.closing(bind(host, 0)) as s:
         return s.getsockname()[1]

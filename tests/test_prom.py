@@ -23,6 +23,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -335,3 +336,31 @@ def test_a_port_in_use_is_refused_naming_the_key():
         port = taken.getsockname()[1]
         with pytest.raises(ValueError, match=f"metrics.http.port={port}: in use"):
             bind("127.0.0.1", port)
+
+
+def test_inspect_writes_prometheus_targets_for_hosts_without_the_launcher(rclient, tmp_path):
+    """systemd and Slurm hosts: ``python -m pipeline.inspect --prometheus-targets FILE``
+    (deploy/prometheus/) writes each pool's metrics_url from its status hash."""
+    from pipeline.streams import Names, mark_run
+
+    names = Names("nonstop", "svc")
+    mark_run(rclient, names)
+    rclient.hset(names.status("actor-0"), mapping={"role": "actor", "metrics_url": "h1:9400"})
+    rclient.hset(names.status("trainer"), mapping={"role": "trainer", "metrics_url": "h2:9402"})
+    rclient.hset(names.status("old"), mapping={"role": "actor"})  # no endpoint: left out
+    out = tmp_path / "targets.json"
+    url = rclient.connection_pool.connection_kwargs
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "pipeline.inspect", "--json", "--run", "svc",
+            "--url", f"redis://:{url['password']}@{url['host']}:{url['port']}/0",
+            "--prometheus-targets", str(out),
+        ],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    found = {
+        t["labels"]["pool"]: (t["targets"], t["labels"]["role"])
+        for t in json.loads(out.read_text())
+    }
+    assert found == {"actor-0": (["h1:9400"], "actor"), "trainer": (["h2:9402"], "trainer")}
