@@ -364,3 +364,17 @@ def test_inspect_writes_prometheus_targets_for_hosts_without_the_launcher(rclien
         for t in json.loads(out.read_text())
     }
     assert found == {"actor-0": (["h1:9400"], "actor"), "trainer": (["h2:9402"], "trainer")}
+
+
+def test_shipped_and_generated_prometheus_configs_pass_promtool(tmp_path):
+    """deploy/prometheus/prometheus.yml and the launcher's (pipeline/prom_server.py)."""
+    if shutil.which("promtool") is None:
+        pytest.skip("no promtool (Debian's prometheus package has it)")
+    from pipeline.prom_server import config_text
+
+    made = tmp_path / "prometheus.yml"
+    made.write_text(config_text(str(tmp_path / "targets.json"), 0.5))
+    (tmp_path / "targets.json").write_text("[]")
+    for path in (ROOT / "deploy" / "prometheus" / "prometheus.yml", made):
+        proc = subprocess.run(["promtool", "check", "config", str(path)], capture_output=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
