@@ -35,7 +35,7 @@ import pytest
 
 from pipeline.listeners import listening
 from tests.launching import ROOT, launch_tiny, marked_processes, wait_for_step, wait_until
-from tests.test_listeners import CONFIGURED, _descendants, _name, wrap  # noqa: F401
+from tests.listen_builders import CONFIGURED, _descendants, _name
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "nonstop-rl.json"
 
@@ -128,7 +128,7 @@ class NotifySocket:
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory, wrap):  # noqa: F811
+def live(tmp_path_factory, wrap):
     if shutil.which("prometheus") is None:
         pytest.skip("no prometheus binary (make setup installs Debian's)")
     tmp = tmp_path_factory.mktemp("prom")
@@ -172,6 +172,7 @@ def live(tmp_path_factory, wrap):  # noqa: F811
         try:  # what the tests below judge is recorded here, never asserted
             facts["health_stopped"] = _poll(pre + "/health", 503, timeout=10)
             facts["stop_to_503_s"] = time.monotonic() - stopped
+            time.sleep(max(0.0, 4 - (time.monotonic() - stopped)))  # long enough to miss pings
         finally:
             facts["continued_at"] = time.time()
             os.kill(pid, signal.SIGCONT)
