@@ -7,14 +7,13 @@ socket the pool bound. ``/health``: 200 ``ok`` while the pool refreshes and its 
 ticked within its deadline; 503 with the reason otherwise (loading, redis unreachable,
 stalled, not refreshing). ``/metrics``: the pool's exposition plus ``nonstop_healthy``.
 When the pool is gone the server answers ``LINGER_S`` more seconds (the final values for
-the last scrape), then removes the folder and exits.
+the last scrape), then exits.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import sys
 import threading
@@ -98,7 +97,6 @@ def main(argv: list[str]) -> None:
     while os.getppid() == parent:
         time.sleep(0.2)
     time.sleep(linger)
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ watchdog (the sd_notify protocol over ``$NOTIFY_SOCKET``).
     reads   the pool's status hash (its counters and gauges), the pool's metric records
             (Pool.record), the lengths, consumer-group lag and pending of the streams
             the pool reads, the published version (trainer rank 0), the main loop's ticks
-    writes  every metrics.http.every_s: the exposition text and the health facts into a
-            private folder that the pool's health server (pipeline/health_server.py, a
-            child process holding the listening socket) answers from
+    writes  every metrics.http.every_s: the exposition text and the health facts into
+            RUN_DIR/http/<pool>/ (metrics, health), which the pool's health server
+            (pipeline/health_server.py, a child process holding the listening socket)
+            answers from
     blocks  on nothing in the main loop: a thread refreshes, the server is its own process
 
 Why a child process answers: a pool that hangs, or is SIGSTOPped, cannot answer for
@@ -34,7 +35,6 @@ import re
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -175,7 +175,9 @@ class Endpoint:
         self.sock = bind(http.host, int(http.port))
         self.port = self.sock.getsockname()[1]
         self.url = f"{_bracket(http.host)}:{self.port}"
-        self.dir = tempfile.mkdtemp(prefix=f"nonstop-metrics-{pool.name}-")
+        # RUN_DIR/http/<pool>: one per pool name, reused by its restart (nothing left behind)
+        self.dir = os.path.join(pool.cfg.run_dir or ".", "http", pool.name)
+        os.makedirs(self.dir, exist_ok=True)
         self.collector = PoolCollector(pool)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)

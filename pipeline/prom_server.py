@@ -124,6 +124,7 @@ class Prometheus:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                env=dict(os.environ, NONSTOP_RUN_DIR=os.path.dirname(self.dir)),  # the run's mark
             )
         deadline = time.monotonic() + timeout_s
         while True:

@@ -321,10 +321,21 @@ def _refused(tmp, *overrides, path=None) -> str:
 
 
 def test_bad_metrics_settings_are_refused_in_one_line_before_the_run_starts(tmp_path):
-    line = _refused(tmp_path / "a", "metrics.http.enabled=true", "metrics.http.host=192.0.2.254")
-    assert "metrics.http.host=192.0.2.254" in line and "127.0.0.1" in line, line
-    line = _refused(tmp_path / "b", "metrics.http.enabled=true", "metrics.http.port=9400")
-    assert "metrics.http.port=9400" in line and "metrics.http.port=0" in line, line
+    """The launcher's checks (pipeline/prom_server.py check_metrics, called before anything
+    starts); the launcher itself once, for the missing binary: exit 2, one line."""
+    from omegaconf import OmegaConf
+
+    from pipeline.config import Config
+    from pipeline.prom_server import check_metrics
+
+    cfg = OmegaConf.structured(Config)
+    cfg.metrics.http.enabled = True
+    cfg.metrics.http.host = "192.0.2.254"  # TEST-NET-1: on no interface here
+    with pytest.raises(ValueError, match=r"metrics.http.host=192.0.2.254: .*127.0.0.1"):
+        check_metrics(cfg)
+    cfg.metrics.http.host, cfg.metrics.http.port = "127.0.0.1", 9400
+    with pytest.raises(ValueError, match=r"metrics.http.port=9400: .*metrics.http.port=0"):
+        check_metrics(cfg)
     line = _refused(tmp_path / "c", "metrics.prometheus=true", path=str(tmp_path))
     assert "metrics.prometheus=true" in line and "apt-get install prometheus" in line, line
     assert not (tmp_path / "c" / "run" / "config.yaml").exists()  # nothing started
