@@ -20,7 +20,8 @@ the final values). What the endpoints show is at most ``every_s`` old.
 Names: a status-hash field ``f`` is ``nonstop_<f>`` (``samples_trained``, ``version``,
 ``dead_lettered``, ``reward_errors``...); the last record of event ``e`` gives
 ``nonstop_last_<e>_<field>`` (``nonstop_last_step_loss``, ``..._grad_norm``,
-``nonstop_last_swap_swap_ms``) and ``nonstop_events_total{event}`` counts them. Labels:
+``nonstop_last_swap_swap_ms``) and ``nonstop_events_total{event}`` counts them; the
+actor's swaps also fill ``nonstop_swap_pause_seconds`` (a histogram). Labels:
 run, pool, role (never a secret: no URL, password or token is ever a label or value).
 """
 
@@ -40,7 +41,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger(__name__)
@@ -77,10 +78,21 @@ class PoolCollector:
         self.events: Counter = Counter()
         self.last: dict[tuple[str, str], float] = {}
         self.lock = threading.Lock()
+        # each weight swap's pause of generation (the swap lock's hold): the actor's
+        # ``swap`` records, in seconds
+        self.swaps = Histogram(
+            "nonstop_swap_pause_seconds",
+            "generation paused by each weight swap (the swap lock's hold)",
+            labelnames=list(self.labels),
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
+            registry=None,
+        )
 
     def record(self, values: dict) -> None:
         """Pool.record's hook: count the event, keep its numeric fields."""
         event = str(values.get("event", "metric"))
+        if event == "swap" and number(values.get("swap_ms")) is not None:
+            self.swaps.labels(**self.labels).observe(float(values["swap_ms"]) / 1000)
         with self.lock:
             self.events[event] += 1
             for k, v in values.items():
@@ -109,6 +121,8 @@ class PoolCollector:
                 "when the main loop last ticked",
                 pool.last_tick,
             )
+        if self.pool.role == "actor":
+            yield from self.swaps.collect()
         with self.lock:
             events, last = dict(self.events), dict(self.last)
         c = CounterMetricFamily(
