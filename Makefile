@@ -20,6 +20,7 @@ setup: $(VENV)/.setup-done
 $(VENV)/.setup-done: pyproject.toml Makefile
 	@pkgs=""; command -v redis-server >/dev/null || pkgs="$$pkgs redis-server"; \
 	 command -v systemd-analyze >/dev/null || pkgs="$$pkgs systemd"; \
+	 command -v prometheus >/dev/null || pkgs="$$pkgs prometheus"; \
 	 [ -z "$$pkgs" ] || { echo "installing$$pkgs (apt-get)"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $$pkgs >/dev/null; }
 	@test -x $(PY) || python3 -m venv $(VENV)

@@ -45,6 +45,7 @@ from pipeline.config import (
 from pipeline.config.redis import MIGRATE_SHARDS
 from pipeline.evaluator import wait_for_final_eval
 from pipeline.progress import Progress
+from pipeline.prom_server import Prometheus, check_metrics
 from pipeline.redis_cluster import start_local_cluster
 from pipeline.redis_ha import start_local_ha
 from pipeline.redis_server import EmbeddedRedis, check_no_eviction
@@ -94,8 +95,11 @@ def wait_for_final_sync(client, names: Names, cfg, target: int) -> None:
         time.sleep(0.2)
 
 
-def supervise(cfg, sup: Supervisor, client, names: Names) -> tuple[str, int]:
-    """Run until the trainer finishes, the run fails or Ctrl-C; return (outcome, code)."""
+def supervise(
+    cfg, sup: Supervisor, client, names: Names, prom: Prometheus | None = None
+) -> tuple[str, int]:
+    """Run until the trainer finishes, the run fails or Ctrl-C; return (outcome, code).
+    ``prom``: its targets follow the pools' endpoints (a restarted pool's new port)."""
     progress = Progress(cfg.trainer.max_steps)
     try:
         while True:
@@ -103,6 +107,8 @@ def supervise(cfg, sup: Supervisor, client, names: Names) -> tuple[str, int]:
             try:
                 statuses = read_statuses(client, names)
                 progress.published = newest_published(client, names)
+                if prom is not None:
+                    prom.update(statuses)
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 print(f"\nredis unreachable from the launcher ({e}); retrying", flush=True)
                 statuses = {}
@@ -161,6 +167,9 @@ def run(cfg) -> int:
     refuse_shard_urls()  # NONSTOP_REDIS_SHARD_URLS: replaced by redis.mode=cluster
     if not external:
         check_embedded_tls(cfg)
+    check_metrics(cfg)  # metrics.http / metrics.prometheus: refused before anything starts
+    if cfg.metrics.prometheus:
+        cfg.metrics.http.enabled = True  # every pool answers /metrics for it
     # Ctrl-C and a service manager's SIGTERM both stop the run cleanly, even when
     # this process inherited an ignored SIGINT (started in the background)
     signal.signal(signal.SIGINT, _interrupt)
@@ -228,9 +237,22 @@ def run(cfg) -> int:
         client.hdel(names.run_marker, DRAIN_FIELD)  # and launched again: it produces again
     cmds = pool_commands(cfg, config_path)
     sup = Supervisor(cfg, run_dir, env, cmds, server, groups={"trainer": trainer_names(cfg)})
+    prom = Prometheus(cfg, run_dir) if cfg.metrics.prometheus else None
+    try:
+        if prom is not None:
+            prom.start()
+            print(
+                f"prometheus: {prom.url} (scraping every pool every "
+                f"{cfg.metrics.prometheus_scrape_s}s; storage in {prom.dir}/data)",
+                flush=True,
+            )
+    except ValueError:
+        if server is not None:
+            server.stop()
+        raise
     start = time.time()
     sup.spawn_all()
-    outcome, code = supervise(cfg, sup, client, names)
+    outcome, code = supervise(cfg, sup, client, names, prom)
     try:
         if outcome == "finished":
             try:
@@ -238,6 +260,9 @@ def run(cfg) -> int:
                 wait_for_final_eval(client, names, cfg)
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 print(f"redis did not answer while waiting for the last version ({e})")
+            if prom is not None:  # one more scrape of every pool: the final values
+                prom.update(read_statuses(client, names))
+                time.sleep(2 * float(cfg.metrics.prometheus_scrape_s) + 0.5)
         sup.stop()
         # from disk alone when redis does not answer (the machine shutting down)
         summary = write_summary(run_dir, client, names, outcome, time.time() - start, shards)
@@ -255,6 +280,8 @@ def run(cfg) -> int:
             code = 1
     finally:
         sup.stop()
+        if prom is not None:
+            prom.stop()
         if server is not None:
             server.stop()
     return code

@@ -33,6 +33,7 @@ import redis
 import torch
 
 from pipeline.config import load_config, redis_tls, redis_url, refuse_shard_urls
+from pipeline.prom import Endpoint, Notifier, serve
 from pipeline.redis_server import UnsafeRedis, check_no_eviction
 from pipeline.stopping import NOTHING_LOST, StopEvent, guard, watch
 from pipeline.streams import (
@@ -71,6 +72,8 @@ class Pool:
     # launch.watchdog_s
     last_tick: float | None = None
     shards: Shards | None = None  # the work streams' parts (cluster partitions)
+    endpoint: Endpoint | None = None  # /metrics and /health (metrics.http.enabled)
+    notifier: Notifier | None = None  # systemd's watchdog ($NOTIFY_SOCKET)
 
     def __post_init__(self) -> None:
         if self.shards is None:  # no partitions: the one part
@@ -78,10 +81,14 @@ class Pool:
 
     def record(self, **values) -> None:
         self.metrics.write(pool=self.name, role=self.role, **values)
+        if self.endpoint is not None:
+            self.endpoint.collector.record(values)
 
     def tick(self) -> bool:
         """The main loop made progress; returns whether to stop (a handy callback)."""
         self.last_tick = time.time()
+        if self.notifier is not None:
+            self.notifier.tick(self.last_tick)
         return self.stop.is_set()
 
 
@@ -167,6 +174,11 @@ def start_pool(
     starting[0] = False
     # a hung server cannot hold the stop either: cut past the longest blocking read
     watch(lambda: [client], stop, cfg.redis.block_ms / 1000)
+    try:  # metrics.http: a bad host or a port in use stops the run (exit 4), in one line
+        pool.endpoint = serve(pool)
+    except ValueError as e:
+        raise RedisRefused(str(e)) from None
+    pool.notifier = Notifier()  # READY=1 at the first tick, WATCHDOG=1 after
     threading.Thread(target=heartbeat, args=(pool,), name="heartbeat", daemon=True).start()
     # ``describe(cfg)``: what this pool runs, on its first line (the trainer: its backend)
     detail = f": {describe(cfg)}" if describe is not None else ""

@@ -19,6 +19,7 @@ from pipeline.runtime import Pool
 from pipeline.streams import Names, connect
 from pipeline.telemetry import MetricsFile, PoolStatus
 from tests.deploy_builders import unit_root  # noqa: F401 - a fixture: a root to verify units in
+from tests.listen_builders import wrap  # noqa: F401 - a fixture: a host whose name resolves off loopback
 from tests.slurm_builders import slurm  # noqa: F401 - a fixture: the single-host Slurm
 from tests.vllm_real import vllm_available, vllm_engine  # noqa: F401 (the fixture)
 from trainer.main import Trainer

@@ -40,6 +40,17 @@ def _free_port() -> int:
 # ------------------------------------------------------------------ systemd units
 
 
+def test_pool_units_are_type_notify_with_a_watchdog():
+    """systemd restarts a pool that hangs without dying: it says READY=1 and pings
+    WATCHDOG=1 (pipeline/prom.py Notifier; tests/test_prom.py sees it on a live run)."""
+    for unit in POOL_UNITS:
+        text = (DEPLOY / "systemd" / unit).read_text()
+        assert re.search(r"^Type=notify$", text, re.M), unit
+        assert re.search(r"^WatchdogSec=\d+", text, re.M), unit
+        assert re.search(r"^NotifyAccess=(main|all)$", text, re.M), unit
+        assert re.search(r"^TimeoutStartSec=", text, re.M), unit  # READY after the model loads
+
+
 def test_units_pass_systemd_analyze_verify(unit_root):
     proc = verify_units(unit_root, *INSTANCES.values())
     assert proc.returncode == 0 and not (proc.stdout + proc.stderr).strip(), proc.stderr

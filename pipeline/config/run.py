@@ -53,12 +53,47 @@ class LaunchConfig:
 
 
 @dataclass
+class MetricsHTTPConfig:
+    """``metrics.http``: each pool's ``/metrics`` (Prometheus) and ``/health`` endpoint
+    (pipeline/prom.py), served on ``host:port`` (port 0: a free port, written to the pool's
+    status hash as ``metrics_url`` and to its log)."""
+
+    enabled: bool = False  # metrics.prometheus=true turns it on
+    host: str = "127.0.0.1"  # nothing listens past its configured interface
+    port: int = 0  # 0: any free port; a fixed port suits one pool per host (systemd)
+    # /health answers 503 once the main loop has not ticked this long (0: launch.watchdog_s)
+    health_deadline_s: float = 0.0
+    every_s: float = 1.0  # how often the pool refreshes what /metrics and /health answer
+
+
+@dataclass
 class MetricsConfig:
     """Where metrics go besides ``metrics.jsonl`` (always written)."""
 
+    http: MetricsHTTPConfig = field(default_factory=MetricsHTTPConfig)
+    # the launcher starts Debian's prometheus scraping every pool (pipeline/prom_server.py)
+    prometheus: bool = False
+    prometheus_scrape_s: float = 5.0  # its scrape interval
     tensorboard: bool = True  # event files in run_dir/tensorboard/<pool> when installed
     wandb_project: str | None = None  # log to Weights & Biases when set and wandb installed
     wandb_entity: str | None = None
+
+
+def validate_metrics(cfg: Any) -> None:
+    """``metrics.http`` and ``metrics.prometheus``: numbers in range (the host and a
+    fixed port are checked by binding them: pipeline/prom.py)."""
+    http = cfg.metrics.http
+    if not 0 <= int(http.port) <= 65535:
+        raise ValueError(f"metrics.http.port={http.port}: give a TCP port, or 0 for any free one")
+    if not str(http.host):
+        raise ValueError("metrics.http.host is empty: give the interface's address (127.0.0.1)")
+    for key in ("every_s", "health_deadline_s"):
+        if float(getattr(http, key)) < 0 or (key == "every_s" and float(http.every_s) == 0):
+            raise ValueError(f"metrics.http.{key}={getattr(http, key)}: give a positive number")
+    if float(cfg.metrics.prometheus_scrape_s) <= 0:
+        raise ValueError(
+            f"metrics.prometheus_scrape_s={cfg.metrics.prometheus_scrape_s}: give seconds > 0"
+        )
 
 
 def validate_launch(cfg: Any) -> None:

@@ -18,6 +18,7 @@ from pipeline.config.run import (
     PipelineConfig,
     RunConfig,
     validate_launch,
+    validate_metrics,
     validate_pipeline,
 )
 from pipeline.config.sampling import SamplingConfig, validate_sampling
@@ -44,7 +45,7 @@ class Config:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
 
-SECTION_CHECKS = (  # in Config's field order; metrics has nothing to check
+SECTION_CHECKS = (  # in Config's field order
     validate_redis,
     validate_model,
     validate_sampling,
@@ -53,6 +54,7 @@ SECTION_CHECKS = (  # in Config's field order; metrics has nothing to check
     validate_preprocessor,
     validate_trainer,
     validate_launch,
+    validate_metrics,
     validate_weights,
     validate_eval,
     validate_pipeline,

@@ -14,8 +14,10 @@ from pipeline.inspect.gather import cluster_partitions, snapshot
 from pipeline.inspect.render import render
 from pipeline.inspect.replication import replication_snapshot
 from pipeline.inspect.target import pick_run, resolve
+from pipeline.prom_server import targets_of, write_targets
 from pipeline.streams import Names, connect
 from pipeline.streams.cluster import is_cluster
+from pipeline.telemetry import read_statuses
 
 CLEAR = "\x1b[H\x1b[2J"
 
@@ -57,6 +59,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(
+        "--prometheus-targets",
+        metavar="FILE",
+        help="also write Prometheus file-based discovery targets (each pool's metrics_url) "
+        "to FILE, at every redraw with --watch (deploy/prometheus/)",
+    )
+    p.add_argument(
         "--stale-after",
         type=float,
         default=30.0,
@@ -90,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
                 snap = snapshot(client, names, args.stale_after, parts)
                 rep = replication_snapshot(target.url, client, target.tls)  # sentinel mode
                 snap["replication"] = rep
+                if args.prometheus_targets:  # each pool's /metrics, for a Prometheus
+                    statuses = read_statuses(client, names)
+                    write_targets(args.prometheus_targets, targets_of(names.run, statuses))
                 text = json.dumps(snap) if args.json else render(snap, prev, target.url)
                 prev = snap
             except (redis.ConnectionError, redis.TimeoutError) as e:
