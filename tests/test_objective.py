@@ -22,7 +22,13 @@ from trainer.backends.torch_backend import TorchBackend
 from trainer.collate import collate
 from trainer.loss import policy_loss
 from trainer.ranks import Ranks
-from trainer.step import StepTotals, aggregation_weights, token_logprobs, train_step
+from trainer.step import (
+    StepTotals,
+    aggregation_weights,
+    constant_divisor,
+    token_logprobs,
+    train_step,
+)
 
 CLIP = dict(clip_low=0.2, clip_high=0.28, is_cap=2.0)
 
@@ -249,3 +255,13 @@ def test_objective_settings_refuse_nonsense_naming_the_key(key, value, says):
     with pytest.raises(ValueError) as err:
         validate(cfg)
     assert str(err.value).startswith(says) and "\n" not in str(err.value)
+
+
+def test_the_constant_divisor_is_the_generation_budget_of_a_sample_or_an_episode():
+    cfg = OmegaConf.structured(Config)
+    cfg.sampling.max_new_tokens = 32
+    assert constant_divisor(cfg) == 32
+    cfg.task.kind, cfg.task.episode.max_turns, cfg.task.episode.max_tokens = "env", 4, 512
+    assert constant_divisor(cfg) == 128  # four turns of 32
+    cfg.task.episode.max_tokens = 100
+    assert constant_divisor(cfg) == 100  # the episode's own budget binds

@@ -41,7 +41,7 @@ from trainer import checkpoint
 from trainer.backends import describe, describe_line, make_backend
 from trainer.batches import StepData, collect, sample_ids, stale_by_length
 from trainer.ranks import Plan, Ranks, close, init_ranks, my_share, share_plan
-from trainer.step import StepTotals, sample_metrics, train_step
+from trainer.step import StepTotals, constant_divisor, sample_metrics, train_step
 
 log = logging.getLogger("trainer")
 GROUP = "trainer"
@@ -196,7 +196,7 @@ class Trainer:
         t0 = time.monotonic()
         mine, slots = my_share(self.ranks, plan)
         first = mine[0] if mine else decode(plan.batches[0], TrainBatch)
-        totals = StepTotals(plan.tokens, plan.samples, self.pool.cfg.sampling.max_new_tokens)
+        totals = StepTotals(plan.tokens, plan.samples, constant_divisor(self.pool.cfg))
         metrics = train_step(
             self.backend,
             self.ranks,

@@ -29,6 +29,17 @@ class StepTotals:
     divisor: int = 0  # tokens per sequence for loss_aggregation=constant (max_new_tokens)
 
 
+def constant_divisor(cfg) -> int:
+    """Sampled tokens per sequence for ``loss_aggregation=constant``: the generation
+    budget, ``sampling.max_new_tokens``; for multi-turn episodes (task.kind=env) every
+    turn's, bounded by the episode's token budget."""
+    per_turn = int(cfg.sampling.max_new_tokens)
+    if cfg.task.kind != "env":
+        return per_turn
+    episode = cfg.task.episode
+    return min(per_turn * int(episode.max_turns), int(episode.max_tokens))
+
+
 def token_logprobs(model, mb: MicroBatch, autocast_dtype: torch.dtype | None) -> torch.Tensor:
     """[rows, width] log p(ids[t] | ids[:t]) under the sampling transform; 0 outside
     completions; on the micro-batch's device, differentiable."""
