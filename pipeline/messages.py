@@ -489,5 +489,10 @@ def decode(data: bytes, cls: type):
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise BadEntry(f"undecodable {cls.__name__} payload: {e}") from None
     if msg.schema != SCHEMA_VERSION:
-        raise BadEntry(f"schema version {msg.schema}, this build reads {SCHEMA_VERSION}")
+        age = "an older" if msg.schema < SCHEMA_VERSION else "a newer"
+        raise BadEntry(
+            f"schema version {msg.schema}, this build reads {SCHEMA_VERSION}: written by "
+            f"{age} build; run every pool of a run on one build (drain or start a new run "
+            "to upgrade)"
+        )
     return msg

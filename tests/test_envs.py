@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from pipeline.config import Config
 from pipeline.config.schema import validate
-from pipeline.envs import Turn, load_env
+from pipeline.envs import Environment, Turn, load_env
 from pipeline.envs.calc import CalcEnv, CalcError, evaluate
 from pipeline.envs.pyexec import PyExecEnv, run_python
 from pipeline.envs.tools import ToolBox, ToolLimits, ToolResult
@@ -198,3 +198,15 @@ def test_task_kind_env_config_is_checked(changes, reason):
         return
     with pytest.raises(ValueError, match=reason):
         validate(cfg)
+
+
+class HalfEnv(Environment):
+    """An environment that forgot step() and tasks()."""
+
+    async def reset(self, problem):
+        return []
+
+
+def test_an_environment_missing_part_of_the_contract_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"does not define step, tasks\(\)"):
+        load_env("tests.test_envs:HalfEnv")

@@ -609,3 +609,18 @@ def test_stream_and_key_names_are_defined_in_one_place():
                         if raw.search(line) and 'names.key("*")' not in line:
                             offenders.append(f"{os.path.relpath(path, ROOT)}:{n}: {line.strip()}")
     assert not offenders, "use a Names property instead:\n" + "\n".join(offenders)
+
+
+def test_an_entry_of_the_previous_schema_is_dead_lettered_saying_so(rclient):
+    """A rollout group as the build before episodes wrote it (schema 1, still left in a
+    stream after an upgrade) is not read as an episode: it goes to the dead-letter stream
+    with a reason that names both versions and what to do, and the consumer goes on."""
+    old = publish_group(rclient, 0, schema=SCHEMA_VERSION - 1)
+    good = publish_group(rclient, 1)
+    c = consumer(rclient)
+    assert [i for i, _ in read_all(c)] == [good]
+    [(_, dead)] = rclient.xrange(NAMES.dead)
+    reason = dead[b"reason"].decode()
+    assert dead[b"id"].decode() == old
+    assert f"schema version {SCHEMA_VERSION - 1}, this build reads {SCHEMA_VERSION}" in reason
+    assert "older build" in reason and "one build" in reason

@@ -30,6 +30,7 @@ separate ``python -I -S`` process under rlimits and a wall-clock limit).
 
 from __future__ import annotations
 
+import abc
 import importlib
 from dataclasses import dataclass
 from typing import Any
@@ -62,8 +63,9 @@ class Step:
     infra: bool = False  # the tool's infrastructure failed (not the model's fault)
 
 
-class Environment:
-    """The base of in-process environments: the contract's defaults."""
+class Environment(abc.ABC):
+    """The base of in-process environments: the contract's defaults. ``tasks``, ``reset``
+    and ``step`` are abstract: a subclass without one is refused by :func:`load_env`."""
 
     stop: tuple[str, ...] = ()  # strings that end a turn with a tool call (kept in its ids)
     observation_role = "user"  # the chat role observations are rendered as
@@ -73,17 +75,21 @@ class Environment:
         self.settings, self.tools = dict(settings), tools
 
     @classmethod
+    @abc.abstractmethod
     def tasks(cls, settings: dict[str, Any], seed: int):
-        raise NotImplementedError(f"{cls.__name__} gives no tasks (define tasks(settings, seed))")
+        """The problems the actor draws from (an iterator of plain data)."""
 
+    @abc.abstractmethod
     async def reset(self, problem) -> list[dict]:
-        raise NotImplementedError
+        """The opening messages of an episode on ``problem``."""
 
+    @abc.abstractmethod
     async def step(self, turn: Turn) -> Step:
-        raise NotImplementedError
+        """The answer to one model turn."""
 
     async def close(self) -> None:
-        """Release what the episode holds (processes, connections)."""
+        """Release what the episode holds (processes, connections); nothing by default."""
+        return None
 
 
 def load_env(spec: str) -> type:
@@ -99,9 +105,13 @@ def load_env(spec: str) -> type:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"task.env={spec!r}: cannot load {path}: {e}") from None
-    for method in ("reset", "step", "tasks"):
-        if not callable(getattr(cls, method, None)):
-            raise ValueError(f"task.env={spec!r}: {path} has no {method}() (see pipeline/envs)")
+    missing = [m for m in ("reset", "step", "tasks") if not callable(getattr(cls, m, None))]
+    missing += sorted(getattr(cls, "__abstractmethods__", ()))
+    if missing:
+        raise ValueError(
+            f"task.env={spec!r}: {path} does not define {', '.join(missing)}() "
+            "(the contract in pipeline/envs/__init__.py)"
+        )
     return cls
 
 
