@@ -126,13 +126,17 @@ class CalcTasks:
         return Problem(id=f"calc-{text}", question=f"What is {text}?", answer=show(evaluate(text)))
 
 
+def arithmetic_tasks(settings, seed: int) -> CalcTasks:
+    """The multi-step problems of ``task.env_args`` ``terms`` and ``digits`` (calc, pyexec)."""
+    return CalcTasks(int(settings.get("terms", 3)), int(settings.get("digits", 2)), seed)
+
+
 class CalcEnv(Environment):
     stop = ("</calc>",)
-    observation_role = "user"
 
     @classmethod
     def tasks(cls, settings, seed: int) -> CalcTasks:
-        return CalcTasks(int(settings.get("terms", 3)), int(settings.get("digits", 2)), seed)
+        return arithmetic_tasks(settings, seed)
 
     async def reset(self, problem: Problem) -> list[dict]:
         self.problem = problem

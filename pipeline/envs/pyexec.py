@@ -27,7 +27,7 @@ import sys
 import time
 
 from pipeline.envs import Environment, Step, Turn
-from pipeline.envs.calc import CalcTasks
+from pipeline.envs.calc import CalcTasks, arithmetic_tasks
 from pipeline.envs.tools import ToolResult, error_text
 from pipeline.tasks import Problem, score
 
@@ -121,11 +121,10 @@ def _kill_group(pgid: int) -> None:
 
 class PyExecEnv(Environment):
     stop = ("</python>",)
-    observation_role = "user"
 
     @classmethod
     def tasks(cls, settings, seed: int) -> CalcTasks:
-        return CalcTasks(int(settings.get("terms", 3)), int(settings.get("digits", 2)), seed)
+        return arithmetic_tasks(settings, seed)
 
     async def reset(self, problem: Problem) -> list[dict]:
         self.problem = problem
