@@ -115,7 +115,7 @@ def test_requests_stay_in_flight_while_groups_are_published(setup, monkeypatch):
         n = s.pool.client.xlen(s.pool.names.rollouts)
         if n >= 6 and not warm:  # the actor's first publishes are slow (first decode,
             # score, XADD): the engine may run dry once before the first refill
-            warm.update(spins=core().empty_spins, steps=len(core().active_log))
+            warm.update(gaps=core().empty_gaps, steps=len(core().active_log), groups=n)
         if n >= 8 and not swapped.is_set():
             swapped.set()
             new_version(s.engine, 1, seed=1)  # while requests are in flight
@@ -124,17 +124,21 @@ def test_requests_stay_in_flight_while_groups_are_published(setup, monkeypatch):
             # groups were in flight at the swap; one CI run hit n >= 18 before any did)
             stop_at[0] = max(18, s.pool.client.xlen(s.pool.names.rollouts) + 2 * IN_FLIGHT // G + 2)
         if n >= stop_at[0]:
-            at_stop.update(spins=core().empty_spins, steps=list(core().active_log))
+            at_stop.update(gaps=core().empty_gaps, steps=list(core().active_log), groups=n)
             return True
         return False
 
     published = run_stream(s, until)
     got = groups(s)
     assert published == len(got) >= 18
-    # once the actor was warm, the engine never ran out of requests up to the stop,
-    # though the actor scored and published 12 more groups meanwhile; the steps ran with
+    # once the actor was warm, the engine did not run dry at group boundaries, though the
+    # actor scored and published 12 more groups meanwhile (the batch loop runs dry at every
+    # batch: the control below). One dry spell is allowed: on a loaded 2-core CI machine
+    # the actor's thread was once descheduled for ~30 ms (a scheduling stall, not a refill
+    # that waited for a publish, which would show as a gap per group). The steps ran with
     # every slot busy (a finished request's replacement joins at the next step, as in vLLM)
-    assert at_stop["spins"] == warm["spins"]
+    after = at_stop["groups"] - warm["groups"]
+    assert after >= 10 and at_stop["gaps"] - warm["gaps"] <= 1, (warm, at_stop["gaps"], after)
     steps = at_stop["steps"][warm["steps"] :]
     assert sum(running == IN_FLIGHT for running, _ in steps) >= 0.8 * len(steps), steps
     truth = core().truth
@@ -165,6 +169,7 @@ def test_the_batch_loop_leaves_the_engine_empty_while_it_publishes(setup):
         batch.generate_step(s.pool, s.engine, s.task, s.tok, Window(50), RewardErrors())
     assert s.pool.client.xlen(s.pool.names.rollouts) == 6
     assert core().empty_spins > 0  # the engine sat empty between the two batches
+    assert core().empty_gaps >= 1
 
 
 def test_back_pressure_holds_groups_back_and_lets_them_go(setup, monkeypatch):

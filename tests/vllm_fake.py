@@ -149,6 +149,8 @@ class FakeCore:
         self.paused = False
         self.stopped = False
         self.empty_spins = 0  # loop turns with no request to run, after the first step
+        self.empty_gaps = 0  # times the engine ran dry after a step (a run of empty spins)
+        self._dry = False
         self.flushes = 0  # zero-token steps (finished ids only)
         self.thread = threading.Thread(target=self.run, name="fake-engine-core", daemon=True)
         self.thread.start()
@@ -172,6 +174,8 @@ class FakeCore:
             if self.paused or not (self.waiting or self.running):
                 if self.active_log and not self.paused:
                     self.empty_spins += 1  # nothing to run after the first step
+                    self.empty_gaps += not self._dry
+                    self._dry = True
                 time.sleep(0.001)
                 continue
             try:
@@ -221,6 +225,7 @@ class FakeCore:
             req.cached_tokens = self._lookup(req) if self.caching else 0
             self.running.append(req)
         self.active_log.append((len(self.running), len(self.waiting)))
+        self._dry = False
         new = [r for r in self.running if not r.started]
         old = [r for r in self.running if r.started]
         so = SimpleNamespace(
