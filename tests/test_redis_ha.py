@@ -89,7 +89,7 @@ def test_failover_keeps_the_same_client_writing(ha):
     assert client.connection_pool.get_master_address() == ("127.0.0.1", old.port)
     for i in range(20):
         client.xadd("s", {"i": i})
-    client.execute_command("WAIT", 1, 2000)  # both nodes have them
+    assert client.execute_command("WAIT", 1, 30000) == 1  # both nodes have them
     # a blocking write in flight across the failover (BLPOP, like the pools' XREADGROUP
     # BLOCK): its retry must go to the primary the sentinels name, not back to the old port
     blocked: dict = {}
@@ -364,7 +364,7 @@ def test_inspect_shows_the_replication_state(ha, capsys):
 
     client = connect(ha.url)
     client.set("k", "v" * 1000)
-    client.execute_command("WAIT", 1, 2000)
+    assert client.execute_command("WAIT", 1, 30000) == 1
     ha.sentinel_procs[2].terminate()
     ha.sentinel_procs[2].wait()
     args = ["--url", ha.url, "--prefix", "nonstop", "--run", "r"]
@@ -413,7 +413,7 @@ def test_slurm_redis_job_in_sentinel_mode_survives_losing_the_primary(slurm, tmp
         assert url.startswith("redis+sentinel://") and len(parse(url).sentinels) == 3
         client = connect(url, reconnect_s=60)
         client.set("k", "before")
-        client.execute_command("WAIT", 1, 2000)
+        assert client.execute_command("WAIT", 1, 30000) == 1
         pid, old_dir = client.info("server")["process_id"], client.config_get("dir")["dir"]
         old = client.connection_pool.get_master_address()
         os.kill(int(pid), signal.SIGKILL)
