@@ -8,6 +8,8 @@ recorded support instead of recomputing the truncation from its own logits.
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 
@@ -96,16 +98,45 @@ def completion_logprobs(
     top_p: float = 1.0,
     top_k: int = 0,
     masks: list | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """[batch, width] log-probs of each token given its prefix; 0 outside completions.
 
     Position t holds log p(ids[t] | ids[:t]); differentiable when grad is enabled.
     ``masks`` (one entry per row, None or per-token kept ids): rows with a recorded
     sampling mask are renormalised over it, the others truncated by top-k/top-p.
+    ``autocast_dtype``: the model's forward (only) under autocast to that dtype.
+
+    The vocabulary projection and the log-softmax run only from the position before
+    the batch's first completion token (``logits_to_keep``): prompt positions predict
+    nothing that is scored, and at SmolLM2's 49k vocabulary they were most of the
+    trainer's forward and backward for a 32-token completion after a 60-token prompt.
     """
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1, :]
-    logp = masked_logprobs(logits, temperature, top_p, top_k, masks, comp[:, 1:])
-    token_lp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    out = torch.zeros(ids.shape, dtype=token_lp.dtype)
-    out = torch.cat([out[:, :1], token_lp], dim=1)
-    return out.masked_fill(~comp, 0.0)
+    first = first_completion_column(comp)
+    keep = ids.shape[1] - first + 1  # positions first-1 .. width-1
+    # a model whose forward cannot slice: the projection at every position, sliced after
+    kwargs = {"logits_to_keep": keep} if takes_logits_to_keep(model) else {}
+    on = autocast_dtype is not None
+    with torch.autocast(ids.device.type, dtype=autocast_dtype, enabled=on):
+        logits = model(input_ids=ids, attention_mask=attn, **kwargs).logits
+    logits = logits[:, -keep:-1, :]  # position first-1+j predicts ids[:, first+j]
+    logp = masked_logprobs(logits, temperature, top_p, top_k, masks, comp[:, first:])
+    token_lp = logp.gather(-1, ids[:, first:, None]).squeeze(-1)
+    return torch.nn.functional.pad(token_lp, (first, 0)).masked_fill(~comp, 0.0)
+
+
+def first_completion_column(comp: torch.Tensor) -> int:
+    """The first column holding a completion token in any row (at least 1: column 0
+    has no prefix to predict it from); 1 where no row has one."""
+    cols = torch.nonzero(comp.any(dim=0))
+    return max(int(cols[0]), 1) if len(cols) else 1
+
+
+def takes_logits_to_keep(model) -> bool:
+    """Whether the causal LM under ``model`` (a DeepSpeed engine's ``module``, a peft
+    model's base) takes ``logits_to_keep`` (every transformers causal LM of the
+    families we map does; a remote-code model may not)."""
+    inner = getattr(model, "module", model)
+    if hasattr(inner, "get_base_model"):
+        inner = inner.get_base_model()
+    return "logits_to_keep" in inspect.signature(type(inner).forward).parameters

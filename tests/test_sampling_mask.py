@@ -10,7 +10,12 @@ from omegaconf import OmegaConf
 
 from actor.engines.hf import HFEngine
 from pipeline.config import Config
-from pipeline.logprobs import completion_logprobs, pad_sequences
+from pipeline.logprobs import (
+    completion_logprobs,
+    masked_logprobs,
+    pad_sequences,
+    takes_logits_to_keep,
+)
 from pipeline.messages import (
     SCHEMA_VERSION,
     BadEntry,
@@ -172,3 +177,38 @@ def test_trainer_uses_token_advantages_when_present(tiny):
     metrics = train_step(backend, one, [batch], 1, batch, cfg.trainer, 0, mb.tokens)
     assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])
     assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-3)  # masked: on-policy ratio 1
+
+
+class _NoSlicing(torch.nn.Module):
+    """A causal LM whose forward takes no ``logits_to_keep`` (as a remote-code model)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask)
+
+
+@pytest.mark.parametrize("with_masks", [False, True], ids=["recomputed", "recorded-mask"])
+def test_the_projection_at_completion_positions_only_changes_no_logprob(tiny, with_masks):
+    """completion_logprobs projects onto the vocabulary only from the position before
+    the first completion token (logits_to_keep): every log-prob equals the one computed
+    from the logits of every position, for prompts of different lengths, with recorded
+    masks or recomputed truncation, and for a model that cannot slice."""
+    model, batch = _sample_batch(tiny, temperature=0.8, top_p=0.9, top_k=12)
+    masks = [s.sampling_mask() for s in batch.samples] if with_masks else None
+    prompts = [np.frombuffer(p, "<i4") for p in batch.prompt_ids]
+    ids, attn, comp = pad_sequences(prompts, [s.tokens() for s in batch.samples])
+    assert len({len(p) for p in prompts}) == len(prompts)  # the first column differs by row
+    assert takes_logits_to_keep(model) and not takes_logits_to_keep(_NoSlicing(model))
+    with torch.no_grad():
+        sliced = completion_logprobs(model, ids, attn, comp, 0.8, 0.9, 12, masks)
+        cannot = completion_logprobs(_NoSlicing(model), ids, attn, comp, 0.8, 0.9, 12, masks)
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1, :]
+        full = masked_logprobs(logits, 0.8, 0.9, 12, masks, comp[:, 1:])
+    want = torch.nn.functional.pad(full.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
+    want = want.masked_fill(~comp, 0.0)
+    assert comp.sum() > 0 and torch.isfinite(want[comp]).all()
+    torch.testing.assert_close(sliced, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(cannot, want, rtol=0, atol=1e-5)

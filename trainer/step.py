@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from pipeline.logprobs import masked_logprobs
+from pipeline.logprobs import completion_logprobs
 from pipeline.messages import TrainBatch
 from trainer.collate import MicroBatch, collate
 from trainer.loss import STAT_NAMES, policy_loss
@@ -43,12 +42,17 @@ def constant_divisor(cfg) -> int:
 def token_logprobs(model, mb: MicroBatch, autocast_dtype: torch.dtype | None) -> torch.Tensor:
     """[rows, width] log p(ids[t] | ids[:t]) under the sampling transform; 0 outside
     completions; on the micro-batch's device, differentiable."""
-    device_type = mb.ids.device.type
-    with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        logits = model(input_ids=mb.ids, attention_mask=mb.attn).logits[:, :-1, :]
-    logp = masked_logprobs(logits, mb.temperature, mb.top_p, mb.top_k, mb.masks, mb.comp[:, 1:])
-    token_lp = logp.gather(-1, mb.ids[:, 1:, None]).squeeze(-1)
-    return F.pad(token_lp, (1, 0)).masked_fill(~mb.comp, 0.0)
+    return completion_logprobs(
+        model,
+        mb.ids,
+        mb.attn,
+        mb.comp,
+        mb.temperature,
+        mb.top_p,
+        mb.top_k,
+        mb.masks,
+        autocast_dtype,
+    )
 
 
 def aggregation_weights(cfg, mb: MicroBatch, totals: StepTotals) -> torch.Tensor:

@@ -55,6 +55,14 @@ def all_ranks_finite(ranks, finite: bool) -> bool:
     return bool(flag.item() == 0.0)
 
 
+def adamw(params, t) -> torch.optim.AdamW:
+    """AdamW over ``params`` with ``trainer.lr`` and ``trainer.weight_decay``, fused
+    (one kernel over every tensor; torch's default on the CPU is a Python loop over the
+    parameters: 0.5 s against 0.1 s a step for SmolLM2-135M on this 2-core machine,
+    python -m pipeline.bench trainstep)."""
+    return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=True)
+
+
 class OptimizerLR:
     """The learning rate of ``self.optimizer``'s parameter groups (both backends)."""
 

@@ -22,7 +22,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from pipeline import lora
 from pipeline.config import pool_dtype
 from pipeline.models import DTYPES, load_model
-from trainer.backends.base import OptimizerLR, all_ranks_finite
+from trainer.backends.base import OptimizerLR, adamw, all_ranks_finite
 from trainer.ranks import Ranks
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -48,7 +48,7 @@ class TorchBackend(OptimizerLR):
                 lora.check_resume(resume_from, self.lora, self.base_identity)
                 lora.load_adapter_weights(self.model, resume_from)
         self.params = lora.trainable_parameters(self.model)  # everything without model.lora
-        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, weight_decay=t.weight_decay)
+        self.optimizer = adamw(self.params, t)
         if resume_from:
             path = os.path.join(resume_from, OPTIMIZER_FILE)
             state = torch.load(path, weights_only=True, map_location=self.device)  # no pickle
