@@ -228,6 +228,27 @@ class VLLMEngine(VLLMRequests, VLLMWeights, Engine):
             self._call(self.llm.collective_rpc(method, timeout=limit, args=args), limit + 5)
         )
 
+    def _end_loop(self) -> None:
+        """Cancel what still runs on the engine's loop (AsyncLLM's output handler, which
+        shutdown() cancels without waiting) and let it finish before the loop stops, so
+        no task is destroyed pending; then stop and close the loop."""
+
+        async def cancel_the_rest():
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in rest:
+                t.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+
+        if self._loop.is_running():
+            try:
+                asyncio.run_coroutine_threadsafe(cancel_the_rest(), self._loop).result(10)
+            except Exception as e:  # a task that ignores cancellation: stop anyway
+                log.warning("the engine's event loop did not wind down: %r", e)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()
+
     def close(self) -> None:
         if self.closed:
             return
@@ -240,8 +261,7 @@ class VLLMEngine(VLLMRequests, VLLMWeights, Engine):
                     log.warning("the worker extension's teardown failed: %s", e)
             self.llm.shutdown()
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+            self._end_loop()
             if self.adapter_dir is not None:
                 shutil.rmtree(self.adapter_dir, ignore_errors=True)
 
