@@ -43,6 +43,7 @@ from pipeline.config import (
     validate,
 )
 from pipeline.config.redis import MIGRATE_SHARDS
+from pipeline.cpu_meter import cores, shares_text
 from pipeline.evaluator import wait_for_final_eval
 from pipeline.progress import Progress
 from pipeline.prom_server import Prometheus, check_metrics
@@ -113,6 +114,7 @@ def supervise(
                 print(f"\nredis unreachable from the launcher ({e}); retrying", flush=True)
                 statuses = {}
             done = sup.check(statuses)
+            progress.cpu = shares_text(sup.cpu.recent, cores())
             progress.update(statuses)
             if done:
                 progress.close()

@@ -1,7 +1,9 @@
 """The launcher's live status line: trainer step, reward, versions (the trainer's,
 the newest published to the actors, each actor's), lag, and rates (groups
 generated, samples trained per second) over a sliding window of at least
-``RATE_MIN_S`` seconds ("-" until that much has passed). An actor whose weight
+``RATE_MIN_S`` seconds ("-" until that much has passed), and the cores each pool
+kept busy over the last second or so (pipeline/cpu_meter.py; the launcher sets
+``cpu``). An actor whose weight
 versions fail more often than they apply (pipeline/summary.py, weight_problems)
 is named at the end of the line, ``WEIGHTS NOT ARRIVING: ...``, while it happens."""
 
@@ -51,6 +53,7 @@ class Progress:
         self.printed = ""
         self.group_rate, self.sample_rate = Rate(), Rate()
         self.published: int | None = None  # newest published version (the launcher sets it)
+        self.cpu = "-"  # the pools' recent CPU shares, cpu_meter.shares_text (the launcher)
 
     @staticmethod
     def line(
@@ -59,6 +62,7 @@ class Progress:
         elapsed: float,
         rates: tuple[float | None, float | None] = (None, None),
         published: int | None = None,
+        cpu: str = "-",
     ) -> str:
         trainer = statuses.get("trainer", {})
         step = int(trainer.get("step", 0))
@@ -79,6 +83,7 @@ class Progress:
             f"reward {reward_s} | trainer v{trainer_v}{published_s} actors v{versions} "
             f"lag {lag} | groups {groups} ({_rate(rates[0], 'groups')}, trained "
             f"{_rate(rates[1], 'samples')}) | {elapsed:.0f}s"
+            + (f" | cpu {cpu}" if cpu != "-" else "")
             + (f" | WEIGHTS NOT ARRIVING: {'; '.join(problems)}" if problems else "")
         )
 
@@ -89,7 +94,7 @@ class Progress:
         trained = int(statuses.get("trainer", {}).get("samples_trained", 0))
         rates = self.group_rate.add(now, groups), self.sample_rate.add(now, trained)
         self.last_line = self.line(
-            statuses, self.total, now - self.start, rates, published=self.published
+            statuses, self.total, now - self.start, rates, published=self.published, cpu=self.cpu
         )
         if self.tty:
             self.stream.write("\r" + self.last_line.ljust(110))

@@ -192,6 +192,10 @@ def newest_published(client: redis.Redis, names: Names) -> int | None:
     return int(value) if value is not None else None
 
 
+def _cpu_fields(record: dict) -> dict:
+    return {k: record[k] for k in ("wall_s", "cores", "cpu_s", "share")}
+
+
 def from_run_dir(run_dir: str, records: list[dict], terms: dict) -> dict:
     """The Summary fields both summaries (with Redis and without) take from the run
     directory: the config's mode and engine, the last evaluation, the reward over the
@@ -210,6 +214,7 @@ def from_run_dir(run_dir: str, records: list[dict], terms: dict) -> dict:
         last_eval=max(evals, key=lambda r: r["version"], default={}),
         first_eval=min(evals, key=lambda r: r["version"], default={}),
         nonfinite_steps=sum(r.get("event") == "nonfinite_step" for r in records),
+        cpu=next((_cpu_fields(r) for r in reversed(records) if r.get("event") == "cpu"), {}),
         reward_mean_first_window=_mean(rewards[:window]),
         reward_mean_last_window=_mean(rewards[-window:]),
         reward_window_steps=window,

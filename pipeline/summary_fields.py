@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from pipeline.cpu_meter import shares_text
+
 
 @dataclass
 class Summary:
@@ -66,6 +68,9 @@ class Summary:
     # empty fields; summary.build_disk_summary), and the error; empty when Redis answered
     redis_unavailable: list[str] = field(default_factory=list)
     redis_error: str = ""
+    # the launcher's last ``cpu`` record (pipeline/cpu_meter.py): per pool CPU seconds
+    # and share (cores busy over the run), the cores, the wall it covers; {} without one
+    cpu: dict = field(default_factory=dict)
 
     def render(self) -> str:
         s = self
@@ -134,6 +139,7 @@ class Summary:
             *_episode_rows(s.episodes),
             _account_row(s.accounting),
             ("groups with PRM-scored steps", s.prm_scored_groups),
+            ("cores busy over the run", shares_text(s.cpu.get("share"), s.cpu.get("cores"))),
             ("wall seconds", f"{s.wall_seconds:.1f}"),
         ]
         if self.redis_unavailable:

@@ -3,8 +3,10 @@ running under a restart policy, with a watchdog for silent hangs.
 
 ::
 
-    reads   each pool's exit status; its status hash (heartbeat, progress)
-    writes  launcher events (exit, watchdog, restart, redis-restart) to metrics.jsonl
+    reads   each pool's exit status; its status hash (heartbeat, progress); each pool's
+            CPU time from /proc (pipeline/cpu_meter.py, its whole process group)
+    writes  launcher events (exit, watchdog, restart, redis-restart) to metrics.jsonl,
+            and a ``cpu`` record (CPU seconds and share per pool) every CPU_RECORD_S
     acts    restarts a crashed pool (launch.restart_policy, launch.max_restarts),
             SIGKILLs a pool silent for launch.watchdog_s (then the policy applies),
             restarts a dead embedded redis-server on its port and AOF (redis=ha: a
@@ -46,11 +48,14 @@ import subprocess
 import time
 from collections import Counter
 
+from pipeline.cpu_meter import CpuMeter
 from pipeline.redis_cluster import LocalCluster
 from pipeline.redis_ha import RedisHA
 from pipeline.redis_server import EmbeddedRedis
 from pipeline.runtime import EXIT_DATA_LOST, EXIT_MISMATCH, EXIT_REFUSED
 from pipeline.telemetry import MetricsFile
+
+CPU_RECORD_S = 10.0  # seconds between the supervisor's ``cpu`` records
 
 
 def tail(path: str, lines: int = 20) -> str:
@@ -80,6 +85,7 @@ class Supervisor:
         self.spawned_at: dict[str, float] = {}
         self.restarts: Counter = Counter()
         self.events = MetricsFile(os.path.join(run_dir, "metrics.jsonl"))
+        self.cpu, self.cpu_recorded = CpuMeter(), time.monotonic()
         os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
 
     def log_path(self, name: str) -> str:
@@ -128,6 +134,7 @@ class Supervisor:
 
     def check(self, statuses: dict[str, dict[str, str]]) -> tuple[str, int] | None:
         """One supervision round; returns (outcome, exit code) when the run is over."""
+        self.measure_cpu()
         self.check_redis()
         self._watchdog(statuses)
         for name, proc in list(self.procs.items()):
@@ -171,6 +178,13 @@ class Supervisor:
                 self.spawn(name)
             self.event("restart", unit, attempt=self.restarts[unit])
         return None
+
+    def measure_cpu(self, record: bool = False) -> None:
+        """Sample the pools' CPU; write a ``cpu`` record every CPU_RECORD_S (or now)."""
+        self.cpu.sample({name: proc.pid for name, proc in self.procs.items()})
+        if record or time.monotonic() - self.cpu_recorded >= CPU_RECORD_S:
+            self.events.write(pool="launcher", event="cpu", **self.cpu.record())
+            self.cpu_recorded = time.monotonic()
 
     def _fatal(self, name: str, code: int, why: str) -> tuple[str, int]:
         print(
@@ -225,6 +239,7 @@ class Supervisor:
     def stop(self) -> None:
         """SIGTERM every pool, wait up to launch.stop_timeout_s, then SIGKILL each pool's
         whole process group (a pool that did not stop, and whatever any pool left)."""
+        self.measure_cpu(record=True)  # the run's CPU per pool, for summary.json
         for p in self.procs.values():
             if not _exited(p):
                 _signal_group(p, signal.SIGCONT)  # a stopped process cannot act on SIGTERM

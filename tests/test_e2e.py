@@ -28,6 +28,14 @@ def test_pipeline_end_to_end(tmp_path):
     assert summary["weight_problems"] == [] and summary["weight_versions_failed"]["actor-0"] == 0
     assert run_leftovers(run_dir) == []
     records = read_jsonl(str(run_dir / "metrics.jsonl"))
+    # each pool's CPU over the run (the launcher's cpu records, from /proc): every pool
+    # used some, none more than the machine has, and the summary says so
+    cpu = summary["cpu"]
+    assert {"actor-0", "preprocessor-0", "trainer"} <= set(cpu["cpu_s"]), cpu
+    assert all(v > 0 for v in cpu["cpu_s"].values()) and cpu["wall_s"] > 0
+    assert 0 < sum(cpu["share"].values()) <= cpu["cores"] * 1.05, cpu
+    assert "cores busy over the run" in out and "trainer" in out.split("cores busy")[1]
+    assert [r for r in records if r.get("event") == "cpu"][-1]["cpu_s"] == cpu["cpu_s"]
     # Whether a swap lands inside one of the hf engine's generation batches (about 50 ms
     # each here) is timing: two CI-like runs had no sequence spanning versions, one none
     # trained, one none published. The swap between two forward passes with sequences
