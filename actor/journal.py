@@ -192,7 +192,7 @@ class Journal:
     def __init__(self, client, names, actor: str, lease_s: float):
         self.client, self.names, self.actor, self.lease_s = client, names, actor, lease_s
         self.owner = f"{actor}/{uuid.uuid4().hex[:8]}"  # this incarnation
-        self.claims = names.key("episodes:claims")
+        self.claims = names.episode_claims
         self.held: set[str] = set()  # group ids this incarnation runs
         self.lost: set[str] = set()  # group ids another actor took over
         self._lock = threading.Lock()
@@ -201,7 +201,7 @@ class Journal:
         self._renewer.start()
 
     def key(self, group_id: str) -> str:
-        return self.names.key(f"episodes:{group_id}")
+        return self.names.episode(group_id)
 
     def _expires(self) -> float:
         return time.time() + self.lease_s

@@ -160,6 +160,13 @@ def _episode_rows(e: dict) -> list[tuple[str, str]]:
         ("tool calls", f"{e.get('tool_calls', 0)}" + (f" ({kinds})" if kinds else "")),
         ("episodes with infra failures", str(e.get("infra_failures", 0))),
         ("episodes spanning versions", str(e.get("episodes_spanning", 0))),
+        (
+            "episodes taken over",
+            f"{e.get('episode_groups_taken_over', 0)} groups: "
+            f"{e.get('episodes_resumed', 0)} episodes resumed, "
+            f"{e.get('episodes_restarted', 0)} restarted",
+        ),
+        ("environment errors", str(e.get("env_errors", 0))),
     ]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import time
 
 from omegaconf import OmegaConf
@@ -120,6 +121,44 @@ class EchoEnv(Environment):
             return Step(reward=float(len(turn.text) % 2 == 0), done=True)
         self.tools.count(ToolResult("ok", ""))
         return Step(observation="<result>ok</result>", outcome="ok")
+
+
+class DurableEnv(EchoEnv):
+    """EchoEnv, resumable (state: the calls it answered), with a slow tool:
+    ``tool_s`` seconds per answered turn; when ``marker`` names a folder, a file there
+    says a tool call is running (``<pid>-<calls>``) while it sleeps; ``raise_on``: the
+    turn index whose step raises (an environment's bug)."""
+
+    resumable = True
+
+    async def reset(self, problem):
+        self.calls = 0
+        return await super().reset(problem)
+
+    def state(self):
+        return {"calls": self.calls}
+
+    async def restore(self, problem, state):
+        self.first, self.calls = False, int(state["calls"])
+
+    async def step(self, turn: Turn) -> Step:
+        if turn.index == self.settings.get("raise_on", -1):
+            raise RuntimeError("the environment's own bug")
+        marker = self.settings.get("marker")
+        path = f"{marker}/{os.getpid()}-{self.calls}" if marker else None
+        if path:
+            open(path, "w").close()  # noqa: SIM115
+        await asyncio.sleep(float(self.settings.get("tool_s", 0.0)))
+        if path:
+            os.remove(path)
+        self.calls += 1
+        return await super().step(turn)
+
+
+class RestartingEnv(DurableEnv):
+    """DurableEnv that is not resumable: its episodes restart when taken over."""
+
+    resumable = False
 
 
 def env_config(env: str = "tests.episode_builders:EchoEnv", **episode):
