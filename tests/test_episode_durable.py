@@ -143,6 +143,10 @@ def _check(tmp_path, rclient, written: dict, published: list[RolloutGroup], stat
     assert terms["duplicated_ids"] == [] and problems(terms) == [], problems(terms)
     assert terms["episode_groups_taken_over"] >= len(written)
     assert terms["episodes_resumed"] >= resumed
+    # the same account finds a group opened, never published and gone from the journal
+    vanished = {"event": "episode_group", "group": "actor-0:gone", "action": "opened"}
+    terms = account([*records, vanished], in_flight(rclient, NAMES), [], 2)
+    assert terms["episode_groups_lost"] == 1 and "lost: actor-0:gone" in problems(terms)[0]
 
 
 def test_an_actor_killed_after_a_finished_turn_resumes_its_episodes_when_restarted(
@@ -184,9 +188,9 @@ def test_an_actor_killed_in_a_slow_tool_call_is_taken_over_by_another(
 # ---------------------------------------------------------------- in process
 
 
-def _runner(tiny, env_cls, rclient, actor: str, lease_s: float = 30.0, **env_args):
+def _runner(tiny, env_cls, rclient, actor: str, lease_s: float = 30.0, seed=3, **env_args):
     model, tok = load_model(tiny)
-    engine = HFEngine(model, tok, temperature=0.7, top_p=1.0, top_k=0, seed=3)
+    engine = HFEngine(model, tok, temperature=0.7, top_p=1.0, top_k=0, seed=seed)
     engine.stop_ids = set()  # every turn runs to its token limit
     cfg = env_config(f"tests.episode_builders:{env_cls.__name__}", max_turns=3)
     cfg.task.env_args = {"turns": 3, **env_args}
@@ -216,7 +220,8 @@ def test_a_taken_over_group_resumes_or_restarts_by_what_its_environment_declares
     first.journal.close()  # "killed": no more renewals
     (states,) = _journal(rclient, names).values()
     assert sorted(states) == [0, 1] and all(st.turns == 1 for st in states.values())
-    again = _runner(tiny, env_cls, rclient, "actor-0")  # restarted: takes its own at once
+    # restarted (another sampling seed: what it samples differs from what was written)
+    again = _runner(tiny, env_cls, rclient, "actor-0", seed=4)  # takes its own at once
     grp = again.take_over()
     assert grp is not None and grp.group_id == gid
     assert again.drive([grp]) == [grp]
@@ -229,6 +234,9 @@ def test_a_taken_over_group_resumes_or_restarts_by_what_its_environment_declares
         assert sample.turns() == 3
         if env_cls.resumable:
             _prefix_kept(states[k], sample)
+        else:  # begun again: its first turn sampled anew
+            written = np.frombuffer(states[k].ids, dtype="<i4").tolist()
+            assert sample.tokens()[: len(written)].tolist() != written
     if env_cls.resumable:
         assert counts.get("episodes_resumed") == 2 and not counts.get("episodes_restarted")
     else:
