@@ -16,10 +16,17 @@ EpisodeRunner without turn boundaries on a streaming engine in async mode).
 Per turn, every open episode is one request from token ids (``engine.generate``),
 its prompt the ids it holds: token in, token out (pipeline/envs/template.py). A
 turn ends at EOS, at the episode's token room, or at the first of the
-environment's stop strings (``</calc>``), found by reading the decoded text and
-kept as the sampled id that completed it; later ids the engine sampled past it are
-dropped (the kept ids, their log-probs and their versions are exactly what was
-sampled). Each kept id keeps the version of the forward pass that sampled it, so
+environment's stop strings (``</calc>``), kept as the sampled id that completed it.
+The hf engine stops a row there itself (``HFEngine.stop_strings``: the decoded tail
+of its sampled ids, checked each step). vLLM does not: the actor runs it with
+``skip_tokenizer_init=True`` (token ids in and out, no detokenizer in the engine
+core), and vLLM matches stop strings only in that detokenizer (``SamplingParams.stop``
+needs ``detokenize=True``); ``stop_token_ids`` cannot say a string that spans several
+ids (``</calc>`` is several ids, and its last, ``>``, ends other text too). So on vllm
+a turn runs on to EOS or its budget and the stop string is found afterwards in the
+decoded text (:func:`cut_at_stop`): the ids past it are dropped, which costs their
+compute, never correctness (the kept ids, their log-probs and their versions are
+exactly what was sampled). Each kept id keeps the version of the forward pass that sampled it, so
 an episode that a swap lands in, inside a turn or between two, is stamped exactly
 where it happened. A turn's prompt is computed again on the engine's live weights
 (hf: no cache across requests; vllm: the prefix cache is salted per version,
@@ -165,6 +172,16 @@ class EpisodeRunner:
             tokenizer, env_cls.observation_role, getattr(engine, "stop_ids", ())
         )
         self.template.check()  # token in, token out reproduces apply_chat_template
+        if env_cls.stop and hasattr(engine, "stop_strings"):
+            # the tool-call closing tags as the engine's own stop strings (hf): a row
+            # stops at the id that completes one. _cut still finds them post hoc, for
+            # vllm (no stop strings: module doc) and the scripted test engines
+            engine.stop_strings = tuple(env_cls.stop)
+        if env_cls.stop and hasattr(engine, "stop_strings"):
+            # the tool-call closing tags as the engine's own stop sequences (hf, vllm):
+            # a turn ends at the id that completes one; _cut still finds it post hoc
+            # (the scripted test engines have none, and an engine may run past it)
+            engine.stop_strings = tuple(env_cls.stop)
         self.tasks = env_cls.tasks(dict(cfg.task.env_args), seed)
         # the environments' event loop, on a thread of its own: tool calls run there
         # while this thread drives the engine (the streaming loop goes on generating)

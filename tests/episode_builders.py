@@ -127,11 +127,14 @@ class DurableEnv(EchoEnv):
     """EchoEnv, resumable (state: the calls it answered), with a slow tool:
     ``tool_s`` seconds per answered turn; when ``marker`` names a folder, a file there
     says a tool call is running (``<pid>-<calls>``) while it sleeps; ``raise_on``: the
-    turn index whose step raises (an environment's bug)."""
+    turn index whose step raises, ``raise_in_reset``: reset raises (an environment's
+    bug)."""
 
     resumable = True
 
     async def reset(self, problem):
+        if self.settings.get("raise_in_reset"):
+            raise RuntimeError("the environment's own bug, at reset")
         self.calls = 0
         return await super().reset(problem)
 

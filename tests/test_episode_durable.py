@@ -292,3 +292,36 @@ def test_an_environment_that_raises_ends_its_episode_as_an_infra_failure(
     assert int(rclient.hget(pool.status.key, "env_errors.step")) == 4
     assert int(rclient.hget(pool.status.key, "infra_failures")) == 4
     assert rclient.hgetall(names.episode_claims) == {}  # published: the journal is empty
+
+
+def test_an_environment_whose_reset_raises_opens_no_group_and_the_actor_goes_on(tiny, rclient):
+    runner = _runner(tiny, DurableEnv, rclient, "actor-0", raise_in_reset=True)
+    assert runner.open_group(runner.tasks.sample(), 2, "actor-0:g") is None
+    runner.close()
+    assert runner.env_errors["reset"] == 1  # one group failed to open
+    assert rclient.hgetall(Names("test", "journal").episode_claims) == {}  # nothing opened
+
+
+def test_the_hf_engine_stops_a_row_at_the_id_that_completes_a_stop_string(tiny):
+    """The environment's stop strings are the hf engine's own: the same seeded draw with
+    a stop string taken from its text ends at the id that completes it, not EOS."""
+    from actor.episodes import cut_at_stop
+
+    model, tok = load_model(tiny)
+
+    def draw(stops: tuple[str, ...]):
+        engine = HFEngine(model, tok, temperature=0.7, top_p=1.0, top_k=0, seed=5)
+        engine.stop_ids, engine.stop_strings = set(), stops
+        return engine.generate([[1, 2, 3], [4, 5, 6]], 24)
+
+    free = draw(())
+    # a stop string that first completes inside the draw of row 0, past its start
+    text = tok.decode(free[0].tokens[6:10])
+    stop = text[-3:] if len(text) >= 3 else text
+    outs = draw((stop,))
+    for before, after in zip(free, outs, strict=True):
+        at = cut_at_stop(tok, before.tokens, (stop,))
+        want = len(before.tokens) if at is None else at
+        assert after.tokens == before.tokens[:want] and not after.finished
+        assert after.logprobs == before.logprobs[:want]
+    assert len(outs[0].tokens) < 24  # row 0 did stop early
