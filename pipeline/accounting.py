@@ -323,10 +323,8 @@ def account(
     phantom += sorted(g for g in seen_groups if g not in sizes)
     duplicated = sorted(s for s, n in trained.items() if n > 1)
     reasons = Counter(d["reason"].split(":")[0] for d in dead)
-    episodes = episode_account(records, flight)
-    lost += [g for g in episodes.get("episode_groups_lost_ids", []) if g not in lost]
     return {
-        **{k: v for k, v in episodes.items() if k != "episode_groups_lost_ids"},
+        **episode_account(records, flight),
         "groups_produced": len(sizes),
         "groups_trained": terms["trained"],
         "groups_stale": terms["stale"],
@@ -359,8 +357,9 @@ def problems(terms: dict[str, Any]) -> list[str]:
     actors', the streams' and the consumers' records agree."""
     say = {
         "lost_ids": "lost: {} (published by an actor; not trained, dropped, dead-lettered "
-        "or in a stream; or a group of episodes opened, never published and no longer in "
-        "the episode journal)",
+        "or in a stream)",
+        "episode_groups_lost_ids": "lost: episode group {} (opened by an actor; never "
+        "published, not dropped, and no longer in the episode journal)",
         "duplicated_ids": "duplicated: {} (trained in two surviving steps)",
         "phantom_ids": "phantom: {} (trained, dropped or in a stream, never published by an actor)",
         "conflicting_ids": "conflicting: {} (two final outcomes: trained, stale, no signal, "
