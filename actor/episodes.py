@@ -9,7 +9,11 @@ EpisodeRunner without turn boundaries on a streaming engine in async mode).
     writes  one rollout group per task (actor/publish.py send_group: each Sample an
             episode, pipeline/messages.py); the status hash's episode counters
             (episodes, turns, tool_calls, tool.<outcome>, infra_failures,
-            episodes_spanning); ``episodes`` fields on each ``group`` metrics record
+            episodes_spanning, episodes_resumed, episodes_restarted,
+            episode_groups_taken_over); ``episodes`` fields on each ``group`` metrics
+            record, an ``episode_group`` record per group opened or taken over; each
+            finished turn to the episode journal (actor/journal.py), from which a group
+            of a dead actor is taken over
     blocks  on the engine for each turn of the open episodes; on the turn's tool calls
             (bounded: task.episode budgets, pipeline/envs/tools.py)
 

@@ -39,7 +39,8 @@ class Summary:
     reward_errors: int = 0  # rewards that raised (scored 0.0), summed over actors
     reward_error_reasons: dict[str, int] = field(default_factory=dict)
     # task.kind=env: the actors' episode counters summed (episodes, turns, multi_turn,
-    # tool_calls, tool.<outcome>, infra_failures, episodes_spanning); empty otherwise
+    # tool_calls, tool.<outcome>, infra_failures, episodes_spanning, episodes_resumed,
+    # episodes_restarted, episode_groups_taken_over, env_errors); empty otherwise
     episodes: dict[str, int] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
     # where every produced group ended (pipeline/accounting.py)
