@@ -322,3 +322,29 @@ def test_the_hf_engine_stops_a_row_at_the_id_that_completes_a_stop_string(tiny):
         assert after.tokens == before.tokens[:want] and not after.finished
         assert after.logprobs == before.logprobs[:want]
     assert len(outs[0].tokens) < 24  # row 0 did stop early
+
+
+def test_a_journal_of_another_schema_is_refused_with_the_reason(rclient, caplog):
+    """A group an older build left in the journal: not taken over (its layout is not
+    this build's), logged with the reason, its claim and entry removed."""
+    from pipeline.messages import EpisodeOpen, encode, pack_i32
+    from pipeline.tasks import Problem
+
+    names = Names("test", "journal")
+    old = EpisodeOpen(
+        schema=1,
+        group_id="actor-9:old",
+        actor="actor-9",
+        problem=Problem(id="p", question="q", answer="1"),
+        prompt_ids=pack_i32([1, 2]),
+        group_size=2,
+    )
+    rclient.hset(names.episode_claims, "actor-9:old", "actor-9/dead 0")  # lease long gone
+    rclient.hset(names.episode("actor-9:old"), "open", encode(old))
+    journal = Journal(rclient, names, "actor-0", 30.0)
+    with caplog.at_level("ERROR", logger="actor"):
+        assert journal.take_over() is None
+    journal.close()
+    assert "actor-9:old cannot be taken over: schema version 1" in caplog.text
+    assert rclient.hgetall(names.episode_claims) == {}
+    assert not rclient.exists(names.episode("actor-9:old"))
