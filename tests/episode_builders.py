@@ -124,11 +124,11 @@ class EchoEnv(Environment):
 
 
 class DurableEnv(EchoEnv):
-    """EchoEnv, resumable (state: the calls it answered), with a slow tool:
-    ``tool_s`` seconds per answered turn; when ``marker`` names a folder, a file there
-    says a tool call is running (``<pid>-<calls>``) while it sleeps; ``raise_on``: the
-    turn index whose step raises, ``raise_in_reset``: reset raises (an environment's
-    bug)."""
+    """EchoEnv, resumable (state: the calls it answered), with a slow tool: ``tool_s``
+    seconds per answered turn from turn ``slow_from`` (default 0) on; when ``marker``
+    names a folder, a file there says a tool call is running (``<pid>-<calls>``) while
+    it sleeps; ``raise_on``: the turn index whose step raises, ``raise_in_reset``:
+    reset raises (an environment's bug)."""
 
     resumable = True
 
@@ -151,7 +151,8 @@ class DurableEnv(EchoEnv):
         path = f"{marker}/{os.getpid()}-{self.calls}" if marker else None
         if path:
             open(path, "w").close()  # noqa: SIM115
-        await asyncio.sleep(float(self.settings.get("tool_s", 0.0)))
+        if turn.index >= int(self.settings.get("slow_from", 0)):
+            await asyncio.sleep(float(self.settings.get("tool_s", 0.0)))
         if path:
             os.remove(path)
         self.calls += 1

@@ -348,3 +348,74 @@ def test_a_journal_of_another_schema_is_refused_with_the_reason(rclient, caplog)
     assert "actor-9:old cannot be taken over: schema version 1" in caplog.text
     assert rclient.hgetall(names.episode_claims) == {}
     assert not rclient.exists(names.episode("actor-9:old"))
+
+
+def test_the_streaming_loop_writes_turns_and_takes_over_a_stopped_actors_groups(rclient, tmp_path):
+    """actor/episode_stream.py (the vllm loop's code, on the scripted streaming engine):
+    stopped while groups are open (their first turns written, tools slow), its groups
+    stay in the journal; the actor restarted (a new incarnation, its engine now at
+    version 5) takes them over and publishes them: the turns written keep version 0,
+    only the turns after take the new version."""
+    from actor.episode_stream import stream_episodes
+    from tests.episode_builders import StreamingScriptedEngine, smollm2_tokenizer
+
+    tok = smollm2_tokenizer()
+    names = Names("test", "stream-journal")
+    rclient.set(names.trainer_version, 5)
+
+    def actor(version: int, tool_s: float, slow_from: int = 0):
+        engine = StreamingScriptedEngine([[72, 73], [74], [75]], stop_ids=[tok.eos_token_id])
+        engine.version = version
+        cfg = env_config("tests.episode_builders:DurableEnv", max_turns=3)
+        cfg.task.env_args = {"turns": 3, "tool_s": tool_s, "slow_from": slow_from}
+        cfg.actor.max_queue_groups, cfg.actor.max_lag, cfg.actor.vllm.in_flight = 100, 10, 2
+        pool = Pool(
+            cfg=cfg,
+            name="actor-0",
+            role="actor",
+            client=rclient,
+            names=names,
+            stop=threading.Event(),
+            status=PoolStatus(rclient, names, "actor-0", "actor"),
+            metrics=MetricsFile(str(tmp_path / "metrics.jsonl")),
+        )
+        runner = EpisodeRunner(cfg, engine, tok, DurableEnv, seed=0)
+        runner.journal = Journal(rclient, names, "actor-0", 30.0)
+        loop = threading.Thread(
+            target=stream_episodes,
+            args=(pool, engine, runner, tok, Window(10), None, _Receiver()),
+        )
+        loop.start()
+        return pool, runner, loop
+
+    # turn 0's tool answers at once (written), turn 1's never in time
+    pool, runner, loop = actor(0, tool_s=30.0, slow_from=1)
+    wait_until(
+        lambda: (
+            len(_journal(rclient, names)) == 2
+            and all(len(s) == 2 for s in _journal(rclient, names).values())
+        ),
+        timeout=20,
+    )
+    pool.stop.set()
+    loop.join(timeout=30)
+    runner.close()
+    written = _journal(rclient, names)
+    assert rclient.xlen(names.rollouts) == 0
+    pool, runner, loop = actor(5, tool_s=0.0)  # restarted: takes both groups back at once
+    wait_until(lambda: set(written) <= {g.group_id for g in _published(rclient, names)}, 20)
+    pool.stop.set()
+    loop.join(timeout=30)
+    runner.close()
+    for g in _published(rclient, names):
+        if g.group_id not in written:
+            continue
+        g.check()
+        for k, s in enumerate(g.samples):
+            _prefix_kept(written[g.group_id][k], s)
+            assert s.turns() == 3 and s.token_versions().tolist() == [0, 0, 5, 5]
+    assert int(rclient.hget(pool.status.key, "episodes_resumed")) == 4
+
+
+class _Receiver:
+    applied = failed = 0
