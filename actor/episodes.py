@@ -256,7 +256,7 @@ class EpisodeRunner:
         last written turns: episodes of a resumable environment go on from there
         (``restore``), the others, and an episode with no turn written, restart from
         ``reset``; None when there is none (or no journal)."""
-        from actor.journal import restore_episode, unpack_env_state
+        from actor.journal import restore_episode
 
         taken = self.journal.take_over() if self.journal is not None else None
         if taken is None:
@@ -271,10 +271,17 @@ class EpisodeRunner:
                 restore_episode(ep, st)
                 ep.resumed = True
                 if not st.done:  # a finished episode's environment is never asked again
-                    self.call(ep.env.restore(problem, unpack_env_state(st.env_state)))
+                    self._restore(ep, problem, st.env_state)
                 continue
             ep.restarted = True
-            (again,) = self.openings([problem], [ep], 1)
+            try:
+                (again,) = self.openings([problem], [ep], 1)
+            except Exception as e:  # the group cannot be published whole: it goes
+                self._env_failed("reset", e)
+                log.error("episode group %s dropped: an episode cannot restart", opened.group_id)
+                self._all(x.env.close() for x in eps)
+                self.journal.done(opened.group_id)
+                return None
             if again != prompt:
                 raise ValueError(
                     f"{self.env_cls.__name__}.reset gave another opening for problem "
@@ -282,6 +289,18 @@ class EpisodeRunner:
                     "cannot restart in its group (reset must depend on the problem only)"
                 )
         return OpenGroup(problem, prompt, eps, opened.group_id)
+
+    def _restore(self, ep: Episode, problem, env_state: bytes) -> None:
+        """``ep.env.restore``; one that raises ends the episode on its written turns as
+        an infrastructure failure (logged, ``env_errors.restore``)."""
+        from actor.journal import unpack_env_state
+
+        try:
+            self.call(ep.env.restore(problem, unpack_env_state(env_state)))
+        except Exception as e:
+            self._env_failed("restore", e)
+            ep.drop_observation()
+            ep.done = ep.infra = True
 
     def written(self, ep: Episode) -> None:
         """Episode ``ep`` finished a turn (or ended): write it to the journal."""

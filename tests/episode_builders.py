@@ -127,8 +127,8 @@ class DurableEnv(EchoEnv):
     """EchoEnv, resumable (state: the calls it answered), with a slow tool: ``tool_s``
     seconds per answered turn from turn ``slow_from`` (default 0) on; when ``marker``
     names a folder, a file there says a tool call is running (``<pid>-<calls>``) while
-    it sleeps; ``raise_on``: the turn index whose step raises, ``raise_in_reset``:
-    reset raises (an environment's bug)."""
+    it sleeps; ``raise_on``: the turn index whose step raises, ``raise_in_reset``,
+    ``raise_in_restore``: reset or restore raises (an environment's bug)."""
 
     resumable = True
 
@@ -142,6 +142,8 @@ class DurableEnv(EchoEnv):
         return {"calls": self.calls}
 
     async def restore(self, problem, state):
+        if self.settings.get("raise_in_restore"):
+            raise RuntimeError("the environment's own bug, at restore")
         self.first, self.calls = False, int(state["calls"])
 
     async def step(self, turn: Turn) -> Step:

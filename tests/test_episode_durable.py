@@ -419,3 +419,19 @@ def test_the_streaming_loop_writes_turns_and_takes_over_a_stopped_actors_groups(
 
 class _Receiver:
     applied = failed = 0
+
+
+def test_an_environment_whose_restore_raises_ends_the_taken_over_episodes_as_infra(tiny, rclient):
+    first = _runner(tiny, DurableEnv, rclient, "actor-0")
+    gid = _stopped_after_one_turn(first)
+    first.close()
+    again = _runner(tiny, DurableEnv, rclient, "actor-0", raise_in_restore=True)
+    grp = again.take_over()
+    assert grp is not None and grp.group_id == gid
+    assert again.drive([grp]) == [grp]
+    again.close()
+    assert again.env_errors["restore"] == 2
+    for k, ep in enumerate(grp.episodes):  # ended on the turn written, marked infra
+        sample = ep.to_sample(k)
+        sample.check("episode")
+        assert sample.infra_failure and sample.turns() == 1
