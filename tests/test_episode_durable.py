@@ -435,3 +435,37 @@ def test_an_environment_whose_restore_raises_ends_the_taken_over_episodes_as_inf
         sample = ep.to_sample(k)
         sample.check("episode")
         assert sample.infra_failure and sample.turns() == 1
+
+
+def test_the_journal_runs_as_the_shipped_acls_actor_user(tmp_path):
+    """deploy/redis/users.acl's actor user may run every journal script (open, write,
+    renew, take over, done); its operator reads the open groups for the account."""
+    from pipeline.messages import SCHEMA_VERSION
+    from pipeline.streams import connect
+    from pipeline.tasks import Problem
+    from tests.redis_builders import acl_server
+
+    urls = acl_server(tmp_path)
+    try:
+        names = NAMES
+        actor = connect(urls["actor"])
+        first = Journal(actor, names, "actor-0", 0.3)
+        first.open("actor-0:g", Problem(id="p", question="q", answer="1"), [1, 2], 2)
+        state = EpisodeState(
+            schema=SCHEMA_VERSION, index=0, turns=1, ids=b"", mask=b"", logprobs=b"", versions=b""
+        )
+        assert first.write("actor-0:g", 0, state)
+        time.sleep(0.3)  # a renewal round
+        assert in_flight(connect(urls["operator"]), names)["episode_groups"] == ["actor-0:g"]
+        first.close()
+        time.sleep(0.4)  # its lease runs out
+        other = Journal(actor, names, "actor-1", 30.0)
+        taken = other.take_over()
+        assert taken is not None and taken.opened.group_id == "actor-0:g"
+        assert taken.states[0].turns == 1
+        other.done("actor-0:g")
+        other.close()
+        assert actor.hgetall(names.episode_claims) == {}
+    finally:
+        urls["proc"].terminate()
+        urls["proc"].wait()
