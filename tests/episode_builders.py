@@ -185,3 +185,9 @@ def smollm2_tokenizer():
 
     gguf = _smollm2_gguf_path()
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+class HalfResumableEnv(EchoEnv):
+    """Says it is resumable but defines neither state() nor restore(): refused."""
+
+    resumable = True

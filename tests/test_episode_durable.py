@@ -469,3 +469,13 @@ def test_the_journal_runs_as_the_shipped_acls_actor_user(tmp_path):
     finally:
         urls["proc"].terminate()
         urls["proc"].wait()
+
+
+def test_an_environment_that_says_resumable_without_state_and_restore_is_refused():
+    from pipeline.envs import load_env
+
+    with pytest.raises(ValueError) as info:
+        load_env("tests.episode_builders:HalfResumableEnv")
+    msg = str(info.value)
+    assert "resumable = True" in msg and "state, restore" in msg
+    assert load_env("calc").resumable and not load_env("pyexec").resumable
