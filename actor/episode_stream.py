@@ -16,31 +16,32 @@
             submitted when the tool answers
 
 Up to ``open_target`` groups are open at once (as actor/stream.py keeps groups of
-completions); a new group starts only when the Room has room. On stop, open turns
-are aborted and their groups are never published.
+completions); a new group starts only when the Room has room: one another actor left
+in the episode journal first (actor/journal.py: taken over from its last written
+turns), else a new task's. Every finished turn is written to the journal. On stop,
+open turns are aborted; their groups are not published by this actor, and stay in
+the journal for another one (or this one restarted) to take over.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
 
-from actor.episodes import Episode, EpisodeRunner, episode_counts
-from actor.publish import send_group, to_group
+from actor.episodes import (
+    Episode,
+    EpisodeRunner,
+    OpenGroup,
+    opened_as,
+    publish_open_group,
+)
+from actor.publish import new_group_id
 from actor.room import Room
 from actor.stream import Report, open_target
 from pipeline.runtime import Pool
 from pipeline.telemetry import Window
 
 log = logging.getLogger("actor")
-
-
-@dataclass
-class OpenGroup:
-    problem: object
-    prompt: list[int]
-    episodes: list[Episode]
 
 
 def stream_episodes(
@@ -53,10 +54,24 @@ def stream_episodes(
     room, report = Room(pool, engine), Report(pool, engine, receiver, rewards)
     shown, published = [None], [0]
 
+    def next_group() -> OpenGroup | None:
+        """A group another actor left in the journal, else a new task's."""
+        grp = runner.take_over() or runner.open_group(
+            runner.tasks.sample(), cfg.task.group_size, new_group_id(pool)
+        )
+        if grp is not None:
+            opened_as(pool, grp)
+        return grp
+
     def finished(grp: OpenGroup) -> None:
-        publish(pool, runner, grp, rewards)
+        publish_open_group(pool, runner, grp, rewards)
         published[0] += 1
         room.changed()
+
+    def dropped(grp: OpenGroup) -> None:
+        pool.record(event="episode_group", group=grp.group_id, action="dropped")
+        if runner.journal is not None and grp.group_id:
+            runner.journal.done(grp.group_id)
 
     def tick(open_now: int) -> None:
         if open_now != shown[0]:
@@ -74,16 +89,37 @@ def stream_episodes(
         finished=finished,
         stop=pool.stop.is_set,
         tick=tick,
+        next_group=next_group,
+        dropped=dropped,
     )
     return published[0]
 
 
-def drive_episodes(engine, runner: EpisodeRunner, g: int, target: int, admit, finished, stop, tick):
+def drive_episodes(
+    engine,
+    runner: EpisodeRunner,
+    g: int,
+    target: int,
+    admit,
+    finished,
+    stop,
+    tick,
+    next_group=None,
+    dropped=lambda grp: None,
+):
     """The loop itself: keep up to ``target`` groups of ``g`` episodes open while
-    ``admit()`` allows a new one; each finished turn's environment step runs on the
-    runner's loop thread while the engine goes on; ``finished(group)`` for each group
-    whose episodes all ended (its environments closed first); ``tick(open episodes)``
-    once per pass; until ``stop()``. Open turns are aborted on the way out."""
+    ``admit()`` allows a new one (``next_group()``: the group to open, None when its
+    environment failed to reset; default a new task's, without a journal); each
+    finished turn's environment step runs on the runner's loop thread while the engine
+    goes on; ``finished(group)`` for each group whose episodes all ended (its
+    environments closed first), ``dropped(group)`` for one that cannot be published;
+    ``tick(open episodes)`` once per pass; until ``stop()``. Open turns are aborted on
+    the way out."""
+    if next_group is None:
+
+        def next_group():
+            return runner.open_group(runner.tasks.sample(), g)
+
     last_turn = runner.cfg.task.episode.max_turns - 1
     keys, groups, steps, turns = itertools.count(), {}, {}, set()
 
@@ -96,12 +132,14 @@ def drive_episodes(engine, runner: EpisodeRunner, g: int, target: int, admit, fi
     try:
         while not stop():
             while len(groups) < target and admit():
-                gid, problem = next(keys), runner.tasks.sample()
-                eps = runner.new_episodes(g)
-                (prompt,) = runner.openings([problem], eps, g)
-                groups[gid] = OpenGroup(problem, prompt, eps)
-                for k in range(g):
-                    submit(gid, k, 0)
+                grp = next_group()
+                if grp is None:  # its environment's reset raised (logged, counted)
+                    continue
+                gid = next(keys)
+                groups[gid] = grp
+                for k, ep in enumerate(grp.episodes):
+                    if not ep.done:  # a group taken over: each episode at its own turn
+                        submit(gid, k, len(ep.offsets))
             for (gid, k, index), (out,) in engine.take(timeout=0.02):
                 turns.discard((gid, k, index))
                 if gid not in groups:  # dropped: another of its episodes failed at once
@@ -109,20 +147,24 @@ def drive_episodes(engine, runner: EpisodeRunner, g: int, target: int, admit, fi
                 ep = groups[gid].episodes[k]
                 turn = runner.take_turn(ep, out, runner.turn_budget(ep), index)
                 if turn is not None:  # its environment answers on the loop thread
-                    steps[(gid, k)] = (runner.spawn(ep.env.step(turn)), turn)
+                    steps[(gid, k)] = (runner.spawn(runner.step(ep, turn)), turn)
             for gid, k, index in turns - engine.held_keys():  # its request failed
                 turns.discard((gid, k, index))
                 if gid in groups and not end_failed(groups[gid].episodes[k]):
                     log.error("group %s dropped: an episode's first turn failed", gid)
-                    runner.call(_close(groups.pop(gid).episodes))
+                    grp = groups.pop(gid)
+                    runner.call(_close(grp.episodes))
+                    dropped(grp)
                     for key in [key for key in steps if key[0] == gid]:
                         del steps[key]
+                elif gid in groups:
+                    runner.written(groups[gid].episodes[k])
             for (gid, k), (future, turn) in list(steps.items()):
                 if not future.done():
                     continue
                 del steps[(gid, k)]
                 ep = groups[gid].episodes[k]
-                runner.apply(ep, turn, future.result(), turn.index == last_turn)
+                runner.apply(ep, turn, future.result(), turn.index >= last_turn)
                 if not ep.done:
                     submit(gid, k, turn.index + 1)
             for gid in [gid for gid, grp in groups.items() if all(e.done for e in grp.episodes)]:
@@ -132,11 +174,16 @@ def drive_episodes(engine, runner: EpisodeRunner, g: int, target: int, admit, fi
                     finished(grp)
             tick(sum(not e.done for grp in groups.values() for e in grp.episodes))
     finally:
-        dropped = engine.abort_open()
+        dropped_turns = engine.abort_open()
         for grp in groups.values():
             runner.call(_close(grp.episodes))
         if groups:
-            log.info("stopping: %d unfinished groups (%d turns) aborted", len(groups), dropped)
+            log.info(
+                "stopping: %d unfinished groups (%d turns) aborted; their written turns stay "
+                "in the journal",
+                len(groups),
+                dropped_turns,
+            )
 
 
 def end_failed(ep: Episode) -> bool:
@@ -152,12 +199,3 @@ def end_failed(ep: Episode) -> bool:
 async def _close(eps: list[Episode]) -> None:
     for ep in eps:
         await ep.env.close()
-
-
-def publish(pool: Pool, runner: EpisodeRunner, grp: OpenGroup, rewards: Window) -> None:
-    samples = [ep.to_sample(k) for k, ep in enumerate(grp.episodes)]
-    rewards.add(*[ep.reward for ep in grp.episodes])
-    counts = episode_counts(grp.episodes)
-    send_group(pool, to_group(pool, grp.problem, grp.prompt, samples), episodes=counts)
-    for name, value in counts.items():
-        pool.status.incr(name, value)

@@ -31,6 +31,7 @@ from actor.batch import batch_groups
 from actor.engines import Engine, make_engine
 from actor.episode_stream import stream_episodes
 from actor.episodes import EpisodeRunner
+from actor.journal import Journal
 from actor.stream import stream_groups
 from pipeline.config import run_secret
 from pipeline.envs import load_env
@@ -61,8 +62,18 @@ def build_task(pool: Pool, engine: Engine):
     t = pool.cfg.task
     if t.kind == "env":
         env_cls = load_env(t.env)
-        return EpisodeRunner(pool.cfg, engine, engine.tokenizer, env_cls, pool_seed(pool, t.seed))
+        runner = EpisodeRunner(pool.cfg, engine, engine.tokenizer, env_cls, pool_seed(pool, t.seed))
+        # each finished turn written to Redis; groups a dead actor left taken over
+        runner.journal = Journal(pool.client, pool.names, pool.name, t.episode.takeover_s)
+        runner.on_env_error = lambda what: count_env_error(pool, what)
+        return runner
     return make_task(t.kind, t.difficulty, t.path, pool_seed(pool, t.seed))
+
+
+def count_env_error(pool: Pool, what: str) -> None:
+    """An environment's reset or step raised (actor/episodes.py): counted by which."""
+    pool.status.incr("env_errors")
+    pool.status.incr(f"env_errors.{what}")
 
 
 def start_receiver(pool: Pool, engine: Engine) -> WeightReceiver:

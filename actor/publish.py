@@ -26,11 +26,19 @@ from pipeline.tasks import RewardErrors, score
 from pipeline.telemetry import Window
 
 
-def to_group(pool: Pool, problem, prompt: list[int], samples: list[Sample]) -> RolloutGroup:
+def new_group_id(pool: Pool) -> str:
+    return f"{pool.name}:{uuid.uuid4().hex[:16]}"
+
+
+def to_group(
+    pool: Pool, problem, prompt: list[int], samples: list[Sample], group_id: str | None = None
+) -> RolloutGroup:
+    """The rollout group of ``samples``; ``group_id``: one given before (an episode
+    group's, from the journal), else a new one."""
     e = pool.cfg.sampling
     return RolloutGroup(
         schema=SCHEMA_VERSION,
-        group_id=f"{pool.name}:{uuid.uuid4().hex[:16]}",
+        group_id=group_id or new_group_id(pool),
         actor=pool.name,
         problem_id=problem.id,
         prompt_ids=pack_i32(prompt),

@@ -137,12 +137,59 @@ def in_flight(
                     bad.append(f"{stream}/{tag}{item['id']}")
                     item["ids"] = []
                 entries.append(item)
+    try:  # episode groups open in the journal (actor/journal.py): in flight too
+        journal = sorted(g.decode() for g in client.hgetall(names.episode_claims))
+    except redis.ResponseError:
+        journal = []
     return {
         "rollouts_groups": sorted(groups),
         "batches_samples": sorted(samples),
+        "episode_groups": journal,
         "bad": bad,
         "entries": entries,
     }
+
+
+def episode_account(records: list[dict], flight: dict[str, list]) -> dict[str, Any]:
+    """task.kind=env: every group of episodes an actor opened (its ``episode_group``
+    records) was published (a ``group`` record), dropped (its first turn failed in the
+    engine), or is still open in the episode journal (``flight["episode_groups"]``,
+    read from Redis: without it nothing is said); else it is lost. A group published
+    more than once (an actor that took it over and the one that woke up) is one entry
+    (XADD-once on its id); its ``group`` records beyond the first are ``republished``.
+    Episodes resumed / restarted by a takeover are summed from the records."""
+    opened, dropped, taken = set(), set(), set()
+    resumed = restarted = 0
+    for r in records:
+        if r.get("event") != "episode_group":
+            continue
+        if r["action"] == "dropped":
+            dropped.add(r["group"])
+            continue
+        opened.add(r["group"])
+        if r["action"] == "taken_over":
+            taken.add(r["group"])
+            resumed += int(r.get("resumed", 0))
+            restarted += int(r.get("restarted", 0))
+    if not opened:
+        return {}
+    pub = Counter(r["group"] for r in records if r.get("event") == "group")
+    out: dict[str, Any] = {
+        "episode_groups_opened": len(opened),
+        "episode_groups_taken_over": len(taken),
+        "episode_groups_published": len(opened & set(pub)),
+        "episode_groups_dropped": len(opened & dropped),
+        "episode_groups_republished": sum(n - 1 for g, n in pub.items() if g in opened and n > 1),
+        "episodes_resumed": resumed,
+        "episodes_restarted": restarted,
+    }
+    if "episode_groups" in flight:
+        open_now = set(flight["episode_groups"])
+        lost = sorted(opened - set(pub) - dropped - open_now)
+        out["episode_groups_open_at_end"] = len(opened & open_now - set(pub))
+        out["episode_groups_lost_ids"] = lost
+        out["episode_groups_lost"] = len(lost)
+    return out
 
 
 def _role_of(source: str) -> str:
@@ -277,6 +324,7 @@ def account(
     duplicated = sorted(s for s, n in trained.items() if n > 1)
     reasons = Counter(d["reason"].split(":")[0] for d in dead)
     return {
+        **episode_account(records, flight),
         "groups_produced": len(sizes),
         "groups_trained": terms["trained"],
         "groups_stale": terms["stale"],
@@ -310,6 +358,8 @@ def problems(terms: dict[str, Any]) -> list[str]:
     say = {
         "lost_ids": "lost: {} (published by an actor; not trained, dropped, dead-lettered "
         "or in a stream)",
+        "episode_groups_lost_ids": "lost: episode group {} (opened by an actor; never "
+        "published, not dropped, and no longer in the episode journal)",
         "duplicated_ids": "duplicated: {} (trained in two surviving steps)",
         "phantom_ids": "phantom: {} (trained, dropped or in a stream, never published by an actor)",
         "conflicting_ids": "conflicting: {} (two final outcomes: trained, stale, no signal, "

@@ -45,6 +45,8 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from pipeline.tasks import Problem
+
 SCHEMA_VERSION = 2  # 2: a Sample is an episode (loss_mask, turn_offsets, tool outcomes)
 MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
 
@@ -413,6 +415,56 @@ class TrainBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 )
 
 
+# ---------------------------------------------------------------- actor -> actor
+# The episode journal (task.kind=env; actor/journal.py): not a stream entry but one
+# Redis hash per open group of episodes, <run>:episodes:<group id>, field ``open`` an
+# EpisodeOpen, field ``<k>`` the EpisodeState of episode k after its last finished
+# turn, rewritten after each turn. Written by the actor that owns the group (its
+# lease in <run>:episodes:claims), read by the actor that takes the group over when
+# that one died (actor/journal.py), deleted once the group is published. Not a wire
+# message between pools of different roles: it carries SCHEMA_VERSION like the others
+# and a journal of another schema is refused (its group restarts, counted).
+
+
+class EpisodeOpen(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A group of episodes as it was opened: what every episode of it starts from."""
+
+    schema: int
+    group_id: str  # the rollout group's id once published (XADD-once on it)
+    actor: str  # the actor that opened it
+    problem: Problem
+    prompt_ids: bytes  # int32: the opening prompt the G episodes share
+    group_size: int
+
+
+class EpisodeState(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Episode ``index`` of a group after its last finished turn (actor/episodes.py
+    Episode): every id after the prompt, its mask, the sampled ids' log-probs, versions
+    and sampling masks, where each turn starts, the tool outcomes so far, and the
+    environment's state when it declares itself ``resumable`` (empty otherwise)."""
+
+    schema: int
+    index: int
+    turns: int  # turns taken (the next one's index)
+    ids: bytes  # int32
+    mask: bytes  # uint8 per id
+    logprobs: bytes  # float32 per sampled id
+    versions: bytes  # int32 RLE pairs per sampled id
+    mask_ids: bytes = b""
+    mask_counts: bytes = b""
+    offsets: bytes = b""  # int32
+    outcomes: list[str] = msgspec.field(default_factory=list)
+    reward: float = 0.0
+    done: bool = False
+    finished: bool = False
+    infra: bool = False
+    exact: bool = True
+    observed: int = 0  # ids of the last observation appended
+    tool_calls: int = 0  # the episode's tool budget spent so far
+    tool_s: float = 0.0
+    env_state: bytes = b""  # msgpack of Environment.state(); b"": not resumable
+
+
 # ---------------------------------------------------------------- trainer -> actor
 # Stream <run>:weights, one WeightAnnouncement per published version, written by the
 # trainer's weight publisher (pipeline/weight_publisher.py) and read (XREAD, no
@@ -468,7 +520,7 @@ class StatsEvent(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {
     cls: msgspec.msgpack.Decoder(cls)
-    for cls in (RolloutGroup, TrainBatch, WeightAnnouncement, StatsEvent)
+    for cls in (RolloutGroup, TrainBatch, WeightAnnouncement, StatsEvent, EpisodeOpen, EpisodeState)
 }
 
 

@@ -41,7 +41,8 @@ class Summary:
     reward_errors: int = 0  # rewards that raised (scored 0.0), summed over actors
     reward_error_reasons: dict[str, int] = field(default_factory=dict)
     # task.kind=env: the actors' episode counters summed (episodes, turns, multi_turn,
-    # tool_calls, tool.<outcome>, infra_failures, episodes_spanning); empty otherwise
+    # tool_calls, tool.<outcome>, infra_failures, episodes_spanning, episodes_resumed,
+    # episodes_restarted, episode_groups_taken_over, env_errors); empty otherwise
     episodes: dict[str, int] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
     # where every produced group ended (pipeline/accounting.py)
@@ -166,6 +167,13 @@ def _episode_rows(e: dict) -> list[tuple[str, str]]:
         ("tool calls", f"{e.get('tool_calls', 0)}" + (f" ({kinds})" if kinds else "")),
         ("episodes with infra failures", str(e.get("infra_failures", 0))),
         ("episodes spanning versions", str(e.get("episodes_spanning", 0))),
+        (
+            "episodes taken over",
+            f"{e.get('episode_groups_taken_over', 0)} groups: "
+            f"{e.get('episodes_resumed', 0)} episodes resumed, "
+            f"{e.get('episodes_restarted', 0)} restarted",
+        ),
+        ("environment errors", str(e.get("env_errors", 0))),
     ]
 
 

@@ -29,7 +29,8 @@ def compose_config(overrides):
 MAX_QUEUE, PER_BATCH, G = 3, 2, 4
 
 
-def actor_config(tmp_path, url: str) -> str:
+def actor_config(tmp_path, url: str, *extra: str) -> str:
+    """The config file; ``extra``: more overrides, after these."""
     register()
     overrides = [
         "+exp=tiny",
@@ -40,6 +41,7 @@ def actor_config(tmp_path, url: str) -> str:
         f"sampling.prompts_per_batch={PER_BATCH}",
         "sampling.max_new_tokens=8",
         f"task.group_size={G}",
+        *extra,
     ]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=overrides)

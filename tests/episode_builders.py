@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import time
 
 from omegaconf import OmegaConf
@@ -122,6 +123,50 @@ class EchoEnv(Environment):
         return Step(observation="<result>ok</result>", outcome="ok")
 
 
+class DurableEnv(EchoEnv):
+    """EchoEnv, resumable (state: the calls it answered), with a slow tool: ``tool_s``
+    seconds per answered turn from turn ``slow_from`` (default 0) on; when ``marker``
+    names a folder, a file there says a tool call is running (``<pid>-<calls>``) while
+    it sleeps; ``raise_on``: the turn index whose step raises, ``raise_in_reset``,
+    ``raise_in_restore``: reset or restore raises (an environment's bug)."""
+
+    resumable = True
+
+    async def reset(self, problem):
+        if self.settings.get("raise_in_reset"):
+            raise RuntimeError("the environment's own bug, at reset")
+        self.calls = 0
+        return await super().reset(problem)
+
+    def state(self):
+        return {"calls": self.calls}
+
+    async def restore(self, problem, state):
+        if self.settings.get("raise_in_restore"):
+            raise RuntimeError("the environment's own bug, at restore")
+        self.first, self.calls = False, int(state["calls"])
+
+    async def step(self, turn: Turn) -> Step:
+        if turn.index == self.settings.get("raise_on", -1):
+            raise RuntimeError("the environment's own bug")
+        marker = self.settings.get("marker")
+        path = f"{marker}/{os.getpid()}-{self.calls}" if marker else None
+        if path:
+            open(path, "w").close()  # noqa: SIM115
+        if turn.index >= int(self.settings.get("slow_from", 0)):
+            await asyncio.sleep(float(self.settings.get("tool_s", 0.0)))
+        if path:
+            os.remove(path)
+        self.calls += 1
+        return await super().step(turn)
+
+
+class RestartingEnv(DurableEnv):
+    """DurableEnv that is not resumable: its episodes restart when taken over."""
+
+    resumable = False
+
+
 def env_config(env: str = "tests.episode_builders:EchoEnv", **episode):
     cfg = OmegaConf.structured(Config)
     cfg.task.kind, cfg.task.env, cfg.task.group_size = "env", env, 2
@@ -140,3 +185,9 @@ def smollm2_tokenizer():
 
     gguf = _smollm2_gguf_path()
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+class HalfResumableEnv(EchoEnv):
+    """Says it is resumable but defines neither state() nor restore(): refused."""
+
+    resumable = True

@@ -30,6 +30,11 @@ def test_multi_turn_episodes_train_end_to_end(tmp_path):
     assert e["multi_turn"] == e["episodes"] and e["tool_calls"] == 2 * e["episodes"]
     assert e["tool.ok"] == e["tool_calls"] and e["infra_failures"] == 0
     assert "episodes (multi-turn)" in out and "tool calls" in out
+    # every group of episodes opened was published or is still open in the journal
+    a = summary["accounting"]
+    assert a["episode_groups_opened"] >= a["episode_groups_published"] > 0
+    assert a["episode_groups_lost"] == 0 and a["episode_groups_taken_over"] == 0
+    assert "episodes taken over" in out and e.get("episodes_resumed", 0) == 0
     steps = [r for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r.get("event") == "step"]
     # the loss covers sampled tokens only: at most 3 turns of 16, no observation ids
     assert len(steps) == 3 and all(0 < r["tokens"] <= 3 * 16 * r["samples"] for r in steps)

@@ -99,3 +99,59 @@ def test_episode_turns_on_real_vllm_are_stamped_exactly_across_swaps(engine, mon
             ref = _teacher(seed, ids)[torch.tensor(at) - 1]
             assert (got[turn * TURN : (turn + 1) * TURN] - ref).abs().max() < TOL
         assert starts[0] == 0 and len(starts) == 3
+
+
+def test_the_streaming_episode_loop_on_real_vllm_splits_stamps_at_a_swap_inside_a_turn(
+    engine, monkeypatch
+):
+    """actor/episode_stream.py's drive_episodes on the real engine (each episode's turn
+    a streamed unit of its own, tools answered on the runner's loop thread): version 1
+    goes live while turn 0 is sampled; each episode's turn 0 splits 0 -> 1 where it
+    happened, its later turns are all version 1 and their log-probs are the new
+    weights' over the whole episode."""
+    from actor.episode_stream import drive_episodes
+
+    eng = engine
+    reset(eng)
+    tok = _tiny_tokenizer()
+    cfg = env_config(max_turns=3, max_tokens=480)
+    cfg.sampling.max_new_tokens = TURN
+    cfg.task.env_args = {"turns": 3}
+    monkeypatch.setattr(EchoEnv, "on_step", None)
+    runner = EpisodeRunner(cfg, eng, tok, EchoEnv, seed=0)
+    stage(eng, 1, new_weights(1))  # staged now, swapped in while turn 0 is sampled
+    probe = start_probe(eng, [1, 2, 3, 4], 3 * TURN)
+    take = eng.take  # the probe is the test's own unit: drive_episodes never sees it
+    monkeypatch.setattr(eng, "take", lambda timeout: [u for u in take(timeout) if u[0] != "probe"])
+    admitted, finished = [0], []
+
+    def admit() -> bool:
+        admitted[0] += 1
+        return admitted[0] == 1
+
+    thread = threading.Thread(
+        target=drive_episodes,
+        args=(eng, runner, 2, 1, admit, finished.append, lambda: bool(finished), lambda n: None),
+    )
+    thread.start()
+    wait_tokens(eng, probe, TURN // 3)
+    eng.swap(1)  # inside turn 0 of both episodes
+    thread.join(timeout=300)
+    assert not thread.is_alive()
+    runner.close()
+    reset(eng)
+    ((grp),) = finished
+    for ep in grp.episodes:
+        s = ep.to_sample(0)
+        s.check("episode")
+        v = s.token_versions().tolist()
+        assert s.turns() == 3 and s.n_sampled() == 3 * TURN
+        turn0, later = v[:TURN], v[TURN:]
+        assert turn0 == sorted(turn0) and set(turn0) == {0, 1}, turn0  # split inside turn 0
+        assert set(later) == {1}
+        ids = grp.prompt + s.tokens().tolist()
+        sampled = [len(grp.prompt) + i for i, m in enumerate(s.sampled()) if m]
+        got = torch.tensor(ep.logprobs, dtype=torch.float64)
+        at = sampled[TURN:]
+        ref = _teacher(1, ids)[torch.tensor(at) - 1]
+        assert (got[TURN:] - ref).abs().max() < TOL

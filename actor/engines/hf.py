@@ -56,6 +56,10 @@ class HFEngine(Engine):
         self._params = lora.adapter_parameters(model) if adapter else dict(model.named_parameters())
         self.device = next(iter(self._params.values())).device
         self.stop_ids = self._stop_ids(tokenizer)
+        # strings that end a row too (an environment's tool-call closing tags, set by
+        # actor/episodes.py): the row stops at the token that completes one, read from
+        # the decoded tail of its sampled ids; not EOS (``finished`` stays False)
+        self.stop_strings: tuple[str, ...] = ()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._active: list[torch.Tensor] | None = None  # staging buffers that are the weights
@@ -197,6 +201,8 @@ class HFEngine(Engine):
             stopped = alive & torch.isin(token, stop)
             finished |= stopped
             alive &= ~stopped
+            if self.stop_strings:
+                alive &= ~self._at_stop_string(steps)
             if not bool(alive.any()) or should_stop():  # one host sync per token step
                 break
             token = torch.where(alive, token, torch.full_like(token, self.pad_id))
@@ -209,6 +215,20 @@ class HFEngine(Engine):
                 past_key_values=cache,
             )
         return self._completions(steps, versions, kept, finished)
+
+    def _at_stop_string(self, steps) -> torch.Tensor:
+        """Per row, whether the text of its last sampled ids holds a stop string (only the
+        tail is decoded: a stop string spans at most ``len(s)`` ids, each id at least one
+        character; a row stops at the first id that completes one, so an earlier one
+        was never in its tail)."""
+        longest = max(len(s) for s in self.stop_strings)
+        tail = torch.stack([t for t, _, _ in steps[-longest:]], dim=1).tolist()
+        live = torch.stack([a for _, _, a in steps[-longest:]], dim=1).tolist()
+        hit = []
+        for row, alive in zip(tail, live, strict=True):
+            text = self.tokenizer.decode([t for t, a in zip(row, alive, strict=True) if a])
+            hit.append(any(s in text for s in self.stop_strings))
+        return torch.tensor(hit, dtype=torch.bool, device=self.device)
 
     def _completions(self, steps, versions, kept, finished) -> list[Completion]:
         """Per row, its tokens up to where it stopped: one transfer to the host."""

@@ -20,6 +20,9 @@ class EpisodeConfig:
     episode_tool_s: float = 20.0  # wall clock of all of an episode's tool calls
     concurrency: int = 4  # tool calls at once across an actor's episodes
     max_observation_tokens: int = 64  # longer observations are cut (outcome "oversized")
+    # an actor's lease on its open groups of episodes (actor/journal.py): a group whose
+    # actor has not renewed it for this long is taken over by another actor
+    takeover_s: float = 30.0
 
 
 @dataclass
@@ -65,7 +68,7 @@ def validate_episode(cfg: Any) -> None:
         raise ValueError("task.kind=env needs task.env=calc, pyexec or module:Class")
     load_env(t.env)
     names = ("max_turns", "max_tokens", "max_tool_calls", "concurrency", "max_observation_tokens")
-    names += ("call_timeout_s", "episode_tool_s")
+    names += ("call_timeout_s", "episode_tool_s", "takeover_s")
     check_positive(cfg, *(f"task.episode.{name}" for name in names))
     if t.episode.max_tokens < cfg.sampling.max_new_tokens:
         raise ValueError(

@@ -11,6 +11,14 @@ One instance per episode (``task.kind=env task.env=module:Class``, settings in
                                                #   outcome (TOOL_OUTCOMES), infra failure
     await env.close()
 
+Resumable environments (``resumable = True``) let an episode outlive its actor: after
+each finished turn the actor writes the episode and ``env.state()`` (plain data) to
+Redis (actor/journal.py); an actor that takes the episode over builds a new instance
+and calls ``await env.restore(problem, state)`` instead of ``reset``, then goes on
+with the next turn. A class that says ``resumable = True`` must define both (load_env
+refuses it otherwise). An environment that is not resumable restarts the episode
+from ``reset`` when it is taken over (counted: ``episodes_restarted``).
+
 ``step`` is gym's ``step(action)`` with the action being the model's turn: the
 environment parses its tool calls from the turn's text (read only: the actor keeps
 the sampled ids) and answers with the observation text, which the actor encodes
@@ -91,6 +99,16 @@ class Environment(abc.ABC):
         """Release what the episode holds (processes, connections); nothing by default."""
         return None
 
+    def state(self) -> Any:
+        """A resumable environment's state after a step, as plain data (dicts, lists,
+        strings, numbers): what :meth:`restore` needs to answer the next turn."""
+        raise NotImplementedError(f"{type(self).__name__} is not resumable")
+
+    async def restore(self, problem, state: Any) -> None:
+        """Take up an episode on ``problem`` where :meth:`state` left it (instead of
+        ``reset``: the episode's messages so far are already in its ids)."""
+        raise NotImplementedError(f"{type(self).__name__} is not resumable")
+
 
 def load_env(spec: str) -> type:
     """The environment class ``spec`` names: ``calc``, ``pyexec`` or ``module:Class``."""
@@ -112,6 +130,20 @@ def load_env(spec: str) -> type:
             f"task.env={spec!r}: {path} does not define {', '.join(missing)}() "
             "(the contract in pipeline/envs/__init__.py)"
         )
+    if getattr(cls, "resumable", False):
+        undefined = [
+            m
+            for m in ("state", "restore")
+            if getattr(cls, m, None) is getattr(Environment, m)
+            or not callable(getattr(cls, m, None))
+        ]
+        if undefined:
+            raise ValueError(
+                f"task.env={spec!r}: {path} says resumable = True but does not define "
+                f"{', '.join(undefined)}(): define them (state() -> plain data, async "
+                "restore(problem, state)) or leave resumable False (its episodes then "
+                "restart when their actor dies)"
+            )
     return cls
 
 

@@ -133,6 +133,7 @@ def arithmetic_tasks(settings, seed: int) -> CalcTasks:
 
 class CalcEnv(Environment):
     stop = ("</calc>",)
+    resumable = True  # its state is its problem (and the tool budget, the actor's)
 
     @classmethod
     def tasks(cls, settings, seed: int) -> CalcTasks:
@@ -144,6 +145,12 @@ class CalcEnv(Environment):
         example = EXAMPLE if self.settings.get("example", True) else []
         question = {"role": "user", "content": problem.question}
         return [{"role": "system", "content": system}, *example, question]
+
+    def state(self) -> dict:
+        return {}
+
+    async def restore(self, problem: Problem, state: dict) -> None:
+        self.problem = problem
 
     async def step(self, turn: Turn) -> Step:
         if turn.ended == "stop":  # ended on </calc>: a call

@@ -181,6 +181,7 @@ ROLE_PROBES = {
         ("EVALSHA", "rollouts"),  # XADD-once (durable.py): the stream and
         ("EVALSHA", "rollouts_once"),  # its once keys, as a script's keys (RW)
         ("EVALSHA", "samples_produced"),
+        ("EVALSHA", "episode_claims"),  # the episode journal (actor/journal.py)
     ),
     "preprocessor": (
         ("XADD", "batches"),

@@ -99,6 +99,13 @@ class Names:
         return self.key("run")
 
     @property
+    def episode_claims(self) -> str:  # hash: episode group id -> "<owner> <expires>"
+        return self.key("episodes:claims")
+
+    def episode(self, group_id: str) -> str:  # hash: an open episode group's journal
+        return self.key(f"episodes:{group_id}")
+
+    @property
     def trainer_version(self) -> str:  # the trainer's optimizer steps (policy version)
         return self.key("trainer_version")
 

@@ -1,0 +1,481 @@
+"""Episodes durable in Redis (actor/journal.py), real redis-server: each finished turn
+is written as the episode goes; a real actor process (hf engine, tiny random model)
+SIGKILLed after a finished turn, or during a slow tool call, loses no episode: its
+groups are taken over by itself restarted, or by another actor once its lease ran
+out, from the last written turn with identical ids, log-probs and versions; the
+accounting finds 0 groups lost and none duplicated. In process: an environment that
+is not resumable restarts its episodes (counted), a zombie's writes are fenced off,
+and an environment that raises ends its episode as an infra failure, never the actor."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from actor.engines.hf import HFEngine
+from actor.episodes import EpisodeRunner, episode_counts, publish_episodes
+from actor.journal import Journal
+from pipeline.accounting import account, in_flight, problems
+from pipeline.messages import EpisodeState, RolloutGroup, decode, rle_decode, unpack_f32
+from pipeline.models import load_model
+from pipeline.runtime import Pool
+from pipeline.streams import Names
+from pipeline.telemetry import MetricsFile, PoolStatus, Window, read_jsonl
+from tests.config_builders import actor_config
+from tests.episode_builders import DurableEnv, RestartingEnv, env_config
+from tests.launching import ROOT, wait_until
+
+NAMES = Names("nonstop", "tiny")  # +exp=tiny's run
+
+
+def _journal(client, names: Names) -> dict[str, dict[int, EpisodeState]]:
+    """Every open group in the journal: group id -> episode index -> written state."""
+    out = {}
+    for gid in client.hgetall(names.episode_claims):
+        fields = client.hgetall(names.episode(gid.decode()))
+        out[gid.decode()] = {
+            int(k): decode(v, EpisodeState) for k, v in fields.items() if k != b"open"
+        }
+    return out
+
+
+def _published(client, names: Names) -> list[RolloutGroup]:
+    return [decode(f[b"data"], RolloutGroup) for _, f in client.xrange(names.rollouts)]
+
+
+def _prefix_kept(state: EpisodeState, sample) -> None:
+    """The published episode starts with exactly what the journal held of it."""
+    ids = np.frombuffer(state.ids, dtype="<i4")
+    assert sample.tokens()[: ids.size].tolist() == ids.tolist()
+    assert sample.sampled()[: ids.size].tolist() == list(np.frombuffer(state.mask, np.uint8) == 1)
+    n = len(state.logprobs) // 4
+    assert unpack_f32(sample.logprobs)[:n].tolist() == unpack_f32(state.logprobs).tolist()
+    assert sample.token_versions()[:n].tolist() == rle_decode(state.versions).tolist()
+
+
+def _start(tmp_path, config: str, name: str) -> subprocess.Popen:
+    env = dict(
+        os.environ,
+        NONSTOP_CACHE=str(tmp_path / "cache"),
+        HF_HUB_OFFLINE="1",
+        NONSTOP_RUN_SECRET="s" * 32,
+    )
+    log = open(tmp_path / f"{name}.log", "ab")  # noqa: SIM115
+    cmd = [sys.executable, "-m", "actor", "--config", config, "--name", name]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log)
+
+
+def _config(tmp_path, url: str, *extra: str) -> str:
+    return actor_config(
+        tmp_path,
+        url,
+        "task.kind=env",
+        "task.env=tests.episode_builders:DurableEnv",
+        "+task.env_args.turns=3",
+        "task.episode.max_turns=3",
+        "task.episode.max_tokens=64",
+        "task.episode.takeover_s=2",
+        "sampling.max_new_tokens=8",
+        "sampling.prompts_per_batch=1",
+        "task.group_size=2",
+        "actor.max_queue_groups=1000",
+        *extra,
+    )
+
+
+def _kill_and_take_over(tmp_path, rclient, config: str, ready, successor: str):
+    """Start actor-0, SIGKILL it once ``ready(journal)`` holds, snapshot the journal,
+    start ``successor`` and wait until every snapshotted group is published; returns
+    the snapshot, the published groups and the successor's status."""
+    first = _start(tmp_path, config, "actor-0")
+    snapshot: dict = {}
+    try:
+        wait_until(lambda: ready(_journal(rclient, NAMES)), timeout=60, every=0.02)
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        snapshot = _journal(rclient, NAMES)
+    finally:
+        first.kill()
+        first.wait()
+    written = {g: s for g, s in snapshot.items() if any(not st.done for st in s.values())}
+    assert written, "the actor was killed with no episode in flight: nothing to take over"
+    second = _start(tmp_path, config, successor)
+    try:
+
+        def all_published() -> bool:
+            return set(written) <= {g.group_id for g in _published(rclient, NAMES)}
+
+        wait_until(all_published, timeout=60, every=0.1)
+    finally:
+        second.terminate()
+        second.wait(30)
+    assert second.returncode == 0, (tmp_path / f"{successor}.log").read_text()[-3000:]
+    status = {k.decode(): v.decode() for k, v in rclient.hgetall(NAMES.status(successor)).items()}
+    return written, _published(rclient, NAMES), status
+
+
+def _check(tmp_path, rclient, written: dict, published: list[RolloutGroup], status: dict):
+    by_id: dict[str, list[RolloutGroup]] = {}
+    for g in published:
+        by_id.setdefault(g.group_id, []).append(g)
+    assert all(len(v) == 1 for v in by_id.values()), "a group was published twice"
+    resumed = 0
+    for gid, states in written.items():
+        (group,) = by_id[gid]
+        group.check()
+        for k, st in states.items():
+            _prefix_kept(st, group.samples[k])
+            resumed += 1
+    assert int(status["episodes_resumed"]) >= resumed
+    assert int(status["episode_groups_taken_over"]) >= len(written)
+    records = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    terms = account(records, in_flight(rclient, NAMES), [], 2)
+    assert terms["episode_groups_lost"] == 0 and terms["groups_lost"] == 0, terms
+    assert terms["duplicated_ids"] == [] and problems(terms) == [], problems(terms)
+    assert terms["episode_groups_taken_over"] >= len(written)
+    assert terms["episodes_resumed"] >= resumed
+    # the same account finds a group opened, never published and gone from the journal
+    vanished = {"event": "episode_group", "group": "actor-0:gone", "action": "opened"}
+    terms = account([*records, vanished], in_flight(rclient, NAMES), [], 2)
+    assert (
+        terms["episode_groups_lost"] == 1
+        and "lost: episode group actor-0:gone" in problems(terms)[0]
+    )
+
+
+def test_an_actor_killed_after_a_finished_turn_resumes_its_episodes_when_restarted(
+    tmp_path, redis_server, rclient
+):
+    """SIGKILL once an episode has a finished turn written and is not done (its next
+    turn generating); the same actor name restarted takes its groups back at once."""
+    config = _config(tmp_path, redis_server.url)
+
+    def ready(journal) -> bool:
+        return any(st.turns > 0 and not st.done for s in journal.values() for st in s.values())
+
+    written, published, status = _kill_and_take_over(tmp_path, rclient, config, ready, "actor-0")
+    _check(tmp_path, rclient, written, published, status)
+
+
+def test_an_actor_killed_in_a_slow_tool_call_is_taken_over_by_another(
+    tmp_path, redis_server, rclient
+):
+    """SIGKILL while a tool call sleeps (3 s); actor-1 takes the group over once
+    actor-0's lease (task.episode.takeover_s=2) ran out, and resumes it."""
+    marker = tmp_path / "tool"
+    marker.mkdir()
+    config = _config(
+        tmp_path, redis_server.url, "+task.env_args.tool_s=3", f"+task.env_args.marker={marker}"
+    )
+
+    def ready(journal) -> bool:  # a turn written, and a tool call running now
+        return any(st.turns for s in journal.values() for st in s.values()) and any(
+            marker.iterdir()
+        )
+
+    written, published, status = _kill_and_take_over(tmp_path, rclient, config, ready, "actor-1")
+    _check(tmp_path, rclient, written, published, status)
+
+
+# ---------------------------------------------------------------- in process
+
+
+def _runner(tiny, env_cls, rclient, actor: str, lease_s: float = 30.0, seed=3, **env_args):
+    model, tok = load_model(tiny)
+    engine = HFEngine(model, tok, temperature=0.7, top_p=1.0, top_k=0, seed=seed)
+    engine.stop_ids = set()  # every turn runs to its token limit
+    cfg = env_config(f"tests.episode_builders:{env_cls.__name__}", max_turns=3)
+    cfg.task.env_args = {"turns": 3, **env_args}
+    runner = EpisodeRunner(cfg, engine, tok, env_cls, seed=0)
+    runner.journal = Journal(rclient, Names("test", "journal"), actor, lease_s)
+    return runner
+
+
+def _stopped_after_one_turn(runner) -> str:
+    """Open a group, run its first turn, stop inside the second: the journal holds it."""
+    grp = runner.open_group(runner.tasks.sample(), 2, "actor-0:g1")
+
+    def should_stop() -> bool:  # inside turn 1's generation
+        return any(ep.offsets for ep in grp.episodes)
+
+    assert runner.drive([grp], should_stop=should_stop) is None
+    return grp.group_id
+
+
+@pytest.mark.parametrize("env_cls", [DurableEnv, RestartingEnv])
+def test_a_taken_over_group_resumes_or_restarts_by_what_its_environment_declares(
+    tiny, rclient, env_cls
+):
+    names = Names("test", "journal")
+    first = _runner(tiny, env_cls, rclient, "actor-0")
+    gid = _stopped_after_one_turn(first)
+    first.journal.close()  # "killed": no more renewals
+    (states,) = _journal(rclient, names).values()
+    assert sorted(states) == [0, 1] and all(st.turns == 1 for st in states.values())
+    # restarted (another sampling seed: what it samples differs from what was written)
+    again = _runner(tiny, env_cls, rclient, "actor-0", seed=4)  # takes its own at once
+    grp = again.take_over()
+    assert grp is not None and grp.group_id == gid
+    assert again.drive([grp]) == [grp]
+    again.close()
+    first.close()
+    counts = episode_counts(grp.episodes)
+    for k, ep in enumerate(grp.episodes):
+        sample = ep.to_sample(k)
+        sample.check("episode")
+        assert sample.turns() == 3
+        if env_cls.resumable:
+            _prefix_kept(states[k], sample)
+        else:  # begun again: its first turn sampled anew
+            written = np.frombuffer(states[k].ids, dtype="<i4").tolist()
+            assert sample.tokens()[: len(written)].tolist() != written
+    if env_cls.resumable:
+        assert counts.get("episodes_resumed") == 2 and not counts.get("episodes_restarted")
+    else:
+        assert counts.get("episodes_restarted") == 2 and not counts.get("episodes_resumed")
+
+
+def test_a_group_is_taken_over_only_after_its_lease_ran_out_and_the_old_owner_is_fenced(
+    tiny, rclient
+):
+    first = _runner(tiny, DurableEnv, rclient, "actor-0", lease_s=1.5)
+    _stopped_after_one_turn(first)
+    other = _runner(tiny, DurableEnv, rclient, "actor-1", lease_s=1.5)
+    assert other.take_over() is None  # actor-0 renews its lease: still its own
+    first.journal.close()  # actor-0 stops renewing (it hangs, or died)
+    time.sleep(1.7)
+    grp = other.take_over()
+    assert grp is not None and all(ep.resumed for ep in grp.episodes)
+    ep = first.journal  # actor-0 wakes up: its writes no longer land
+    state = _journal(rclient, Names("test", "journal"))[grp.group_id][0]
+    assert not ep.write(grp.group_id, 0, state) and grp.group_id in ep.lost
+    other.close()
+    first.close()
+
+
+def test_an_environment_that_raises_ends_its_episode_as_an_infra_failure(tiny, rclient, tmp_path):
+    """The environment's step raises on turn 1 of every episode: each episode ends as
+    an infrastructure failure after its first turn, counted; the actor goes on and
+    publishes the groups."""
+    runner = _runner(tiny, DurableEnv, rclient, "actor-0", raise_on=1)
+    names = Names("test", "journal")
+    pool = Pool(
+        cfg=runner.cfg,
+        name="actor-0",
+        role="actor",
+        client=rclient,
+        names=names,
+        stop=threading.Event(),
+        status=PoolStatus(rclient, names, "actor-0", "actor"),
+        metrics=MetricsFile(str(tmp_path / "metrics.jsonl")),
+    )
+    runner.on_env_error = lambda what: pool.status.incr(f"env_errors.{what}")
+    assert publish_episodes(pool, runner, Window(10), prompts_n=2) == 2
+    runner.close()
+    groups = _published(rclient, names)
+    assert len(groups) == 2
+    for g in groups:
+        g.check()
+        assert [s.infra_failure for s in g.samples] == [True, True]
+        assert [s.tool_outcomes for s in g.samples] == [["ok", "infra"]] * 2
+    assert runner.env_errors["step"] == 4
+    assert int(rclient.hget(pool.status.key, "env_errors.step")) == 4
+    assert int(rclient.hget(pool.status.key, "infra_failures")) == 4
+    assert rclient.hgetall(names.episode_claims) == {}  # published: the journal is empty
+
+
+def test_an_environment_whose_reset_raises_opens_no_group_and_the_actor_goes_on(tiny, rclient):
+    runner = _runner(tiny, DurableEnv, rclient, "actor-0", raise_in_reset=True)
+    assert runner.open_group(runner.tasks.sample(), 2, "actor-0:g") is None
+    runner.close()
+    assert runner.env_errors["reset"] == 1  # one group failed to open
+    assert rclient.hgetall(Names("test", "journal").episode_claims) == {}  # nothing opened
+
+
+def test_the_hf_engine_stops_a_row_at_the_id_that_completes_a_stop_string(tiny):
+    """The environment's stop strings are the hf engine's own: the same seeded draw with
+    a stop string taken from its text ends at the id that completes it, not EOS."""
+    from actor.episodes import cut_at_stop
+
+    model, tok = load_model(tiny)
+
+    def draw(stops: tuple[str, ...]):
+        engine = HFEngine(model, tok, temperature=0.7, top_p=1.0, top_k=0, seed=5)
+        engine.stop_ids, engine.stop_strings = set(), stops
+        return engine.generate([[1, 2, 3], [4, 5, 6]], 24)
+
+    free = draw(())
+    # a stop string that first completes inside the draw of row 0, past its start
+    text = tok.decode(free[0].tokens[6:10])
+    stop = text[-3:] if len(text) >= 3 else text
+    outs = draw((stop,))
+    for before, after in zip(free, outs, strict=True):
+        at = cut_at_stop(tok, before.tokens, (stop,))
+        want = len(before.tokens) if at is None else at
+        assert after.tokens == before.tokens[:want] and not after.finished
+        assert after.logprobs == before.logprobs[:want]
+    assert len(outs[0].tokens) < 24  # row 0 did stop early
+
+
+def test_a_journal_of_another_schema_is_refused_with_the_reason(rclient, caplog):
+    """A group an older build left in the journal: not taken over (its layout is not
+    this build's), logged with the reason, its claim and entry removed."""
+    from pipeline.messages import EpisodeOpen, encode, pack_i32
+    from pipeline.tasks import Problem
+
+    names = Names("test", "journal")
+    old = EpisodeOpen(
+        schema=1,
+        group_id="actor-9:old",
+        actor="actor-9",
+        problem=Problem(id="p", question="q", answer="1"),
+        prompt_ids=pack_i32([1, 2]),
+        group_size=2,
+    )
+    rclient.hset(names.episode_claims, "actor-9:old", "actor-9/dead 0")  # lease long gone
+    rclient.hset(names.episode("actor-9:old"), "open", encode(old))
+    journal = Journal(rclient, names, "actor-0", 30.0)
+    with caplog.at_level("ERROR", logger="actor"):
+        assert journal.take_over() is None
+    journal.close()
+    assert "actor-9:old cannot be taken over: schema version 1" in caplog.text
+    assert rclient.hgetall(names.episode_claims) == {}
+    assert not rclient.exists(names.episode("actor-9:old"))
+
+
+def test_the_streaming_loop_writes_turns_and_takes_over_a_stopped_actors_groups(rclient, tmp_path):
+    """actor/episode_stream.py (the vllm loop's code, on the scripted streaming engine):
+    stopped while groups are open (their first turns written, tools slow), its groups
+    stay in the journal; the actor restarted (a new incarnation, its engine now at
+    version 5) takes them over and publishes them: the turns written keep version 0,
+    only the turns after take the new version."""
+    from actor.episode_stream import stream_episodes
+    from tests.episode_builders import StreamingScriptedEngine, smollm2_tokenizer
+
+    tok = smollm2_tokenizer()
+    names = Names("test", "stream-journal")
+    rclient.set(names.trainer_version, 5)
+
+    def actor(version: int, tool_s: float, slow_from: int = 0):
+        engine = StreamingScriptedEngine([[72, 73], [74], [75]], stop_ids=[tok.eos_token_id])
+        engine.version = version
+        cfg = env_config("tests.episode_builders:DurableEnv", max_turns=3)
+        cfg.task.env_args = {"turns": 3, "tool_s": tool_s, "slow_from": slow_from}
+        cfg.actor.max_queue_groups, cfg.actor.max_lag, cfg.actor.vllm.in_flight = 100, 10, 2
+        pool = Pool(
+            cfg=cfg,
+            name="actor-0",
+            role="actor",
+            client=rclient,
+            names=names,
+            stop=threading.Event(),
+            status=PoolStatus(rclient, names, "actor-0", "actor"),
+            metrics=MetricsFile(str(tmp_path / "metrics.jsonl")),
+        )
+        runner = EpisodeRunner(cfg, engine, tok, DurableEnv, seed=0)
+        runner.journal = Journal(rclient, names, "actor-0", 30.0)
+        loop = threading.Thread(
+            target=stream_episodes,
+            args=(pool, engine, runner, tok, Window(10), None, _Receiver()),
+        )
+        loop.start()
+        return pool, runner, loop
+
+    # turn 0's tool answers at once (written), turn 1's never in time
+    pool, runner, loop = actor(0, tool_s=30.0, slow_from=1)
+    wait_until(
+        lambda: (
+            len(_journal(rclient, names)) == 2
+            and all(len(s) == 2 for s in _journal(rclient, names).values())
+        ),
+        timeout=20,
+    )
+    pool.stop.set()
+    loop.join(timeout=30)
+    runner.close()
+    written = _journal(rclient, names)
+    assert rclient.xlen(names.rollouts) == 0
+    pool, runner, loop = actor(5, tool_s=0.0)  # restarted: takes both groups back at once
+    wait_until(lambda: set(written) <= {g.group_id for g in _published(rclient, names)}, 20)
+    pool.stop.set()
+    loop.join(timeout=30)
+    runner.close()
+    for g in _published(rclient, names):
+        if g.group_id not in written:
+            continue
+        g.check()
+        for k, s in enumerate(g.samples):
+            _prefix_kept(written[g.group_id][k], s)
+            assert s.turns() == 3 and s.token_versions().tolist() == [0, 0, 5, 5]
+    assert int(rclient.hget(pool.status.key, "episodes_resumed")) == 4
+
+
+class _Receiver:
+    applied = failed = 0
+
+
+def test_an_environment_whose_restore_raises_ends_the_taken_over_episodes_as_infra(tiny, rclient):
+    first = _runner(tiny, DurableEnv, rclient, "actor-0")
+    gid = _stopped_after_one_turn(first)
+    first.close()
+    again = _runner(tiny, DurableEnv, rclient, "actor-0", raise_in_restore=True)
+    grp = again.take_over()
+    assert grp is not None and grp.group_id == gid
+    assert again.drive([grp]) == [grp]
+    again.close()
+    assert again.env_errors["restore"] == 2
+    for k, ep in enumerate(grp.episodes):  # ended on the turn written, marked infra
+        sample = ep.to_sample(k)
+        sample.check("episode")
+        assert sample.infra_failure and sample.turns() == 1
+
+
+def test_the_journal_runs_as_the_shipped_acls_actor_user(tmp_path):
+    """deploy/redis/users.acl's actor user may run every journal script (open, write,
+    renew, take over, done); its operator reads the open groups for the account."""
+    from pipeline.messages import SCHEMA_VERSION
+    from pipeline.streams import connect
+    from pipeline.tasks import Problem
+    from tests.redis_builders import acl_server
+
+    urls = acl_server(tmp_path)
+    try:
+        names = NAMES
+        actor = connect(urls["actor"])
+        first = Journal(actor, names, "actor-0", 0.3)
+        first.open("actor-0:g", Problem(id="p", question="q", answer="1"), [1, 2], 2)
+        state = EpisodeState(
+            schema=SCHEMA_VERSION, index=0, turns=1, ids=b"", mask=b"", logprobs=b"", versions=b""
+        )
+        assert first.write("actor-0:g", 0, state)
+        time.sleep(0.3)  # a renewal round
+        assert in_flight(connect(urls["operator"]), names)["episode_groups"] == ["actor-0:g"]
+        first.close()
+        time.sleep(0.4)  # its lease runs out
+        other = Journal(actor, names, "actor-1", 30.0)
+        taken = other.take_over()
+        assert taken is not None and taken.opened.group_id == "actor-0:g"
+        assert taken.states[0].turns == 1
+        other.done("actor-0:g")
+        other.close()
+        assert actor.hgetall(names.episode_claims) == {}
+    finally:
+        urls["proc"].terminate()
+        urls["proc"].wait()
+
+
+def test_an_environment_that_says_resumable_without_state_and_restore_is_refused():
+    from pipeline.envs import load_env
+
+    with pytest.raises(ValueError) as info:
+        load_env("tests.episode_builders:HalfResumableEnv")
+    msg = str(info.value)
+    assert "resumable = True" in msg and "state, restore" in msg
+    assert load_env("calc").resumable and not load_env("pyexec").resumable
