@@ -390,3 +390,56 @@ def test_shipped_and_generated_prometheus_configs_pass_promtool(tmp_path):
     for path in (ROOT / "deploy" / "prometheus" / "prometheus.yml", made):
         proc = subprocess.run(["promtool", "check", "config", str(path)], capture_output=True)
         assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_health_says_loading_then_redis_unreachable_and_200_after_each(tmp_path):
+    """A pool (tests/health_pool.py: the real runtime, its first tick held back by a gate
+    as a model load holds it) on its own redis-server: /health answers 503 "loading"
+    before the main loop ticks, 200 once it does, 503 "redis unreachable" within a few
+    seconds of the redis-server stopping (not after the client's 60 s of retries, and
+    not "stalled"), and 200 again once the same server is back."""
+    from pipeline.config import load_config
+    from pipeline.redis_server import EmbeddedRedis
+    from pipeline.streams import Names
+    from tests.config_builders import actor_config
+
+    server = EmbeddedRedis(str(tmp_path / "redis"))
+    server.start()
+    proc = None
+    try:
+        cfg_path = actor_config(tmp_path, server.url)
+        status = Names.of(load_config(cfg_path, [])).status("preprocessor-0")
+        gate = tmp_path / "gate"
+        env = dict(os.environ, HF_HUB_OFFLINE="1", NONSTOP_REDIS_URL=server.url)
+        proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "tests.health_pool", str(gate),
+                "--config", cfg_path, "--name", "preprocessor-0",
+                "metrics.http.enabled=true", "metrics.http.every_s=0.2",
+                "metrics.http.health_deadline_s=3",
+            ],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        client = server.client()
+        wait_until(lambda: client.hget(status, "metrics_url"), timeout=60, every=0.1)
+        url = f"http://{client.hget(status, 'metrics_url').decode()}/health"
+        loading = _poll(url, 503, timeout=5)
+        gate.touch()
+        ticking = _poll(url, 200, timeout=10)
+        server.stop()
+        stopped = time.monotonic()
+        unreachable = _poll(url, 503, timeout=15)
+        to_503 = time.monotonic() - stopped
+        server.start()
+        back = _poll(url, 200, timeout=60)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            out, _ = proc.communicate(timeout=60)
+        server.stop()
+    assert loading == (503, "loading: the main loop has not started\n"), out[-2000:]
+    assert ticking == (200, "ok\n"), out[-2000:]
+    code, reason = unreachable
+    assert code == 503 and reason.startswith("redis unreachable"), (reason, out[-2000:])
+    assert to_503 < 2 + 2 * 0.2 + 2, to_503  # redis_s (2 s), a facts write, the poll
+    assert back == (200, "ok\n"), out[-2000:]

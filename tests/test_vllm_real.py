@@ -328,3 +328,57 @@ def test_swap_under_torch_compile(compiled_engine):
         for c, p in zip(outs, PROMPTS, strict=True):
             ref = teacher_logprobs(seed, p, c.tokens)
             assert max(abs(x - y) for x, y in zip(c.logprobs, ref, strict=True)) < TOL
+
+
+def test_vllms_own_metrics_are_reexported_with_the_pools_labels(vllm_engine):
+    """The actor's /metrics re-exports vLLM's own metrics (pipeline/prom.py Reexport, as
+    actor/main.py build_engine sets it up for the vllm engine): while a request runs,
+    ``vllm:num_requests_running``, ``..._waiting``, ``vllm:kv_cache_usage_perc`` and the
+    generated-token counter are served with the pool's labels and the values vLLM's own
+    snapshot API (``vllm.v1.metrics.reader.get_metrics_snapshot``) gives."""
+    from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from vllm.v1.metrics.reader import Counter, Gauge, get_metrics_snapshot
+
+    from pipeline.prom import Reexport
+
+    eng = vllm_engine.engine
+    reset(eng)
+    labels = {"run": "r1", "pool": "actor-0", "role": "actor"}
+    served = CollectorRegistry(auto_describe=False)
+    served.register(Reexport(REGISTRY, "vllm:", labels))
+    probe = start_probe(eng, [1, 2, 3, 4], 400)
+    try:
+        wait_tokens(eng, probe, 40)
+        time.sleep(0.2)  # the stats of a few more steps reached the AsyncLLM
+        before = get_metrics_snapshot()
+        text = generate_latest(served).decode()
+        after = get_metrics_snapshot()
+    finally:
+        eng.abort_open()
+    got = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            assert {k: s.labels[k] for k in labels} == labels, s
+            assert s.name.startswith("vllm:"), s
+            got.setdefault(s.name, s.value)
+
+    def values(snapshot) -> dict[str, float]:
+        return {
+            m.name + ("_total" if isinstance(m, Counter) else ""): float(m.value)
+            for m in snapshot
+            if isinstance(m, Counter | Gauge)
+        }
+
+    lo, hi = values(before), values(after)  # steps go on: what was served lies between
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:generation_tokens_total",
+    ):
+        assert name in got, sorted(got)
+        assert min(lo[name], hi[name]) <= got[name] <= max(lo[name], hi[name]), name
+    assert got["vllm:num_requests_running"] == 1
+    assert got["vllm:kv_cache_usage_perc"] > 0
+    assert got["vllm:generation_tokens_total"] >= 40

@@ -22,6 +22,8 @@ batch boundaries (actor/stream.py).
 
 from __future__ import annotations
 
+import bisect
+import statistics
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -70,6 +72,38 @@ class SwapRecord:
     mode: str  # "staged" (swap of received buffers) or "in-place" (receive under the lock)
 
 
+GAP_WINDOW = 32  # the usual gap: the median of this many gaps between passes before
+
+
+@dataclass
+class Gap:
+    """Around one new version: the gap between the forward passes before and after it,
+    and how much longer it was than the usual gap (never below 0), in ms; ``ms`` None:
+    no pass before it to measure from."""
+
+    ms: float | None
+    usual_ms: float = 0.0
+    added_ms: float = 0.0
+
+
+def added_gap(passes: list[tuple[float, float]], t: float, breaks: list[float]) -> Gap | None:
+    """The gap around a version that took effect at ``t`` (perf_counter) among sorted
+    (start, end) forward passes; None when no pass has started after ``t`` yet;
+    ``Gap(None)`` when none ran before it or generation paused of its own in the gap
+    (a time in ``breaks``)."""
+    starts = [start for start, _ in passes]
+    i = bisect.bisect_right(starts, t)  # passes[i]: the first to start after t
+    if i == len(passes):
+        return None
+    if i == 0 or any(passes[i - 1][1] <= b <= passes[i][0] for b in breaks):
+        return Gap(None)
+    before = passes[max(0, i - GAP_WINDOW - 1) : i]
+    usual = [b[0] - a[1] for a, b in zip(before, before[1:], strict=False)]
+    usual_ms = 1000 * statistics.median(usual) if usual else 0.0
+    ms = 1000 * (passes[i][0] - passes[i - 1][1])
+    return Gap(ms, usual_ms, max(0.0, ms - usual_ms))
+
+
 @dataclass
 class EngineStats:
     swaps: int = 0  # successful swaps
@@ -82,6 +116,10 @@ class EngineStats:
     # versions took effect: an update's stall is the gap between the passes around it
     timeline: deque = field(default_factory=lambda: deque(maxlen=4096))
     version_times: deque = field(default_factory=lambda: deque(maxlen=4096))
+    took_effect: int = 0  # versions that took effect (appended to version_times)
+    # when generation started again after a pause of its own (a new batch): a gap
+    # between passes that spans one is not the swap's
+    breaks: deque = field(default_factory=lambda: deque(maxlen=4096))
 
     @property
     def swap_ms(self) -> list[float]:
@@ -96,6 +134,28 @@ class EngineStats:
         if version is not None:
             self.swaps += 1
         return record
+
+    def new_version(self) -> None:
+        """A new version takes effect now (between two forward passes)."""
+        self.version_times.append(time.perf_counter())
+        self.took_effect += 1
+
+    def gaps_since(self, seen: int) -> tuple[list[Gap], int]:
+        """The added gap of each version after the first ``seen`` that took effect, as far
+        as they are measurable (a forward pass has started after it), and the new count.
+        Nothing for an engine that keeps no timeline (vllm: its passes run in the
+        engine-core process)."""
+        times = list(self.version_times)
+        first = self.took_effect - len(times)  # the index of times[0]
+        passes, breaks = sorted(self.timeline), list(self.breaks)
+        gaps = []
+        for i in range(max(seen, first), self.took_effect):
+            gap = added_gap(passes, times[i - first], breaks)
+            if gap is None:  # no pass after it yet: measured at a later call
+                return gaps, i
+            if gap.ms is not None:
+                gaps.append(gap)
+        return gaps, self.took_effect
 
     def swaps_since(self, seen: int) -> tuple[list[SwapRecord], int]:
         """The swap records after the first ``seen`` events, and the new total."""
