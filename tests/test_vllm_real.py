@@ -12,12 +12,15 @@ summation order only, so float32 log-probs agree to ~1e-5; A and B differ by ~1.
 from __future__ import annotations
 
 import gc
+import json
+import re
 import threading
 import time
 
 import pytest
 import torch
 
+from tests.launching import ROOT
 from tests.vllm_real import (
     new_weights,
     push,
@@ -380,5 +383,10 @@ def test_vllms_own_metrics_are_reexported_with_the_pools_labels(vllm_engine):
         assert name in got, sorted(got)
         assert min(lo[name], hi[name]) <= got[name] <= max(lo[name], hi[name]), name
     assert got["vllm:num_requests_running"] == 1
+    # every vllm: metric the Grafana dashboard (deploy/grafana/) queries is served
+    dash = json.loads((ROOT / "deploy" / "grafana" / "nonstop-rl.json").read_text())
+    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
+    named = set(re.findall(r"vllm:[a-z_]+", exprs))
+    assert len(named) >= 3 and named <= {n.removesuffix("_total") for n in got} | set(got), named
     assert got["vllm:kv_cache_usage_perc"] > 0
     assert got["vllm:generation_tokens_total"] >= 40
