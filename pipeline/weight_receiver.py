@@ -6,7 +6,8 @@ and installs it in the engine without stopping generation.
     reads   <run>:rendezvous, <run>:weights announcements, buckets over the transport
     writes  <run>:joins (asking in, again after any failure); the engine's weights;
             the actor's status hash: ``weight_versions_offered`` (announcements naming
-            it) and ``weight_versions_failed`` (those it did not apply), HINCRBY
+            it) and ``weight_versions_failed`` (those it did not apply), HINCRBY;
+            each applied version's timings to ``on_applied`` (staging, whole transfer)
     blocks  only itself; generation waits just for the swap (staged mode)
 
 Staged mode (default): ``target.stage`` receives into the engine's staging copy
