@@ -240,11 +240,12 @@ def test_config_picks_the_engine_with_actor_engine(tmp_path):
 
 
 def test_added_gap_is_the_pause_around_a_version_less_the_usual_gap():
-    """What ``nonstop_swap_added_gap_seconds`` observes (actor/engines/base.py): passes
+    """What ``nonstop_swap_added_gap_seconds`` observes (pipeline/telemetry.py): passes
     every 10 ms (2 ms gaps), a version at 0.0405 with the next pass 12 ms after the last
     one: gap 12 ms, usual 2 ms, added 10 ms; not measurable yet before the next pass
     starts; not measured when generation restarted of its own in the gap (a new batch)."""
-    from actor.engines.base import EngineStats, added_gap
+    from actor.engines.base import EngineStats
+    from pipeline.telemetry import added_gap
 
     passes = [(0.01 * i, 0.01 * i + 0.008) for i in range(5)]  # ends at 0.048
     gap = added_gap(passes, 0.0405, [])

@@ -390,3 +390,27 @@ def test_vllms_own_metrics_are_reexported_with_the_pools_labels(vllm_engine):
     assert len(named) >= 3 and named <= {n.removesuffix("_total") for n in got} | set(got), named
     assert got["vllm:kv_cache_usage_perc"] > 0
     assert got["vllm:generation_tokens_total"] >= 40
+
+
+def test_the_worker_measures_the_added_gap_around_a_swap(vllm_engine):
+    """``nonstop_swap_added_gap_seconds`` for the vllm engine: the worker times its steps
+    (worker/locked.py) and hands the gap around each swap to the client with its polls;
+    the gap between the steps around a lock-mode swap holds at least the lock's hold."""
+    eng = vllm_engine.engine
+    reset(eng)
+    seen = eng.stats.gaps_total
+    probe = start_probe(eng, [1, 2, 3, 4], 300)
+    try:
+        n = wait_tokens(eng, probe, 40)
+        push(eng, 1, new_weights(1))
+        hold = eng.stats.recent_swaps[-1]
+        wait_tokens(eng, probe, n + 40)
+        eng.rpc("nonstop_poll", [], False)
+    finally:
+        eng.abort_open()
+    reset(eng)
+    gaps, total = eng.stats.gaps_since(seen)
+    assert total == seen + 1 and len(gaps) == 1, gaps
+    (gap,) = gaps
+    assert gap.ms >= hold.ms > 0, (gap, hold)
+    assert gap.added_ms == max(0.0, gap.ms - gap.usual_ms) and gap.usual_ms > 0

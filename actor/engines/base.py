@@ -22,14 +22,13 @@ batch boundaries (actor/stream.py).
 
 from __future__ import annotations
 
-import bisect
-import statistics
 import time
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 
 from pipeline.messages import Sample, WeightAnnouncement, pack_f32, pack_i32, pack_mask, rle_encode
+from pipeline.telemetry import Gap, added_gap
 from pipeline.transfer import BucketSource
 
 HISTORY = 1024  # recent swaps kept (counters keep the totals)
@@ -72,38 +71,6 @@ class SwapRecord:
     mode: str  # "staged" (swap of received buffers) or "in-place" (receive under the lock)
 
 
-GAP_WINDOW = 32  # the usual gap: the median of this many gaps between passes before
-
-
-@dataclass
-class Gap:
-    """Around one new version: the gap between the forward passes before and after it,
-    and how much longer it was than the usual gap (never below 0), in ms; ``ms`` None:
-    no pass before it to measure from."""
-
-    ms: float | None
-    usual_ms: float = 0.0
-    added_ms: float = 0.0
-
-
-def added_gap(passes: list[tuple[float, float]], t: float, breaks: list[float]) -> Gap | None:
-    """The gap around a version that took effect at ``t`` (perf_counter) among sorted
-    (start, end) forward passes; None when no pass has started after ``t`` yet;
-    ``Gap(None)`` when none ran before it or generation paused of its own in the gap
-    (a time in ``breaks``)."""
-    starts = [start for start, _ in passes]
-    i = bisect.bisect_right(starts, t)  # passes[i]: the first to start after t
-    if i == len(passes):
-        return None
-    if i == 0 or any(passes[i - 1][1] <= b <= passes[i][0] for b in breaks):
-        return Gap(None)
-    before = passes[max(0, i - GAP_WINDOW - 1) : i]
-    usual = [b[0] - a[1] for a, b in zip(before, before[1:], strict=False)]
-    usual_ms = 1000 * statistics.median(usual) if usual else 0.0
-    ms = 1000 * (passes[i][0] - passes[i - 1][1])
-    return Gap(ms, usual_ms, max(0.0, ms - usual_ms))
-
-
 @dataclass
 class EngineStats:
     swaps: int = 0  # successful swaps
@@ -120,6 +87,9 @@ class EngineStats:
     # when generation started again after a pause of its own (a new batch): a gap
     # between passes that spans one is not the swap's
     breaks: deque = field(default_factory=lambda: deque(maxlen=4096))
+    gaps: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # measured (Gap)
+    gaps_total: int = 0
+    _times_seen: int = 0  # version_times examined for a gap (hf)
 
     @property
     def swap_ms(self) -> list[float]:
@@ -140,22 +110,30 @@ class EngineStats:
         self.version_times.append(time.perf_counter())
         self.took_effect += 1
 
+    def add_gaps(self, gaps: list[Gap]) -> None:
+        """Gaps measured elsewhere (vllm: by the worker, around its steps)."""
+        self.gaps.extend(gaps)
+        self.gaps_total += len(gaps)
+
     def gaps_since(self, seen: int) -> tuple[list[Gap], int]:
-        """The added gap of each version after the first ``seen`` that took effect, as far
-        as they are measurable (a forward pass has started after it), and the new count.
-        Nothing for an engine that keeps no timeline (vllm: its passes run in the
-        engine-core process)."""
+        """The added gaps measured after the first ``seen``, and the new total. The hf
+        engine's are measured here from its timeline, as far as they are measurable (a
+        forward pass has started after the version)."""
         times = list(self.version_times)
         first = self.took_effect - len(times)  # the index of times[0]
         passes, breaks = sorted(self.timeline), list(self.breaks)
-        gaps = []
-        for i in range(max(seen, first), self.took_effect):
+        i = max(self._times_seen, first)
+        while i < self.took_effect:
             gap = added_gap(passes, times[i - first], breaks)
             if gap is None:  # no pass after it yet: measured at a later call
-                return gaps, i
+                break
+            i += 1
             if gap.ms is not None:
-                gaps.append(gap)
-        return gaps, self.took_effect
+                self.add_gaps([gap])
+        self._times_seen = i
+        total, recent = self.gaps_total, list(self.gaps)
+        new = recent[len(recent) - min(total - seen, len(recent)) :] if total > seen else []
+        return new, total
 
     def swaps_since(self, seen: int) -> tuple[list[SwapRecord], int]:
         """The swap records after the first ``seen`` events, and the new total."""

@@ -270,6 +270,7 @@ class NonstopWorkerExtension:
             "step_records": w.steps.sizes(),
             "preemption": {"preempted": w.steps.preempted, "resumed": w.steps.resumed},
             "versions": w.steps.take(request_ids or []),
+            "gaps": w.take_gaps(),  # always handed over: the client adds each to its stats
         }
 
     def _nonstop_source(self, ann: WeightAnnouncement, spec: dict | None) -> BucketSource:

@@ -19,6 +19,7 @@ only exchanges pointers under it (packed.py). Tested on real vLLM's CPU build
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -34,6 +35,7 @@ from actor.engines.vllm.worker.packed import CpuLayout, Prepared
 from actor.engines.vllm.worker.steps import StepVersions
 from pipeline.lora import KIND_FULL, KIND_LORA, check_kind
 from pipeline.messages import WeightAnnouncement
+from pipeline.telemetry import added_gap
 from pipeline.transfer.base import BucketSource
 from pipeline.weights import checksum
 
@@ -105,6 +107,13 @@ class LockedWeights:
         self.staged_version: int | None = None  # staging holds this whole version
         self.steps = StepVersions()
         self.swaps: deque[dict] = deque(maxlen=1024)
+        # the added gap around each swap (take_gaps): the steps' (start, end), the steps
+        # that continued no request (the engine was idle before: no gap is measured
+        # across one), and when each swap took effect, until measured
+        self.passes: deque[tuple[float, float]] = deque(maxlen=256)
+        self.breaks: deque[float] = deque(maxlen=256)
+        self.applied_at: deque[float] = deque(maxlen=64)
+        self._step_start = 0.0
         self.failed, self.last_error, self.orphans = 0, "", 0
         self._pending = False
         self.tp_rank, self.tp_size = tp
@@ -181,6 +190,9 @@ class LockedWeights:
                     self._apply_logged(version, time.perf_counter())
                 # zero tokens too: such a step tells the workers which requests finished
                 self.steps.record(scheduler_output, self.live_version)
+                self._step_start = time.perf_counter()
+                if not scheduler_output.scheduled_cached_reqs.req_ids:
+                    self.breaks.append(self._step_start)  # nothing ran on into this step
                 out = run(scheduler_output, *args, **kwargs)
             except BaseException:
                 self.lock.release()
@@ -188,6 +200,8 @@ class LockedWeights:
             if out is None and scheduler_output.total_num_scheduled_tokens > 0:
                 self._pending = True  # sample_tokens of this step releases it
             else:
+                if scheduler_output.total_num_scheduled_tokens > 0:
+                    self.passes.append((self._step_start, time.perf_counter()))
                 self.lock.release()
             return out
 
@@ -197,10 +211,25 @@ class LockedWeights:
             finally:
                 if self._pending:
                     self._pending = False
+                    self.passes.append((self._step_start, time.perf_counter()))
                     self.lock.release()
 
         worker.execute_model = execute_model
         worker.sample_tokens = sample_tokens
+
+    def take_gaps(self) -> list[dict]:
+        """The added gap (pipeline/telemetry.py ``added_gap``) around each swap that a
+        step has followed since the last call, as dicts of Gap; a swap after an idle
+        engine (no step ran on across it) is left out."""
+        passes, breaks, out = sorted(self.passes), list(self.breaks), []
+        while self.applied_at:
+            gap = added_gap(passes, self.applied_at[0], breaks)
+            if gap is None:  # no step after it yet
+                break
+            self.applied_at.popleft()
+            if gap.ms is not None:
+                out.append(dataclasses.asdict(gap))
+        return out
 
     # -- receive and swap ---------------------------------------------------------
     def check_kind(self, ann: WeightAnnouncement) -> None:
@@ -358,6 +387,7 @@ class LockedWeights:
         self.live_version = version
         self._copy_done = end  # stage() waits for it before it writes staging again
         t2 = time.perf_counter()
+        self.applied_at.append(t2)
         rec = {
             "version": version,
             # the stream the copy was enqueued on: the one the last step ran on
