@@ -111,8 +111,9 @@ def send_group(pool: Pool, group: RolloutGroup, **record) -> None:
 def record_swaps(pool: Pool, engine: Engine, seen: tuple[int, int]) -> tuple[int, int]:
     """A "swap" metrics record per pause for new weights since the last call (the lock
     hold: a staged swap, or a whole in-place receive; pipeline.plot's stalls), and a
-    "swap_gap" record per new version whose added gap is measurable now (the engine's
-    forward-pass timeline: hf). ``seen``: what the last call returned."""
+    "swap_gap" record per new version whose added gap is measured by now (hf: from the
+    engine's forward-pass timeline; vllm: by the worker, around its steps). ``seen``:
+    what the last call returned."""
     records, swaps = engine.stats.swaps_since(seen[0])
     for r in records:
         pool.record(event="swap", swap_ms=round(r.ms, 3), version=r.version, mode=r.mode)

@@ -86,7 +86,7 @@ HISTOGRAMS = {
     ("swap_gap", "added_gap_ms"): Hist(
         "nonstop_swap_added_gap_seconds",
         "per new version, the gap between the forward passes around it less the median gap "
-        "between the passes before it (0 when not longer; hf engine)",
+        "between the passes before it (0 when not longer)",
         1e-3,
         FAST,
     ),

@@ -304,35 +304,9 @@ def test_prefix_cache_never_serves_blocks_of_old_weights(vllm_engine):
         assert max(abs(x - y) for x, y in zip(c.logprobs, ref, strict=True)) < TOL, seed
 
 
-@pytest.fixture(scope="module")
-def compiled_engine(vllm_engine):
-    """A second engine, with torch.compile (``enforce_eager=false``, the actor's default:
-    the CPU build traces the model once and compiles it AOT). Closed after its test."""
-    from tests.vllm_real import start_engine
-
-    eng = start_engine(vllm_engine.model_dir, enforce_eager=False)
-    try:
-        yield eng
-    finally:
-        eng.close()
-
-
-def test_swap_under_torch_compile(compiled_engine):
-    """The compiled model reads the exchanged parameters and packed layers too: greedy A,
-    B, A with log-probs equal to transformers' under each (A bit for bit again)."""
-    eng = compiled_engine
-    a = greedy(eng)
-    push(eng, 1, new_weights(1))
-    b = greedy(eng)
-    push(eng, 2, new_weights(0))
-    a2 = greedy(eng)
-    assert [c.logprobs for c in a2] == [c.logprobs for c in a]
-    for outs, seed in ((a, 0), (b, 1)):
-        for c, p in zip(outs, PROMPTS, strict=True):
-            ref = teacher_logprobs(seed, p, c.tokens)
-            assert max(abs(x - y) for x, y in zip(c.logprobs, ref, strict=True)) < TOL
-
-
+# before compiled_engine: a second engine in this process takes over vLLM's metrics in
+# the default registry (its PrometheusStatLogger unregisters the first's), and after it
+# closes they stay at 0; an actor process holds one engine
 def test_vllms_own_metrics_are_reexported_with_the_pools_labels(vllm_engine):
     """The actor's /metrics re-exports vLLM's own metrics (pipeline/prom.py Reexport, as
     actor/main.py build_engine sets it up for the vllm engine): while a request runs,
@@ -414,3 +388,32 @@ def test_the_worker_measures_the_added_gap_around_a_swap(vllm_engine):
     (gap,) = gaps
     assert gap.ms >= hold.ms > 0, (gap, hold)
     assert gap.added_ms == max(0.0, gap.ms - gap.usual_ms) and gap.usual_ms > 0
+
+
+@pytest.fixture(scope="module")
+def compiled_engine(vllm_engine):
+    """A second engine, with torch.compile (``enforce_eager=false``, the actor's default:
+    the CPU build traces the model once and compiles it AOT). Closed after its test."""
+    from tests.vllm_real import start_engine
+
+    eng = start_engine(vllm_engine.model_dir, enforce_eager=False)
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+def test_swap_under_torch_compile(compiled_engine):
+    """The compiled model reads the exchanged parameters and packed layers too: greedy A,
+    B, A with log-probs equal to transformers' under each (A bit for bit again)."""
+    eng = compiled_engine
+    a = greedy(eng)
+    push(eng, 1, new_weights(1))
+    b = greedy(eng)
+    push(eng, 2, new_weights(0))
+    a2 = greedy(eng)
+    assert [c.logprobs for c in a2] == [c.logprobs for c in a]
+    for outs, seed in ((a, 0), (b, 1)):
+        for c, p in zip(outs, PROMPTS, strict=True):
+            ref = teacher_logprobs(seed, p, c.tokens)
+            assert max(abs(x - y) for x, y in zip(c.logprobs, ref, strict=True)) < TOL

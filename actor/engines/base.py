@@ -118,7 +118,8 @@ class EngineStats:
     def gaps_since(self, seen: int) -> tuple[list[Gap], int]:
         """The added gaps measured after the first ``seen``, and the new total. The hf
         engine's are measured here from its timeline, as far as they are measurable (a
-        forward pass has started after the version)."""
+        forward pass has started after the version); the vllm engine's come measured
+        from its worker (``add_gaps``)."""
         times = list(self.version_times)
         first = self.took_effect - len(times)  # the index of times[0]
         passes, breaks = sorted(self.timeline), list(self.breaks)
