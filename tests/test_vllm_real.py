@@ -368,7 +368,8 @@ def test_vllms_own_metrics_are_reexported_with_the_pools_labels(vllm_engine):
 
 def test_the_worker_measures_the_added_gap_around_a_swap(vllm_engine):
     """``nonstop_swap_added_gap_seconds`` for the vllm engine: the worker times its steps
-    (worker/locked.py) and hands the gap around each swap to the client with its polls;
+    (worker/locked.py), measures the gap around each swap at the next step and hands it
+    to the client with its next poll (here 100 steps later, as a streaming actor polls);
     the gap between the steps around a lock-mode swap holds at least the lock's hold."""
     eng = vllm_engine.engine
     reset(eng)
@@ -378,7 +379,7 @@ def test_the_worker_measures_the_added_gap_around_a_swap(vllm_engine):
         n = wait_tokens(eng, probe, 40)
         push(eng, 1, new_weights(1))
         hold = eng.stats.recent_swaps[-1]
-        wait_tokens(eng, probe, n + 40)
+        wait_tokens(eng, probe, n + 100)  # polled long after: the gap was kept for it
         eng.rpc("nonstop_poll", [], False)
     finally:
         eng.abort_open()

@@ -35,7 +35,7 @@ from actor.engines.vllm.worker.packed import CpuLayout, Prepared
 from actor.engines.vllm.worker.steps import StepVersions
 from pipeline.lora import KIND_FULL, KIND_LORA, check_kind
 from pipeline.messages import WeightAnnouncement
-from pipeline.telemetry import added_gap
+from pipeline.telemetry import GAP_WINDOW, added_gap
 from pipeline.transfer.base import BucketSource
 from pipeline.weights import checksum
 
@@ -107,12 +107,14 @@ class LockedWeights:
         self.staged_version: int | None = None  # staging holds this whole version
         self.steps = StepVersions()
         self.swaps: deque[dict] = deque(maxlen=1024)
-        # the added gap around each swap (take_gaps): the steps' (start, end), the steps
-        # that continued no request (the engine was idle before: no gap is measured
-        # across one), and when each swap took effect, until measured
-        self.passes: deque[tuple[float, float]] = deque(maxlen=256)
-        self.breaks: deque[float] = deque(maxlen=256)
+        # the added gap around each swap, measured at the next step's start (_measure):
+        # the steps' (start, end), the steps that continued no request (the engine was
+        # idle before: no gap is measured across one), when each swap took effect, and
+        # the gaps measured, until a poll takes them (take_gaps)
+        self.passes: deque[tuple[float, float]] = deque(maxlen=GAP_WINDOW + 1)
+        self.breaks: deque[float] = deque(maxlen=GAP_WINDOW + 1)
         self.applied_at: deque[float] = deque(maxlen=64)
+        self.gaps: deque[dict] = deque(maxlen=1024)
         self._step_start = 0.0
         self.failed, self.last_error, self.orphans = 0, "", 0
         self._pending = False
@@ -193,6 +195,8 @@ class LockedWeights:
                 self._step_start = time.perf_counter()
                 if not scheduler_output.scheduled_cached_reqs.req_ids:
                     self.breaks.append(self._step_start)  # nothing ran on into this step
+                if self.applied_at:
+                    self._measure(self._step_start)
                 out = run(scheduler_output, *args, **kwargs)
             except BaseException:
                 self.lock.release()
@@ -217,18 +221,20 @@ class LockedWeights:
         worker.execute_model = execute_model
         worker.sample_tokens = sample_tokens
 
-    def take_gaps(self) -> list[dict]:
-        """The added gap (pipeline/telemetry.py ``added_gap``) around each swap that a
-        step has followed since the last call, as dicts of Gap; a swap after an idle
-        engine (no step ran on across it) is left out."""
-        passes, breaks, out = sorted(self.passes), list(self.breaks), []
+    def _measure(self, start: float) -> None:
+        """At the start of a step: the added gap (pipeline/telemetry.py ``added_gap``)
+        around each swap since the last step, kept for the poll; a swap after an idle
+        engine (no request ran on across it) is left out."""
+        passes, breaks = [*self.passes, (start, start)], list(self.breaks)
         while self.applied_at:
-            gap = added_gap(passes, self.applied_at[0], breaks)
-            if gap is None:  # no step after it yet
-                break
-            self.applied_at.popleft()
-            if gap.ms is not None:
-                out.append(dataclasses.asdict(gap))
+            gap = added_gap(passes, self.applied_at.popleft(), breaks)
+            if gap is not None and gap.ms is not None:
+                self.gaps.append(dataclasses.asdict(gap))
+
+    def take_gaps(self) -> list[dict]:
+        """The gaps measured since the last call (as dicts of Gap), handed over."""
+        out = list(self.gaps)
+        self.gaps.clear()
         return out
 
     # -- receive and swap ---------------------------------------------------------
