@@ -62,7 +62,7 @@ def batch_groups(
 ) -> int:
     """Generate and publish batches until stop, each when the Room lets it start.
     Returns the groups published."""
-    room, produced, swaps = Room(pool, engine), 0, 0
+    room, produced, swaps = Room(pool, engine), 0, (0, 0)
     while not pool.stop.is_set():
         prompts_n = room.wait()
         if pool.stop.is_set():

@@ -51,9 +51,14 @@ def pool_seed(pool: Pool, base: int) -> int:
 
 def build_engine(pool: Pool) -> Engine:
     """``actor.engine`` (actor.engines.make_engine), sampling with this pool's seed; its
-    ``tokenizer`` attribute is the one the loops use."""
+    ``tokenizer`` attribute is the one the loops use. With metrics.http.enabled and the
+    vllm engine, vLLM's own metrics (``vllm:*``: requests running and waiting, KV-cache
+    use, ...) are served on the pool's /metrics too."""
     cfg = pool.cfg
-    return make_engine(cfg, model_path(cfg), pool_seed(pool, cfg.run.seed))
+    engine = make_engine(cfg, model_path(cfg), pool_seed(pool, cfg.run.seed))
+    if engine.name == "vllm" and pool.endpoint is not None:
+        pool.endpoint.reexport("vllm:")
+    return engine
 
 
 def build_task(pool: Pool, engine: Engine):
@@ -89,6 +94,10 @@ def start_receiver(pool: Pool, engine: Engine) -> WeightReceiver:
         staged=cfg.sampling.weight_staging,
         on_error=lambda msg: pool.status.set(last_error=msg),
         on_fatal=lambda msg: pool.stop.set(),  # weights this actor can never take: stop
+        # a ``weights`` record per applied version: staging and whole-transfer times
+        on_applied=lambda **timings: pool.record(
+            event="weights", **{k: round(v, 3) for k, v in timings.items()}
+        ),
         transport=cfg.weights.transport,
         nccl_backend=cfg.weights.nccl_backend,
         # vllm: the channel opens in the engine's own process (the worker extension)

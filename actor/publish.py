@@ -6,8 +6,8 @@ counted once; and the engine's pauses for new weights as ``swap`` records.
     reads   the completions of one group (from either loop), the engine's swap records
     writes  <run>:rollouts (one entry per group, XADD-once on the group id, on the next
             shard in turn); <run>:samples_produced, groups_produced and the status hash
-            (count_produced, once per group; reward errors by reason); ``group`` and
-            ``swap`` metrics records
+            (count_produced, once per group; reward errors by reason); ``group``,
+            ``swap`` and ``swap_gap`` (the added gap around a new version) metrics records
     blocks  on nothing but the Redis calls
 """
 
@@ -116,10 +116,21 @@ def send_group(pool: Pool, group: RolloutGroup, **record) -> None:
     count_produced(pool.client, pool.names, pool.name, group.group_id, len(group.samples))
 
 
-def record_swaps(pool: Pool, engine: Engine, logged: int) -> int:
+def record_swaps(pool: Pool, engine: Engine, seen: tuple[int, int]) -> tuple[int, int]:
     """A "swap" metrics record per pause for new weights since the last call (the lock
-    hold: a staged swap, or a whole in-place receive; pipeline.plot's stalls)."""
-    records, total = engine.stats.swaps_since(logged)
+    hold: a staged swap, or a whole in-place receive; pipeline.plot's stalls), and a
+    "swap_gap" record per new version whose added gap is measured by now (hf: from the
+    engine's forward-pass timeline; vllm: by the worker, around its steps). ``seen``:
+    what the last call returned."""
+    records, swaps = engine.stats.swaps_since(seen[0])
     for r in records:
         pool.record(event="swap", swap_ms=round(r.ms, 3), version=r.version, mode=r.mode)
-    return total
+    gaps, versions = engine.stats.gaps_since(seen[1])
+    for g in gaps:
+        pool.record(
+            event="swap_gap",
+            added_gap_ms=round(g.added_ms, 3),
+            gap_ms=round(g.ms, 3),
+            usual_ms=round(g.usual_ms, 3),
+        )
+    return swaps, versions

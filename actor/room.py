@@ -9,8 +9,10 @@ in both modes (``pipeline.mode=async|sync``).
             waiting for data?)
     writes  the status hash while it holds the actor back (``waiting``, ``draining``,
             ``waiting (sync)``); sync: <run>:sync_claims (this actor's claim, released
-            after publishing); a ``mode`` record, and a ``turn`` metrics record per batch
-            (batch loop: wait and generate seconds, mode)
+            after publishing); a ``mode`` record, a ``turn`` metrics record per batch
+            (batch loop: wait and generate seconds, mode), and a ``backpressure`` record
+            each time a hold of new groups ends (its reason: lag, backlog, drain, sync,
+            weights; wait_s)
     blocks  (``wait``, the batch loop) while the run drains; async: while more than
             actor.max_lag versions behind the trainer or while actor.max_queue_groups
             groups are in flight; sync: until this actor holds the trainer's current
@@ -112,8 +114,20 @@ class Room:
         self.behind, self.published, self.backlog = 0, 0.0, 0.0
         self.draining = False  # the run drains: no new group (draining())
         self.waited = 0.0
+        self.held: tuple[str, float] | None = None  # (reason, since): new groups held back
         pool.record(event="mode", mode=self.mode)
         pool.status.set(mode=self.mode)
+
+    def _held_back(self, reason: str | None) -> None:
+        """Back-pressure: ``reason`` holds new groups back now (None: room again). A
+        ``backpressure`` record (reason, wait_s) when a hold ends; its reason is the one
+        that began it."""
+        if reason is not None and self.held is None:
+            self.held = (reason, time.monotonic())
+        elif reason is None and self.held is not None:
+            (why, since), self.held = self.held, None
+            wait = time.monotonic() - since
+            self.pool.record(event="backpressure", reason=why, wait_s=round(wait, 4))
 
     # -- async: lag and backlog ------------------------------------------------------
     def changed(self) -> None:
@@ -125,19 +139,29 @@ class Room:
         every ROOM_S seconds; ``unpublished`` (groups this actor holds finished and not
         published: counted anew at every call, as groups finish in the engine between
         two reads of Redis) is added to the backlog."""
+        reason = self._refused(unpublished)
+        self._held_back(reason)
+        return reason is None
+
+    def _refused(self, unpublished: int) -> str | None:
+        """Why no new group may start now (None: it may)."""
         now = time.monotonic()
         if self.engine.version is None:  # partial weights: nothing may be generated
-            return False
+            return "weights"
         if now - self.checked >= ROOM_S:
             self.checked = now
             self.behind = trainer_version(self.pool) - self.engine.version
             self.published = in_flight_groups(self.pool)
             self.draining = draining(self.pool)
         if self.draining:
-            return False
+            return "drain"
         cfg = self.pool.cfg.actor
         self.backlog = self.published + unpublished
-        return self.behind <= cfg.max_lag and self.backlog < cfg.max_queue_groups
+        if self.behind > cfg.max_lag:
+            return "lag"
+        if self.backlog >= cfg.max_queue_groups:
+            return "backlog"
+        return None
 
     # -- the batch loop: a whole batch at a time -------------------------------------
     def wait(self) -> int:
@@ -172,8 +196,10 @@ class Room:
     def _wait_drained(self) -> None:
         while not self.pool.stop.is_set() and draining(self.pool):
             self.draining = True
+            self._held_back("drain")
             self._hold(state="draining")
         self.draining = False
+        self._held_back(None)
 
     # -- sync: a step's worth per version, claimed -----------------------------------
     def _call(self, want: int, slack: int = 0) -> int:
@@ -192,7 +218,9 @@ class Room:
         while not pool.stop.is_set():
             n = self._call(prompts * g, slack)
             if n > 0:
+                self._held_back(None)
                 return n // g
+            self._held_back("sync")
             # produced, retired, trainer_version
             counters = pool.client.mget([self.keys[0], *self.read_keys])
             trainer, buffered = pool.client.hmget(

@@ -60,7 +60,7 @@ class Report:
         self.t_status = self.t_turn = time.monotonic()
         self.state = ""
         self.tokens0, self.empty0, self.groups0 = engine.stats.tokens, engine.empty_s(), 0
-        self.swaps_seen = 0
+        self.swaps_seen = (0, 0)  # (swap records, versions) recorded (record_swaps)
 
     def tick(self, groups: int, room: Room) -> None:
         now = time.monotonic()

@@ -10,7 +10,8 @@ watchdog (the sd_notify protocol over ``$NOTIFY_SOCKET``).
             RUN_DIR/http/<pool>/ (metrics, health), which the pool's health server
             (pipeline/health_server.py, a child process holding the listening socket)
             answers from
-    blocks  on nothing in the main loop: a thread refreshes, the server is its own process
+    blocks  on nothing in the main loop: one thread collects (it may wait on Redis),
+            another writes the health facts, the server is its own process
 
 Why a child process answers: a pool that hangs, or is SIGSTOPped, cannot answer for
 itself. Its server sees the refreshes stop and says so (503, with the reason), as a
@@ -20,9 +21,12 @@ the final values). What the endpoints show is at most ``every_s`` old.
 Names: a status-hash field ``f`` is ``nonstop_<f>`` (``samples_trained``, ``version``,
 ``dead_lettered``, ``reward_errors``...); the last record of event ``e`` gives
 ``nonstop_last_<e>_<field>`` (``nonstop_last_step_loss``, ``..._grad_norm``,
-``nonstop_last_swap_swap_ms``) and ``nonstop_events_total{event}`` counts them; the
-actor's swaps also fill ``nonstop_swap_pause_seconds`` (a histogram). Labels:
-run, pool, role (never a secret: no URL, password or token is ever a label or value).
+``nonstop_last_swap_swap_ms``) and ``nonstop_events_total{event}`` counts them; some
+record fields also fill a histogram each (HISTOGRAMS: the actor's swap pauses, added
+gaps, staging times and back-pressure waits). With the vllm engine, vLLM's own metrics
+(``vllm:*``, which its AsyncLLM keeps in this process's prometheus_client registry) are
+re-exported with the pool's labels added (:class:`Reexport`). Labels: run, pool, role
+(never a secret: no URL, password or token is ever a label or value).
 """
 
 from __future__ import annotations
@@ -39,15 +43,69 @@ import sys
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Histogram,
+    Metric,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger(__name__)
 SKIP_FIELDS = {"heartbeat", "pid", "started", "progress", "metrics_url"}
 # streams a role reads, with their consumer group (its lag and pending are that role's)
 READS = {"preprocessor": ("rollouts", "preprocessor"), "trainer": ("batches", "trainer")}
+FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
+SLOW = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+@dataclass(frozen=True)
+class Hist:
+    """A histogram filled from one field of one metrics record event."""
+
+    name: str
+    doc: str
+    scale: float  # the field's unit in seconds
+    buckets: tuple[float, ...]
+    labels: tuple[str, ...] = ()  # more labels, taken from the record's fields
+
+
+# (event, field) of a metrics record -> the histogram its value is observed into
+HISTOGRAMS = {
+    ("swap", "swap_ms"): Hist(
+        "nonstop_swap_pause_seconds",
+        "generation paused by each weight swap (the swap lock's hold; pause mode: the pause)",
+        1e-3,
+        FAST,
+    ),
+    ("swap_gap", "added_gap_ms"): Hist(
+        "nonstop_swap_added_gap_seconds",
+        "per new version, the gap between the forward passes around it less the median gap "
+        "between the passes before it (0 when not longer)",
+        1e-3,
+        FAST,
+    ),
+    ("weights", "stage_ms"): Hist(
+        "nonstop_weights_stage_seconds",
+        "receiving each version into the staging copy while generation goes on",
+        1e-3,
+        SLOW,
+    ),
+    ("backpressure", "wait_s"): Hist(
+        "nonstop_backpressure_wait_seconds",
+        "each time the actor held new groups back, how long, by reason (lag: more than "
+        "actor.max_lag versions behind; backlog: actor.max_queue_groups in flight; drain; "
+        "sync: waiting for its share of a sync step; weights: partial weights)",
+        1,
+        SLOW,
+        ("reason",),
+    ),
+}
 
 
 def metric_name(*parts: str) -> str:
@@ -78,21 +136,27 @@ class PoolCollector:
         self.events: Counter = Counter()
         self.last: dict[tuple[str, str], float] = {}
         self.lock = threading.Lock()
-        # each weight swap's pause of generation (the swap lock's hold): the actor's
-        # ``swap`` records, in seconds
-        self.swaps = Histogram(
-            "nonstop_swap_pause_seconds",
-            "generation paused by each weight swap (the swap lock's hold)",
-            labelnames=list(self.labels),
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
-            registry=None,
-        )
+        self.histograms = {
+            key: Histogram(
+                h.name,
+                h.doc,
+                labelnames=[*self.labels, *h.labels],
+                buckets=h.buckets,
+                registry=None,
+            )
+            for key, h in HISTOGRAMS.items()
+        }
 
     def record(self, values: dict) -> None:
-        """Pool.record's hook: count the event, keep its numeric fields."""
+        """Pool.record's hook: count the event, keep its numeric fields, observe the
+        fields that fill a histogram."""
         event = str(values.get("event", "metric"))
-        if event == "swap" and number(values.get("swap_ms")) is not None:
-            self.swaps.labels(**self.labels).observe(float(values["swap_ms"]) / 1000)
+        for (e, field), hist in self.histograms.items():
+            x = number(values.get(field)) if e == event else None
+            if x is not None:
+                spec = HISTOGRAMS[(e, field)]
+                extra = {k: str(values.get(k, "")) for k in spec.labels}
+                hist.labels(**self.labels, **extra).observe(x * spec.scale)
         with self.lock:
             self.events[event] += 1
             for k, v in values.items():
@@ -122,7 +186,8 @@ class PoolCollector:
                 pool.last_tick,
             )
         if self.pool.role == "actor":
-            yield from self.swaps.collect()
+            for hist in self.histograms.values():
+                yield from hist.collect()
         with self.lock:
             events, last = dict(self.events), dict(self.last)
         c = CounterMetricFamily(
@@ -180,6 +245,25 @@ class PoolCollector:
             yield pending
 
 
+class Reexport:
+    """The families of another registry whose names start with ``prefix`` (vLLM's
+    ``vllm:`` metrics, kept in this process's default registry by the AsyncLLM's
+    PrometheusStatLogger), with the pool's labels added to every sample."""
+
+    def __init__(self, source: Any, prefix: str, labels: dict[str, str]):
+        self.source, self.prefix, self.labels = source, prefix, labels
+
+    def collect(self):
+        for family in self.source.collect():
+            if not family.name.startswith(self.prefix):
+                continue
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            for s in family.samples:
+                labels = {**s.labels, **self.labels}
+                out.add_sample(s.name, labels, s.value, s.timestamp, s.exemplar)
+            yield out
+
+
 class Endpoint:
     """The pool's side: the listening socket (bound here, so a bad host or a port in use
     is refused before anything starts), the health server child, the refresh thread."""
@@ -197,6 +281,9 @@ class Endpoint:
         self.registry.register(self.collector)
         self.registry.register(ProcessCollector(registry=None))
         self.error = ""
+        self.collecting: float | None = None  # when the running collection began
+        # a collection this long without Redis's answer: /health says redis unreachable
+        self.redis_s = max(2.0, 2 * float(http.every_s))
         self.refresh()
         self.server = subprocess.Popen(
             [
@@ -212,32 +299,58 @@ class Endpoint:
         )
         self.sock.close()  # the child holds it now
         pool.client.hset(pool.status.key, "metrics_url", self.url)
-        threading.Thread(target=self._loop, name="metrics", daemon=True).start()
+        threading.Thread(
+            target=self._loop, args=(self.collect,), name="metrics", daemon=True
+        ).start()
+        threading.Thread(target=self._loop, args=(self.facts,), name="health", daemon=True).start()
         atexit.register(self.refresh)  # the final values, for the last scrape
 
+    def reexport(self, prefix: str, source: Any = None) -> None:
+        """Serve the metrics of ``source`` (default: this process's default registry)
+        named ``prefix*`` beside the pool's own (the actor: vLLM's, ``vllm:``)."""
+        self.registry.register(Reexport(source or REGISTRY, prefix, self.collector.labels))
+
     def refresh(self) -> None:
+        """Collect, then write the health facts (at start and at exit)."""
+        self.collect()
+        self.facts()
+
+    def collect(self) -> None:
+        """The exposition text (a few Redis round trips); /metrics keeps the last one
+        while Redis does not answer."""
+        self.collecting = time.monotonic()
         try:
             text = generate_latest(self.registry)
             self.error = ""
-        except Exception as e:  # Redis unreachable: /health says so, /metrics keeps the last
+        except Exception as e:  # Redis gone past the client's retries: /health says so
             self.error = f"redis unreachable: {' '.join(str(e).split())[:200]}"
             text = None
+        finally:
+            self.collecting = None
         if text is not None:
             _write(os.path.join(self.dir, "metrics"), text)
+
+    def facts(self) -> None:
+        """What the health server judges by. Written on its own thread, so a collection
+        stuck in the client's retries (Redis restarting: up to redis.reconnect_s) is
+        reported as ``redis unreachable`` after ``redis_s``, not as a stalled pool."""
+        error, since = self.error, self.collecting
+        if not error and since is not None and time.monotonic() - since > self.redis_s:
+            error = f"redis unreachable: no answer for {time.monotonic() - since:.0f}s"
         facts = {
             "written": time.time(),
             "tick": self.pool.last_tick,
             "deadline_s": self.deadline_s,
-            "error": self.error,
+            "error": error,
             "labels": self.collector.labels,
         }
         _write(os.path.join(self.dir, "health"), json.dumps(facts).encode())
 
-    def _loop(self) -> None:
+    def _loop(self, what) -> None:
         while True:
             time.sleep(float(self.http.every_s))
             try:
-                self.refresh()
+                what()
             except Exception as e:  # never stops the pool
                 log.warning("metrics refresh failed: %s", e)
 

@@ -11,13 +11,16 @@ directory's ``config.yaml`` (beside ``metrics.jsonl``) unless passed in.
 
 from __future__ import annotations
 
+import bisect
 import importlib.util
 import json
 import logging
 import os
+import statistics
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -211,3 +214,35 @@ def read_statuses(client: redis.Redis, names: Names) -> dict[str, dict[str, str]
         fields = client.hgetall(key)
         out[key.rsplit(":", 1)[1]] = {k.decode(): v.decode() for k, v in fields.items()}
     return out
+
+
+GAP_WINDOW = 32  # the usual gap: the median of this many gaps between passes before
+
+
+@dataclass
+class Gap:
+    """Around one new version: the gap between the forward passes before and after it,
+    and how much longer it was than the usual gap (never below 0), in ms; ``ms`` None:
+    no pass before it to measure from."""
+
+    ms: float | None
+    usual_ms: float = 0.0
+    added_ms: float = 0.0
+
+
+def added_gap(passes: list[tuple[float, float]], t: float, breaks: list[float]) -> Gap | None:
+    """The gap around a version that took effect at ``t`` (perf_counter) among sorted
+    (start, end) forward passes; None when no pass has started after ``t`` yet;
+    ``Gap(None)`` when none ran before it or generation paused of its own in the gap
+    (a time in ``breaks``)."""
+    starts = [start for start, _ in passes]
+    i = bisect.bisect_right(starts, t)  # passes[i]: the first to start after t
+    if i == len(passes):
+        return None
+    if i == 0 or any(passes[i - 1][1] <= b <= passes[i][0] for b in breaks):
+        return Gap(None)
+    before = passes[max(0, i - GAP_WINDOW - 1) : i]
+    usual = [b[0] - a[1] for a, b in zip(before, before[1:], strict=False)]
+    usual_ms = 1000 * statistics.median(usual) if usual else 0.0
+    ms = 1000 * (passes[i][0] - passes[i - 1][1])
+    return Gap(ms, usual_ms, max(0.0, ms - usual_ms))

@@ -6,7 +6,8 @@ and installs it in the engine without stopping generation.
     reads   <run>:rendezvous, <run>:weights announcements, buckets over the transport
     writes  <run>:joins (asking in, again after any failure); the engine's weights;
             the actor's status hash: ``weight_versions_offered`` (announcements naming
-            it) and ``weight_versions_failed`` (those it did not apply), HINCRBY
+            it) and ``weight_versions_failed`` (those it did not apply), HINCRBY;
+            each applied version's timings to ``on_applied`` (staging, whole transfer)
     blocks  only itself; generation waits just for the swap (staged mode)
 
 Staged mode (default): ``target.stage`` receives into the engine's staging copy
@@ -88,12 +89,16 @@ class WeightReceiver:
         nccl_backend: str | None = None,
         receiver: Receiver | None = None,
         on_fatal: Callable[[str], None] | None = None,
+        on_applied: Callable[..., None] | None = None,
     ):
         self.client, self.names, self.actor = client, names, actor
         self.target, self.timeout_s, self.staged = target, timeout_s, staged
         self.on_error = on_error or (lambda msg: None)
         # a permanent error (PERMANENT): the receiver ends and calls on_fatal(message)
         self.on_fatal = on_fatal or (lambda msg: None)
+        # each applied version's timings: on_applied(version=, stage_ms=, transfer_ms=)
+        # (stage_ms: staged mode only); the actor records them as ``weights`` records
+        self.on_applied = on_applied or (lambda **timings: None)
         self.fatal: str | None = None
         # ``receiver``: a ready transport end (tests inject fakes); else weights.transport's
         self.transport = receiver or make_receiver(transport, timeout_s, nccl_backend=nccl_backend)
@@ -207,17 +212,26 @@ class WeightReceiver:
 
     def _receive(self, ann: WeightAnnouncement) -> None:
         t0 = time.monotonic()
+        timings = {}
         if self.staged:
-            self._receive_staged(ann, t0 + self.timeout_s)
+            timings["stage_ms"] = self._receive_staged(ann, t0 + self.timeout_s)
         else:
             self._receive_in_place(ann, t0 + self.timeout_s)
         self.transfer_ms.append(1000 * (time.monotonic() - t0))
         self.applied += 1
         log.info("applied version %d (%.0f ms)", ann.version, self.transfer_ms[-1])
+        try:
+            self.on_applied(version=ann.version, transfer_ms=self.transfer_ms[-1], **timings)
+        except Exception as e:  # a record not written never undoes an applied version
+            log.warning("could not record version %d's timings: %s", ann.version, e)
 
-    def _receive_staged(self, ann: WeightAnnouncement, deadline: float) -> None:
+    def _receive_staged(self, ann: WeightAnnouncement, deadline: float) -> float:
+        """Stage, then swap; returns the staging time (ms)."""
+        t0 = time.monotonic()
         self.target.stage(ann, ReceiverSource(self.transport, ann), deadline)
+        stage_ms = 1000 * (time.monotonic() - t0)
         self.target.swap(ann.version)
+        return stage_ms
 
     def _receive_in_place(self, ann: WeightAnnouncement, deadline: float) -> None:
         self.target.update_in_place(ann, ReceiverSource(self.transport, ann), deadline)

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from pipeline.streams import Names
-from pipeline.telemetry import read_statuses
+from pipeline.telemetry import read_jsonl, read_statuses
 from tests.config_builders import MAX_QUEUE, PER_BATCH, G, actor_config
 from tests.launching import ROOT
 
@@ -87,3 +87,9 @@ def test_actor_never_exceeds_its_backpressure_bounds(tmp_path, redis_server, rcl
         proc.wait(30)
         log.close()
     assert proc.returncode == 0, (tmp_path / "actor.log").read_text()[-2000:]
+    # the hold for the full backlog is a ``backpressure`` record (the actor's histogram
+    # nonstop_backpressure_wait_seconds{reason}) once room was made: at least the 3 s
+    # watched; the hold for the lag had not ended when the actor stopped
+    holds = [r for r in read_jsonl(str(tmp_path / "metrics.jsonl")) if r["event"] == "backpressure"]
+    assert holds and {r["reason"] for r in holds} == {"backlog"}, holds
+    assert max(r["wait_s"] for r in holds) >= 3.0, holds

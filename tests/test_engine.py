@@ -237,3 +237,30 @@ def test_config_picks_the_engine_with_actor_engine(tmp_path):
         load_config(str(path))
     path.write_text("actor:\n  engine: hf\n")
     assert load_config(str(path)).actor.engine == "hf"
+
+
+def test_added_gap_is_the_pause_around_a_version_less_the_usual_gap():
+    """What ``nonstop_swap_added_gap_seconds`` observes (pipeline/telemetry.py): passes
+    every 10 ms (2 ms gaps), a version at 0.0405 with the next pass 12 ms after the last
+    one: gap 12 ms, usual 2 ms, added 10 ms; not measurable yet before the next pass
+    starts; not measured when generation restarted of its own in the gap (a new batch)."""
+    from actor.engines.base import EngineStats
+    from pipeline.telemetry import added_gap
+
+    passes = [(0.01 * i, 0.01 * i + 0.008) for i in range(5)]  # ends at 0.048
+    gap = added_gap(passes, 0.0405, [])
+    assert gap is None  # no pass after it yet
+    passes.append((0.060, 0.068))
+    gap = added_gap(passes, 0.0485, [])
+    assert gap.ms == pytest.approx(12) and gap.usual_ms == pytest.approx(2)
+    assert gap.added_ms == pytest.approx(10)
+    assert added_gap(passes, 0.0485, [0.055]).ms is None  # a batch began in the gap
+    assert added_gap(passes, -1.0, []).ms is None  # nothing ran before it
+    stats = EngineStats()
+    stats.timeline.extend(passes[:5])
+    stats.new_version()  # now: after every pass
+    assert stats.gaps_since(0) == ([], 0)  # measured once a pass follows
+    start = time.perf_counter()
+    stats.timeline.append((start, start + 0.001))
+    (g,), seen = stats.gaps_since(0)
+    assert seen == 1 and g.ms > 0 and stats.gaps_since(seen) == ([], 1)

@@ -12,12 +12,15 @@ summation order only, so float32 log-probs agree to ~1e-5; A and B differ by ~1.
 from __future__ import annotations
 
 import gc
+import json
+import re
 import threading
 import time
 
 import pytest
 import torch
 
+from tests.launching import ROOT
 from tests.vllm_real import (
     new_weights,
     push,
@@ -299,6 +302,93 @@ def test_prefix_cache_never_serves_blocks_of_old_weights(vllm_engine):
     for c, seed in ((a, 0), (b, 1), (a2, 0)):
         ref = teacher_logprobs(seed, prompt, c.tokens)
         assert max(abs(x - y) for x, y in zip(c.logprobs, ref, strict=True)) < TOL, seed
+
+
+# before compiled_engine: a second engine in this process takes over vLLM's metrics in
+# the default registry (its PrometheusStatLogger unregisters the first's), and after it
+# closes they stay at 0; an actor process holds one engine
+def test_vllms_own_metrics_are_reexported_with_the_pools_labels(vllm_engine):
+    """The actor's /metrics re-exports vLLM's own metrics (pipeline/prom.py Reexport, as
+    actor/main.py build_engine sets it up for the vllm engine): while a request runs,
+    ``vllm:num_requests_running``, ``..._waiting``, ``vllm:kv_cache_usage_perc`` and the
+    generated-token counter are served with the pool's labels and the values vLLM's own
+    snapshot API (``vllm.v1.metrics.reader.get_metrics_snapshot``) gives."""
+    from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from vllm.v1.metrics.reader import Counter, Gauge, get_metrics_snapshot
+
+    from pipeline.prom import Reexport
+
+    eng = vllm_engine.engine
+    reset(eng)
+    labels = {"run": "r1", "pool": "actor-0", "role": "actor"}
+    served = CollectorRegistry(auto_describe=False)
+    served.register(Reexport(REGISTRY, "vllm:", labels))
+    probe = start_probe(eng, [1, 2, 3, 4], 400)
+    try:
+        wait_tokens(eng, probe, 40)
+        time.sleep(0.2)  # the stats of a few more steps reached the AsyncLLM
+        before = get_metrics_snapshot()
+        text = generate_latest(served).decode()
+        after = get_metrics_snapshot()
+    finally:
+        eng.abort_open()
+    got = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            assert {k: s.labels[k] for k in labels} == labels, s
+            assert s.name.startswith("vllm:"), s
+            got.setdefault(s.name, s.value)
+
+    def values(snapshot) -> dict[str, float]:
+        return {
+            m.name + ("_total" if isinstance(m, Counter) else ""): float(m.value)
+            for m in snapshot
+            if isinstance(m, Counter | Gauge)
+        }
+
+    lo, hi = values(before), values(after)  # steps go on: what was served lies between
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:generation_tokens_total",
+    ):
+        assert name in got, sorted(got)
+        assert min(lo[name], hi[name]) <= got[name] <= max(lo[name], hi[name]), name
+    assert got["vllm:num_requests_running"] == 1
+    # every vllm: metric the Grafana dashboard (deploy/grafana/) queries is served
+    dash = json.loads((ROOT / "deploy" / "grafana" / "nonstop-rl.json").read_text())
+    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
+    named = set(re.findall(r"vllm:[a-z_]+", exprs))
+    assert len(named) >= 3 and named <= {n.removesuffix("_total") for n in got} | set(got), named
+    assert got["vllm:kv_cache_usage_perc"] > 0
+    assert got["vllm:generation_tokens_total"] >= 40
+
+
+def test_the_worker_measures_the_added_gap_around_a_swap(vllm_engine):
+    """``nonstop_swap_added_gap_seconds`` for the vllm engine: the worker times its steps
+    (worker/locked.py), measures the gap around each swap at the next step and hands it
+    to the client with its next poll (here 100 steps later, as a streaming actor polls);
+    the gap between the steps around a lock-mode swap holds at least the lock's hold."""
+    eng = vllm_engine.engine
+    reset(eng)
+    seen = eng.stats.gaps_total
+    probe = start_probe(eng, [1, 2, 3, 4], 300)
+    try:
+        n = wait_tokens(eng, probe, 40)
+        push(eng, 1, new_weights(1))
+        hold = eng.stats.recent_swaps[-1]
+        wait_tokens(eng, probe, n + 100)  # polled long after: the gap was kept for it
+        eng.rpc("nonstop_poll", [], False)
+    finally:
+        eng.abort_open()
+    reset(eng)
+    gaps, total = eng.stats.gaps_since(seen)
+    assert total == seen + 1 and len(gaps) == 1, gaps
+    (gap,) = gaps
+    assert gap.ms >= hold.ms > 0, (gap, hold)
+    assert gap.added_ms == max(0.0, gap.ms - gap.usual_ms) and gap.usual_ms > 0
 
 
 @pytest.fixture(scope="module")

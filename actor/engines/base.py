@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pipeline.messages import Sample, WeightAnnouncement, pack_f32, pack_i32, pack_mask, rle_encode
+from pipeline.telemetry import Gap, added_gap
 from pipeline.transfer import BucketSource
 
 HISTORY = 1024  # recent swaps kept (counters keep the totals)
@@ -82,6 +83,13 @@ class EngineStats:
     # versions took effect: an update's stall is the gap between the passes around it
     timeline: deque = field(default_factory=lambda: deque(maxlen=4096))
     version_times: deque = field(default_factory=lambda: deque(maxlen=4096))
+    took_effect: int = 0  # versions that took effect (appended to version_times)
+    # when generation started again after a pause of its own (a new batch): a gap
+    # between passes that spans one is not the swap's
+    breaks: deque = field(default_factory=lambda: deque(maxlen=4096))
+    gaps: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # measured (Gap)
+    gaps_total: int = 0
+    _times_seen: int = 0  # version_times examined for a gap (hf)
 
     @property
     def swap_ms(self) -> list[float]:
@@ -96,6 +104,37 @@ class EngineStats:
         if version is not None:
             self.swaps += 1
         return record
+
+    def new_version(self) -> None:
+        """A new version takes effect now (between two forward passes)."""
+        self.version_times.append(time.perf_counter())
+        self.took_effect += 1
+
+    def add_gaps(self, gaps: list[Gap]) -> None:
+        """Gaps measured elsewhere (vllm: by the worker, around its steps)."""
+        self.gaps.extend(gaps)
+        self.gaps_total += len(gaps)
+
+    def gaps_since(self, seen: int) -> tuple[list[Gap], int]:
+        """The added gaps measured after the first ``seen``, and the new total. The hf
+        engine's are measured here from its timeline, as far as they are measurable (a
+        forward pass has started after the version); the vllm engine's come measured
+        from its worker (``add_gaps``)."""
+        times = list(self.version_times)
+        first = self.took_effect - len(times)  # the index of times[0]
+        passes, breaks = sorted(self.timeline), list(self.breaks)
+        i = max(self._times_seen, first)
+        while i < self.took_effect:
+            gap = added_gap(passes, times[i - first], breaks)
+            if gap is None:  # no pass after it yet: measured at a later call
+                break
+            i += 1
+            if gap.ms is not None:
+                self.add_gaps([gap])
+        self._times_seen = i
+        total, recent = self.gaps_total, list(self.gaps)
+        new = recent[len(recent) - min(total - seen, len(recent)) :] if total > seen else []
+        return new, total
 
     def swaps_since(self, seen: int) -> tuple[list[SwapRecord], int]:
         """The swap records after the first ``seen`` events, and the new total."""

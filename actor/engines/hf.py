@@ -150,7 +150,7 @@ class HFEngine(Engine):
         """Caller holds the lock. None marks the weights partial: no forward pass runs."""
         self.version = version
         if version is not None:
-            self.stats.version_times.append(time.perf_counter())
+            self.stats.new_version()
             self.lock.notify_all()
 
     def _forward(self, **inputs) -> tuple[torch.Tensor, int]:
@@ -188,6 +188,7 @@ class HFEngine(Engine):
         steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # token, lp, live
         versions: list[int] = []
         kept: list[list] = []
+        self.stats.breaks.append(time.perf_counter())  # no gap is measured across calls
         logits, version = self._forward(
             input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache
         )

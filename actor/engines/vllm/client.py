@@ -63,6 +63,7 @@ from actor.engines.vllm.requests import RequestIds, Unit, VLLMRequests
 from actor.engines.vllm.weights import VLLMWeights, merge
 from pipeline import lora as lora_lib
 from pipeline.listeners import LOOPBACK, gloo_interface
+from pipeline.telemetry import Gap
 from pipeline.vllm_versions import VLLM_MISSING, check_vllm_version
 
 log = logging.getLogger(__name__)
@@ -224,9 +225,12 @@ class VLLMEngine(VLLMRequests, VLLMWeights, Engine):
         answers merged into one (vllm_weights.merge: with tensor parallelism a state is
         reported only when every rank is in it)."""
         limit = self.rpc_timeout_s if timeout is None else timeout
-        return merge(
+        answer = merge(
             self._call(self.llm.collective_rpc(method, timeout=limit, args=args), limit + 5)
         )
+        if method == "nonstop_poll":  # the added gaps the worker measured since the last
+            self.stats.add_gaps([Gap(**g) for g in answer.get("gaps", ())])
+        return answer
 
     def _end_loop(self) -> None:
         """Cancel what still runs on the engine's loop (AsyncLLM's output handler, which

@@ -166,7 +166,7 @@ class VLLMWeights:
                     self.stats.add_swap(t0, rec["version"], "staged")
             self.version = version
             self._swaps_done += 1
-            self.stats.version_times.append(time.perf_counter())
+            self.stats.new_version()
         finally:
             self._transition = False
 

@@ -23,9 +23,10 @@ calls at shutdown; no Worker of 0.24 or 0.32 has it); ``execute_model`` /
                    ..., swap=False)           then "nonstop_swap" (lock mode: the same
                                               locked swap, queued) or, with the engine
                                               paused, "nonstop_swap_paused" (pause mode)
-    collective_rpc("nonstop_poll", ids) -->   live and staged version, swaps, errors, and
+    collective_rpc("nonstop_poll", ids) -->   live and staged version, swaps, errors,
                                               per request the versions of the steps that
-                                              sampled it
+                                              sampled it, and the added gap around each
+                                              swap a step has followed since the last poll
     collective_rpc("nonstop_connect",   -->   returns at once; the receiver thread opens
                    transport, rdv, nonce)     the channel (the handshake waits for the
                                               trainer); the poll's ``channel`` says how
@@ -270,6 +271,7 @@ class NonstopWorkerExtension:
             "step_records": w.steps.sizes(),
             "preemption": {"preempted": w.steps.preempted, "resumed": w.steps.resumed},
             "versions": w.steps.take(request_ids or []),
+            "gaps": w.take_gaps(),  # always handed over: the client adds each to its stats
         }
 
     def _nonstop_source(self, ann: WeightAnnouncement, spec: dict | None) -> BucketSource:

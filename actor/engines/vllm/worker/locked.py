@@ -19,6 +19,7 @@ only exchanges pointers under it (packed.py). Tested on real vLLM's CPU build
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -34,6 +35,7 @@ from actor.engines.vllm.worker.packed import CpuLayout, Prepared
 from actor.engines.vllm.worker.steps import StepVersions
 from pipeline.lora import KIND_FULL, KIND_LORA, check_kind
 from pipeline.messages import WeightAnnouncement
+from pipeline.telemetry import GAP_WINDOW, added_gap
 from pipeline.transfer.base import BucketSource
 from pipeline.weights import checksum
 
@@ -105,6 +107,15 @@ class LockedWeights:
         self.staged_version: int | None = None  # staging holds this whole version
         self.steps = StepVersions()
         self.swaps: deque[dict] = deque(maxlen=1024)
+        # the added gap around each swap, measured at the next step's start (_measure):
+        # the steps' (start, end), the steps that continued no request (the engine was
+        # idle before: no gap is measured across one), when each swap took effect, and
+        # the gaps measured, until a poll takes them (take_gaps)
+        self.passes: deque[tuple[float, float]] = deque(maxlen=GAP_WINDOW + 1)
+        self.breaks: deque[float] = deque(maxlen=GAP_WINDOW + 1)
+        self.applied_at: deque[float] = deque(maxlen=64)
+        self.gaps: deque[dict] = deque(maxlen=1024)
+        self._step_start = 0.0
         self.failed, self.last_error, self.orphans = 0, "", 0
         self._pending = False
         self.tp_rank, self.tp_size = tp
@@ -181,6 +192,11 @@ class LockedWeights:
                     self._apply_logged(version, time.perf_counter())
                 # zero tokens too: such a step tells the workers which requests finished
                 self.steps.record(scheduler_output, self.live_version)
+                self._step_start = time.perf_counter()
+                if not scheduler_output.scheduled_cached_reqs.req_ids:
+                    self.breaks.append(self._step_start)  # nothing ran on into this step
+                if self.applied_at:
+                    self._measure(self._step_start)
                 out = run(scheduler_output, *args, **kwargs)
             except BaseException:
                 self.lock.release()
@@ -188,6 +204,8 @@ class LockedWeights:
             if out is None and scheduler_output.total_num_scheduled_tokens > 0:
                 self._pending = True  # sample_tokens of this step releases it
             else:
+                if scheduler_output.total_num_scheduled_tokens > 0:
+                    self.passes.append((self._step_start, time.perf_counter()))
                 self.lock.release()
             return out
 
@@ -197,10 +215,27 @@ class LockedWeights:
             finally:
                 if self._pending:
                     self._pending = False
+                    self.passes.append((self._step_start, time.perf_counter()))
                     self.lock.release()
 
         worker.execute_model = execute_model
         worker.sample_tokens = sample_tokens
+
+    def _measure(self, start: float) -> None:
+        """At the start of a step: the added gap (pipeline/telemetry.py ``added_gap``)
+        around each swap since the last step, kept for the poll; a swap after an idle
+        engine (no request ran on across it) is left out."""
+        passes, breaks = [*self.passes, (start, start)], list(self.breaks)
+        while self.applied_at:
+            gap = added_gap(passes, self.applied_at.popleft(), breaks)
+            if gap is not None and gap.ms is not None:
+                self.gaps.append(dataclasses.asdict(gap))
+
+    def take_gaps(self) -> list[dict]:
+        """The gaps measured since the last call (as dicts of Gap), handed over."""
+        out = list(self.gaps)
+        self.gaps.clear()
+        return out
 
     # -- receive and swap ---------------------------------------------------------
     def check_kind(self, ann: WeightAnnouncement) -> None:
@@ -358,6 +393,7 @@ class LockedWeights:
         self.live_version = version
         self._copy_done = end  # stage() waits for it before it writes staging again
         t2 = time.perf_counter()
+        self.applied_at.append(t2)
         rec = {
             "version": version,
             # the stream the copy was enqueued on: the one the last step ran on

@@ -112,4 +112,5 @@ def merge_polls(answers: list[dict]) -> dict:
         "step_records": answers[0].get("step_records"),
         "preemption": answers[0].get("preemption"),
         "versions": answers[0]["versions"],
+        "gaps": answers[0].get("gaps", []),  # rank 0's steps: every rank's are the same
     }
