@@ -248,6 +248,8 @@ def test_the_gpu_tests_settings_start_an_engine_here():
         start(SimpleNamespace(**bad))  # hand-built settings without it: the GPU host's error
     with pytest.raises(ValueError, match="actor.vllm.in_flight=200 > actor.vllm.max_num_seqs"):
         gpu_settings(in_flight=200)
+    with pytest.raises(ValueError, match=r"actor.vllm.cpu_kv_cache_gib=-1.0 must be >= 0"):
+        gpu_settings(cpu_kv_cache_gib=-1)
 
 
 def test_error_and_abort_finishes_are_failed_requests_never_completions(make):

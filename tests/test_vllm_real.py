@@ -304,6 +304,14 @@ def test_prefix_cache_never_serves_blocks_of_old_weights(vllm_engine):
         assert max(abs(x - y) for x, y in zip(c.logprobs, ref, strict=True)) < TOL, seed
 
 
+def test_the_cpu_kv_cache_is_the_configured_size(vllm_engine):
+    """actor.vllm.cpu_kv_cache_gib (1.5 in the tests' settings) reaches the CPU build as
+    kv_cache_memory_bytes: vLLM's own default, a share of the free memory, took 10 GiB
+    on a 24 GiB machine and +exp=math's second engine (the evaluator's) ran out of it."""
+    cache = vllm_engine.engine.llm.vllm_config.cache_config
+    assert cache.kv_cache_memory_bytes == int(1.5 * 2**30)
+
+
 # before compiled_engine: a second engine in this process takes over vLLM's metrics in
 # the default registry (its PrometheusStatLogger unregisters the first's), and after it
 # closes they stay at 0; an actor process holds one engine

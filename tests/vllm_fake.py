@@ -81,6 +81,7 @@ class AsyncEngineArgs:
     enforce_eager: bool = False
     enable_prefix_caching: bool | None = None
     max_model_len: int | None = None
+    kv_cache_memory_bytes: int | None = None
     logprobs_mode: str = "raw_logprobs"
     async_scheduling: bool | None = None
     worker_extension_cls: str = ""

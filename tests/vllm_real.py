@@ -146,6 +146,7 @@ def settings(**overrides: Any):
         enforce_eager=True,  # no torch.compile: ~15 s start instead of ~70 s
         max_model_len=512,
         rpc_timeout_s=120.0,
+        cpu_kv_cache_gib=1.5,  # GiB; through kv_cache_memory_bytes (start_engine)
     )
     return VLLMConfig(**{**base, **overrides})
 
@@ -157,23 +158,29 @@ def start_engine(
     temperature: float = 1.0,
     **setting_overrides: Any,
 ):
-    """A real VLLMEngine on ``model_dir`` (float32, seed 0); the caller closes it."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    """A real VLLMEngine on ``model_dir`` (float32, seed 0); the caller closes it. Its KV
+    cache is ``actor.vllm.cpu_kv_cache_gib``'s: an exported VLLM_CPU_KVCACHE_SPACE (which
+    would win) is set aside while the engine starts."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from actor.engines.vllm.client import VLLMEngine
 
-    return VLLMEngine(
-        model_dir,
-        None,  # token ids in and out; no stop tokens
-        temperature=temperature,
-        top_p=1.0,
-        top_k=0,
-        settings=settings(**setting_overrides),
-        dtype="float32",
-        seed=0,
-        update_mode=update_mode,
-        transfer_timeout_s=60.0,
-    )
+    kv_env = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    try:
+        return VLLMEngine(
+            model_dir,
+            None,  # token ids in and out; no stop tokens
+            temperature=temperature,
+            top_p=1.0,
+            top_k=0,
+            settings=settings(**setting_overrides),
+            dtype="float32",
+            seed=0,
+            update_mode=update_mode,
+            transfer_timeout_s=60.0,
+        )
+    finally:
+        if kv_env is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = kv_env
 
 
 def start_probe(engine, prompt: list[int], max_new_tokens: int) -> str:

@@ -22,6 +22,11 @@ class VLLMConfig:
 
     in_flight: int = 64  # requests kept in flight (a finished one is replaced at once)
     gpu_memory_utilization: float = 0.5  # fraction of the GPU vLLM may take
+    # the CPU build's KV cache in GiB (vLLM's kv_cache_memory_bytes; an exported
+    # VLLM_CPU_KVCACHE_SPACE wins). 0: vLLM sizes it from the free memory, about 10 GiB on
+    # a 24 GiB machine, and +exp=math's evaluator engine beside the actor's then ran out
+    # of memory. Not used on CUDA (gpu_memory_utilization sizes it there)
+    cpu_kv_cache_gib: float = 2.0
     max_num_seqs: int = 256  # sequences the scheduler runs together
     tensor_parallel_size: int = 1  # GPUs per engine (not with model.lora)
     enforce_eager: bool = False  # true: no CUDA graphs / torch.compile (faster start)
@@ -107,6 +112,11 @@ def validate_vllm(cfg: Any) -> None:
     if not isinstance(v.allow_untested_version, bool):
         raise ValueError(
             f"actor.vllm.allow_untested_version={v.allow_untested_version!r} must be true or false"
+        )
+    if v.cpu_kv_cache_gib < 0:
+        raise ValueError(
+            f"actor.vllm.cpu_kv_cache_gib={v.cpu_kv_cache_gib} must be >= 0 "
+            "(GiB of KV cache for the CPU build; 0: vLLM sizes it)"
         )
     if not 0 < v.gpu_memory_utilization <= 1:
         raise ValueError(

@@ -64,7 +64,7 @@ from actor.engines.vllm.weights import VLLMWeights, merge
 from pipeline import lora as lora_lib
 from pipeline.listeners import LOOPBACK, gloo_interface
 from pipeline.telemetry import Gap
-from pipeline.vllm_versions import VLLM_MISSING, check_vllm_version
+from pipeline.vllm_versions import CPU, VLLM_MISSING, check_vllm_version, installed_vllm_platform
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +167,7 @@ class VLLMEngine(VLLMRequests, VLLMWeights, Engine):
             enforce_eager=settings.enforce_eager,
             enable_prefix_caching=settings.enable_prefix_caching,
             max_model_len=settings.max_model_len,
+            **cpu_kv_cache(settings),
             logprobs_mode="processed_logprobs",  # the sampled-from distribution
             async_scheduling=False,  # one recorded step per sampled token (module docstring)
             worker_extension_cls="actor.engines.vllm.worker.extension.NonstopWorkerExtension",
@@ -301,6 +302,15 @@ def _stop_ids(tokenizer) -> set[int]:
     if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
         ids.add(im_end)
     return ids
+
+
+def cpu_kv_cache(settings) -> dict:
+    """``kv_cache_memory_bytes`` from ``actor.vllm.cpu_kv_cache_gib`` where the installed
+    vLLM is the CPU build and the setting is not 0; nothing on CUDA."""
+    gib = float(settings.cpu_kv_cache_gib)
+    if gib <= 0 or installed_vllm_platform() != CPU:
+        return {}
+    return {"kv_cache_memory_bytes": int(gib * 2**30)}
 
 
 def from_config(cfg: Any, model_path: str, tokenizer, seed: int) -> VLLMEngine:
