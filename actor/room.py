@@ -144,7 +144,10 @@ class Room:
         return reason is None
 
     def _refused(self, unpublished: int) -> str | None:
-        """Why no new group may start now (None: it may)."""
+        """Why no new group may start now (None: it may). Raises when the engine died: an
+        actor held back would otherwise tick on (healthy to /health and the watchdog)
+        with an engine that can never generate again; exiting lets it be restarted."""
+        self.check_engine()
         now = time.monotonic()
         if self.engine.version is None:  # partial weights: nothing may be generated
             return "weights"
@@ -177,8 +180,13 @@ class Room:
         self.waited = time.monotonic() - t0
         return 0 if self.pool.stop.is_set() else prompts
 
+    def check_engine(self) -> None:
+        if why := self.engine.dead():
+            raise RuntimeError(f"{why}; the actor exits so that it is restarted")
+
     def _hold(self, **status) -> None:
         """Held back on purpose: say so, and tick (waiting is not a hang)."""
+        self.check_engine()
         self.pool.status.set(version=self.engine.version, **status)
         self.pool.tick()
         time.sleep(HOLD_S)

@@ -200,6 +200,40 @@ def test_back_pressure_holds_groups_back_and_lets_them_go(setup, monkeypatch):
     assert any(r["wait_s"] > 0.1 for r in turns)  # the engine sat empty while held back
 
 
+def test_an_actor_held_back_exits_when_its_engine_core_dies(setup):
+    """Held back (a full backlog, nothing running), the actor's loop ticks on; if vLLM's
+    engine core dies then, nothing fails a request, so the hold itself must notice:
+    stream_groups raises naming the dead engine (the actor exits and is restarted)
+    instead of answering /health 200 with an engine that can never generate."""
+    s = setup
+    s.pool.cfg.actor.max_queue_groups = 2
+    client, names = s.pool.client, s.pool.names
+    out = {}
+
+    def go():
+        try:
+            stream.stream_groups(
+                s.pool, s.engine, s.task, s.tok, Window(50), RewardErrors(),
+                SimpleNamespace(applied=0, failed=0),
+            )  # fmt: skip
+        except RuntimeError as e:
+            out["error"] = str(e)
+
+    t = threading.Thread(target=go)
+    t.start()
+    try:
+        held = lambda: client.xlen(names.rollouts) >= 2 and s.engine.open_units == 0  # noqa: E731
+        assert wait_until(held, 30)
+        assert t.is_alive()  # held back, not failing
+        vllm_fake.AsyncLLM.last.errored = True  # the engine core exits
+        t.join(10)
+        assert not t.is_alive() and "engine core died" in out.get("error", ""), out
+    finally:
+        s.pool.stop.set()
+        t.join(10)
+        vllm_fake.AsyncLLM.last.errored = False  # the fixture closes the engine
+
+
 def test_groups_finished_while_the_actor_publishes_count_against_the_backlog(setup, monkeypatch):
     """A deterministic reproduction of groups escaping back-pressure: each publish waits
     until every submitted group has finished in the engine, so groups are always

@@ -176,3 +176,8 @@ class Engine(ABC):
 
     def close(self) -> None:  # noqa: B027 (optional: most engines hold nothing to release)
         """Release what the engine holds (processes, GPU memory)."""
+
+    def dead(self) -> str:
+        """Why the engine can never generate again ("" while it can): an engine in a
+        process of its own (vLLM's engine core) can die while the actor lives on."""
+        return ""

@@ -198,6 +198,12 @@ class VLLMEngine(VLLMRequests, VLLMWeights, Engine):
     async def _start(self, args):
         return self.api.AsyncLLM.from_engine_args(args)  # inside the loop: output handler
 
+    def dead(self) -> str:
+        llm = getattr(self, "llm", None)  # None while the engine starts
+        if llm is not None and llm.errored:
+            return "the vLLM engine core died (see the lines above: killed, out of memory?)"
+        return ""
+
     # -- plumbing --------------------------------------------------------------------
     def _call(self, coro, timeout: float):
         """Run ``coro`` on the engine loop; wait at most ``timeout`` seconds, and no longer
