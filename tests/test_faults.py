@@ -29,6 +29,17 @@ from pipeline.telemetry import MetricsFile, PoolStatus
 from tests.fault_runs import ReplyDropper, check_account, run_faults_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REDIS_KILLS = "5:kill:redis,25:kill:redis,45:kill:redis"  # what --faults redis_sigkill x3 plans
+
+
+def back_to_back(schedule: str) -> str:
+    """``schedule``'s faults in its order, 1 s apart: the bench applies each after the one
+    before has taken effect and the run recovered from it (a trainer step since, the hit
+    pool reporting again), so the run's own recovery spaces them, not idle waits (the
+    default schedule's 80 s)."""
+    return ",".join(
+        f"{i + 1}:{kind}:{target}" for i, (_, kind, target) in enumerate(plan(schedule, None))
+    )
 
 
 def test_faults_flag_picks_named_faults_from_the_schedule():
@@ -43,6 +54,8 @@ def test_faults_flag_picks_named_faults_from_the_schedule():
     with pytest.raises(SystemExit, match="redis_sigstop"):
         plan(schedule, "redis_sigstop")
     assert "80:kill:redis" in DEFAULT_SCHEDULE  # the hard kill is in the default schedule
+    assert plan(REDIS_KILLS, None) == plan(DEFAULT_SCHEDULE, "redis_sigkill," * 3)
+    assert back_to_back(schedule) == "1:kill:actor-0,2:restart:redis,3:kill:redis"
 
 
 def test_what_is_left_after_a_drain_must_be_what_the_trainer_says_it_holds():
@@ -73,9 +86,7 @@ def test_what_is_left_after_a_drain_must_be_what_the_trainer_says_it_holds():
 def test_redis_sigkill_mid_run_loses_and_duplicates_nothing(tmp_path):
     """SIGKILL redis-server three times mid-run (appendfsync always, the default):
     the launcher restarts it from its AOF each time, and every group is accounted for."""
-    proc, result, run_dir = run_faults_bench(
-        tmp_path, "--faults", "redis_sigkill,redis_sigkill,redis_sigkill"
-    )
+    proc, result, run_dir = run_faults_bench(tmp_path, "--schedule", back_to_back(REDIS_KILLS))
     assert [f["name"] for f in result["faults"]] == ["redis_sigkill"] * 3
     assert OmegaConf.load(run_dir / "config.yaml").redis.embedded_appendfsync == "always"
     check_account(result, run_dir)
@@ -100,7 +111,12 @@ def test_a_tls_only_redis_killed_mid_run_comes_back_on_tls(tmp_path):
 
 @pytest.mark.slow
 def test_pipeline_survives_the_fault_schedule(tmp_path):
-    proc, result, run_dir = run_faults_bench(tmp_path)
+    """Every fault of the default schedule, in its order, each as soon as the one before
+    has taken effect and been recovered from (the bench waits for both)."""
+    proc, result, run_dir = run_faults_bench(tmp_path, "--schedule", back_to_back(DEFAULT_SCHEDULE))
+    assert [(f["kind"], f["target"]) for f in result["faults"]] == [
+        (kind, target) for _, kind, target in plan(DEFAULT_SCHEDULE, None)
+    ]
     check_account(result, run_dir)
     assert {f["name"] for f in result["faults"]} >= {"redis_restart", "redis_sigkill"}
     assert result["restarts"].get("trainer", 0) >= 1 and result["restarts"].get("redis", 0) >= 1
