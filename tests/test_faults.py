@@ -140,7 +140,7 @@ def test_a_draining_run_holds_every_actor_loop_back(rclient, tmp_path):
         status=PoolStatus(rclient, names, "actor-0", "actor"),
         metrics=MetricsFile(str(tmp_path / "metrics.jsonl")),
     )
-    engine = SimpleNamespace(version=0)
+    engine = SimpleNamespace(version=0, dead=lambda: "")  # alive, at version 0
     turns, room = Room(pool, engine), Room(pool, engine)  # the batch and streaming loops
     assert turns.wait() == cfg.sampling.prompts_per_batch and room(0)  # not draining
 

@@ -165,6 +165,15 @@ def live(tmp_path_factory, wrap):
         wait_for_step(run_dir, proc)
         facts["dead_injected"] = inject_garbage(run_dir)
         pools = targets(run_dir)
+        # the actor first: killed at the first step, the run cannot end before its
+        # restart is up (8 tiny steps took 13 s after a faster trainer step; killed at
+        # the end of the checks below, the restart came after the last publish)
+        old_actor = pools["actor-0"]
+        os.kill(pid_of(run_dir, "actor-0"), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while targets(run_dir).get("actor-0") in (None, old_actor) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        facts["actor_ports"] = (old_actor, targets(run_dir).get("actor-0"))
         pre = "http://" + pools["preprocessor-0"]
         facts["health_before"] = get(pre + "/health")
         pid = pid_of(run_dir, "preprocessor-0")
@@ -181,12 +190,6 @@ def live(tmp_path_factory, wrap):
             os.kill(pid, signal.SIGCONT)
         facts["health_after"] = _poll(pre + "/health", 200, timeout=10)
         facts["after_health_ok"] = time.time()
-        old_actor = pools["actor-0"]
-        os.kill(pid_of(run_dir, "actor-0"), signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while targets(run_dir).get("actor-0") in (None, old_actor) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        facts["actor_ports"] = (old_actor, targets(run_dir).get("actor-0"))
         out, _ = proc.communicate(timeout=300)
     finally:
         done.set()

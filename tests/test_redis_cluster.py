@@ -22,7 +22,9 @@ import redis
 from omegaconf import OmegaConf
 from redis.exceptions import RedisClusterException
 
+from actor.journal import Journal
 from pipeline.config import Config, min_replicas_acked, validate
+from pipeline.messages import SCHEMA_VERSION, EpisodeState
 from pipeline.redis_cluster import LocalCluster, bus_port
 from pipeline.redis_server import EmbeddedRedis, free_port
 from pipeline.streams import (
@@ -34,9 +36,11 @@ from pipeline.streams import (
     durable,
     ensure_group,
     publish,
+    wait_until,
 )
 from pipeline.streams.cluster import parse, silent
 from pipeline.streams.durable import Durability, Lua, NotReplicated, attach
+from pipeline.tasks import Problem
 from pipeline.weight_publisher import set_rendezvous
 from tests.launching import ROOT, launch_tiny, run_tiny
 from tests.redis_builders import WatchRounds, pool_start_line
@@ -145,6 +149,7 @@ SCRIPT_MODULES = (
     "actor.room",
     "trainer.main",
     "pipeline.weight_publisher",
+    "actor.journal",
 )
 
 
@@ -172,7 +177,7 @@ def test_every_script_runs_in_one_slot(cluster, cclient, monkeypatch):
     script is run, and the cluster stores what they wrote. A script given keys of two
     slots is refused: the check can fail."""
     scripts = _every_script()
-    assert len(scripts) == 6, scripts
+    assert len(scripts) == 11, scripts
     calls: dict[str, list[list[str]]] = {name: [] for name in scripts}
     original = Lua.__call__
 
@@ -212,6 +217,23 @@ def test_every_script_runs_in_one_slot(cluster, cclient, monkeypatch):
     cclient.hset(NAMES.rendezvous, "old", "x")
     set_rendezvous(cclient, NAMES, {"epoch": "e", "port": 1})
     assert cclient.hgetall(NAMES.rendezvous) == {b"epoch": b"e", b"port": b"1"}
+    # the episode journal (actor/journal.py): a group opened, a turn written, the lease
+    # renewed, the group taken over by another actor once it ran out, then done
+    first = Journal(cclient, NAMES, "actor-0", 0.3)
+    first.open("actor-0:g", Problem(id="p", question="q", answer="1"), [1, 2], 2)
+    state = EpisodeState(
+        schema=SCHEMA_VERSION, index=0, turns=1, ids=b"", mask=b"", logprobs=b"", versions=b""
+    )
+    assert first.write("actor-0:g", 0, state)
+    assert wait_until(lambda: calls["actor.journal._RENEW"], 5)  # a renewal round
+    first.close()
+    time.sleep(0.4)  # its lease runs out
+    other = Journal(cclient, NAMES, "actor-1", 30.0)
+    taken = other.take_over()
+    assert taken is not None and taken.states[0].turns == 1
+    other.done("actor-0:g")
+    other.close()
+    assert cclient.hgetall(NAMES.episode_claims) == {}
     for name, keysets in calls.items():
         assert keysets, f"{name} was never run"
         for keys in keysets:
