@@ -119,8 +119,12 @@ class LocalCluster:
             )
         if self.acl_file:
             self._write_acl(self.nodes)
-        for node in self.nodes:
-            node.start()
+        try:
+            for node in self.nodes:
+                node.start()
+        except BaseException:  # one would not start: none of the others is left running
+            self.stop()
+            raise
         cmd = [exe, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes)]
         cmd += ["--cluster-replicas", str(self.replicas), "--cluster-yes"]
         if self.client_tls is not None:

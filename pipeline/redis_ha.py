@@ -226,11 +226,15 @@ class RedisHA:
         replica is in sync and every sentinel sees the primary, its replicas and the
         other sentinels; RedisUnavailable (one line: the launcher exits 2 with it) naming
         what is missing otherwise."""
-        self.start_node(0, None)
-        for k in range(1, len(self.nodes)):
-            self.start_node(k, self.nodes[0])
-        for k in range(len(self.sentinel_ports)):
-            self.start_sentinel(k, self.nodes[0])
+        try:
+            self.start_node(0, None)
+            for k in range(1, len(self.nodes)):
+                self.start_node(k, self.nodes[0])
+            for k in range(len(self.sentinel_ports)):
+                self.start_sentinel(k, self.nodes[0])
+        except BaseException:  # one would not start: none of the others is left running
+            self.stop()
+            raise
         deadline, missing = time.monotonic() + timeout_s, "nothing checked"
         while time.monotonic() < deadline:
             for k, proc in enumerate(self.sentinel_procs):

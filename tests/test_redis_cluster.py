@@ -616,3 +616,17 @@ def test_a_partition_moves_to_another_primary_under_a_writer_and_a_reader(tmp_pa
     finally:
         stop.set()
         local.stop()
+
+
+def test_a_node_that_cannot_start_leaves_no_other_node_running(tmp_path):
+    """One node's port taken by a socket that never answers: start() fails, and the nodes
+    it had started are stopped with it (a full-suite run once left three behind)."""
+    local = LocalCluster(str(tmp_path / "redis"), "everysec")
+    blocker = socket.create_server(("127.0.0.1", local.nodes[3].port))
+    try:
+        with pytest.raises((RuntimeError, redis.RedisError)):
+            local.start(timeout_s=30)
+    finally:
+        blocker.close()
+    started = [n for n in local.nodes[:3] if n.proc is not None]
+    assert len(started) == 3 and all(n.proc.poll() is not None for n in started)

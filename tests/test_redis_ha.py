@@ -486,3 +486,20 @@ def test_a_topology_not_ready_in_time_is_one_line(tmp_path):
     assert "\n" not in str(e.value) and topology.password not in str(e.value)
     assert all(n.proc.poll() is not None for n in topology.nodes)
     assert all(p.poll() is not None for p in topology.sentinel_procs)
+
+
+def test_a_node_that_cannot_start_leaves_the_primary_not_running(tmp_path):
+    """The replica's port taken by a socket that never answers: start() fails, and the
+    primary it had started is stopped with it (nothing of the topology left behind)."""
+    import socket
+
+    ha = RedisHA(str(tmp_path / "redis"))
+    blocker = socket.create_server(("127.0.0.1", ha.nodes[1].port))
+    try:
+        with pytest.raises((RuntimeError, redis.RedisError)):
+            ha.start(timeout_s=30)
+    finally:
+        blocker.close()
+    primary = ha.nodes[0].proc
+    assert primary is not None and primary.poll() is not None
+    assert all(p is None for p in ha.sentinel_procs)  # never reached
