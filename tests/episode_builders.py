@@ -167,6 +167,26 @@ class RestartingEnv(DurableEnv):
     resumable = False
 
 
+def actor_pool(cfg, client, names, metrics_path: str, name: str = "actor-0"):
+    """A Pool for an actor's loops in process (real redis ``client``), as actor/main.py
+    builds it: status hash, metrics file, a stop event."""
+    import threading
+
+    from pipeline.runtime import Pool
+    from pipeline.telemetry import MetricsFile, PoolStatus
+
+    return Pool(
+        cfg=cfg,
+        name=name,
+        role="actor",
+        client=client,
+        names=names,
+        stop=threading.Event(),
+        status=PoolStatus(client, names, name, "actor"),
+        metrics=MetricsFile(metrics_path),
+    )
+
+
 def env_config(env: str = "tests.episode_builders:EchoEnv", **episode):
     cfg = OmegaConf.structured(Config)
     cfg.task.kind, cfg.task.env, cfg.task.group_size = "env", env, 2

@@ -25,11 +25,10 @@ from actor.journal import Journal
 from pipeline.accounting import account, in_flight, problems
 from pipeline.messages import EpisodeState, RolloutGroup, decode, rle_decode, unpack_f32
 from pipeline.models import load_model
-from pipeline.runtime import Pool
 from pipeline.streams import Names
-from pipeline.telemetry import MetricsFile, PoolStatus, Window, read_jsonl
+from pipeline.telemetry import Window, read_jsonl
 from tests.config_builders import actor_config
-from tests.episode_builders import DurableEnv, RestartingEnv, env_config
+from tests.episode_builders import DurableEnv, RestartingEnv, actor_pool, env_config
 from tests.launching import ROOT, wait_until
 
 NAMES = Names("nonstop", "tiny")  # +exp=tiny's run
@@ -266,16 +265,7 @@ def test_an_environment_that_raises_ends_its_episode_as_an_infra_failure(tiny, r
     publishes the groups."""
     runner = _runner(tiny, DurableEnv, rclient, "actor-0", raise_on=1)
     names = Names("test", "journal")
-    pool = Pool(
-        cfg=runner.cfg,
-        name="actor-0",
-        role="actor",
-        client=rclient,
-        names=names,
-        stop=threading.Event(),
-        status=PoolStatus(rclient, names, "actor-0", "actor"),
-        metrics=MetricsFile(str(tmp_path / "metrics.jsonl")),
-    )
+    pool = actor_pool(runner.cfg, rclient, names, str(tmp_path / "metrics.jsonl"))
     runner.on_env_error = lambda what: pool.status.incr(f"env_errors.{what}")
     assert publish_episodes(pool, runner, Window(10), prompts_n=2) == 2
     runner.close()
@@ -369,16 +359,7 @@ def test_the_streaming_loop_writes_turns_and_takes_over_a_stopped_actors_groups(
         cfg = env_config("tests.episode_builders:DurableEnv", max_turns=3)
         cfg.task.env_args = {"turns": 3, "tool_s": tool_s, "slow_from": slow_from}
         cfg.actor.max_queue_groups, cfg.actor.max_lag, cfg.actor.vllm.in_flight = 100, 10, 2
-        pool = Pool(
-            cfg=cfg,
-            name="actor-0",
-            role="actor",
-            client=rclient,
-            names=names,
-            stop=threading.Event(),
-            status=PoolStatus(rclient, names, "actor-0", "actor"),
-            metrics=MetricsFile(str(tmp_path / "metrics.jsonl")),
-        )
+        pool = actor_pool(cfg, rclient, names, str(tmp_path / "metrics.jsonl"))
         runner = EpisodeRunner(cfg, engine, tok, DurableEnv, seed=0)
         runner.journal = Journal(rclient, names, "actor-0", 30.0)
         loop = threading.Thread(

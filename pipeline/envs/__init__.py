@@ -71,6 +71,13 @@ class Step:
     infra: bool = False  # the tool's infrastructure failed (not the model's fault)
 
 
+def not_resumable(env) -> str:
+    return (
+        f"{type(env).__name__} is not resumable: its episodes restart after a takeover; "
+        "set resumable = True and define state() and restore() to resume them"
+    )
+
+
 class Environment(abc.ABC):
     """The base of in-process environments: the contract's defaults. ``tasks``, ``reset``
     and ``step`` are abstract: a subclass without one is refused by :func:`load_env`."""
@@ -101,13 +108,15 @@ class Environment(abc.ABC):
 
     def state(self) -> Any:
         """A resumable environment's state after a step, as plain data (dicts, lists,
-        strings, numbers): what :meth:`restore` needs to answer the next turn."""
-        raise NotImplementedError(f"{type(self).__name__} is not resumable")
+        strings, numbers): what :meth:`restore` needs to answer the next turn. Called
+        only when ``resumable`` is True, and load_env refuses a class that says so
+        without overriding both."""
+        raise TypeError(not_resumable(self))
 
     async def restore(self, problem, state: Any) -> None:
         """Take up an episode on ``problem`` where :meth:`state` left it (instead of
         ``reset``: the episode's messages so far are already in its ids)."""
-        raise NotImplementedError(f"{type(self).__name__} is not resumable")
+        raise TypeError(not_resumable(self))
 
 
 def load_env(spec: str) -> type:
