@@ -47,7 +47,10 @@ import numpy as np
 
 from pipeline.tasks import Problem
 
-SCHEMA_VERSION = 2  # 2: a Sample is an episode (loss_mask, turn_offsets, tool outcomes)
+# 2: a Sample is an episode (loss_mask, turn_offsets, tool outcomes)
+# 3: Keep Routing (Sample.routes / routes_exact, RolloutGroup and TrainBatch route_layout,
+#    RolloutGroup.prompt_routes)
+SCHEMA_VERSION = 3
 MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
 
 
@@ -186,6 +189,17 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defa
     # a tool's infrastructure failed in this episode: trained with advantage 0 and left
     # out of its group's advantage statistics (never scored as a wrong answer)
     infra_failure: bool = False
+    # sampling.keep_routing (MoE models): the experts each token was routed to at every
+    # MoE layer, prompt included, as pipeline/routing.py lays them out: uint8 (uint16 when
+    # the model has more than 256 experts), [rows, moe layers, k], ids ascending per row.
+    # Rows: every id the engine fed forward, i.e. prompt + completion ids less the last
+    # completion id; only the completion's rows (from the first completion id) when the
+    # group carries its prompt's rows once in RolloutGroup.prompt_routes. The layout
+    # (layers, k, experts) is the group's ``route_layout``.
+    routes: bytes = b""
+    # False: some rows were recomputed after a swap or a preemption (another version's
+    # routing), as ``versions_exact`` for versions
+    routes_exact: bool = True
 
     def tokens(self) -> np.ndarray:
         """Every id after the prompt (sampled, boundary and observation ids)."""
@@ -347,6 +361,11 @@ class RolloutGroup(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     top_p: float = 1.0
     top_k: int = 0
     created: float = 0.0
+    # sampling.keep_routing: [moe layers, k, experts] of every sample's ``routes`` (empty:
+    # no routes recorded), and the prompt's rows ([len(prompt), layers, k]) once for every
+    # sample when they are identical (then each sample's ``routes`` start at its completion)
+    route_layout: list[int] = msgspec.field(default_factory=list)
+    prompt_routes: bytes = b""
 
     def check(self) -> None:
         """Raise BadEntry naming the first sample (and field) that breaks the per-token
@@ -379,6 +398,10 @@ class TrainBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     temperature: float
     top_p: float = 1.0
     top_k: int = 0
+    # sampling.keep_routing: [moe layers, k, experts]; every sample's ``routes`` then hold
+    # all its rows (prompt + completion - 1), the preprocessor having joined a group's
+    # shared prompt rows to each sample
+    route_layout: list[int] = msgspec.field(default_factory=list)
 
     def check(self, vocab_size: int) -> None:
         """Raise BadEntry naming the first inconsistency: lists of different lengths,

