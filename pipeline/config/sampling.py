@@ -28,6 +28,10 @@ class SamplingConfig:
     # with top_p < 1 or top_k > 0: record each token's kept vocabulary ids, so the
     # trainer renormalises over the same support instead of recomputing it (hf only)
     keep_sampling_mask: bool = False
+    # mixture-of-experts models (Keep Routing): record the experts every token was routed
+    # to at every MoE layer (prompt included) and force them in the trainer's forward
+    # (pipeline/routing.py); refused for a dense model
+    keep_routing: bool = False
     torch_threads: int = 1  # the actor's torch threads
 
 
