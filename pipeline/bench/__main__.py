@@ -6,6 +6,7 @@ import pkgutil
 import sys
 
 import pipeline.bench as bench
+from pipeline.bench.common import exit_on_signals
 
 
 def available() -> list[str]:
@@ -18,6 +19,7 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] not in names:
         print(f"usage: python -m pipeline.bench {{{','.join(names)}}} --out FILE [...]")
         return 2
+    exit_on_signals()  # SIGTERM / SIGHUP run every bench's clean-up, as Ctrl-C does
     return importlib.import_module(f"pipeline.bench.{argv[0]}").main(argv[1:]) or 0
 
 

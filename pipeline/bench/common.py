@@ -7,6 +7,8 @@ import json
 import os
 import platform
 import resource
+import signal
+import subprocess
 import time
 
 import numpy as np
@@ -84,3 +86,36 @@ class LoadProbe:
             "other_cpu_cores": round(max(busy - own, 0.0) / wall, 2),
             "cores": os.cpu_count(),
         }
+
+
+def exit_on_signals() -> None:
+    """SIGTERM and SIGHUP end a bench as Ctrl-C does: they raise SystemExit in the main
+    thread, so every ``finally`` that stops what the bench started runs (the default
+    action would kill the bench at once and orphan its launcher and pools). A second
+    signal while it stops is reported and ignored."""
+
+    def stopping(signum, _frame):
+        print(f"bench: signal {signum} again; still stopping what it started", flush=True)
+
+    def first(signum, _frame):
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(sig, stopping)
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, first)
+
+
+def stop_process(proc, sig: int = signal.SIGINT, grace_s: float = 120.0) -> None:
+    """Stop a process a bench started, if it still runs: ``sig`` (a launcher stops its
+    pools and its Redis on SIGINT or SIGTERM and writes its summary), up to ``grace_s``
+    for it to exit, then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        print(f"bench: pid {proc.pid} did not stop in {grace_s:g} s; killing it", flush=True)
+        proc.kill()
+        proc.wait()

@@ -68,7 +68,7 @@ import redis
 from omegaconf import OmegaConf
 
 from pipeline.accounting import account, in_flight, problems
-from pipeline.bench.common import device_name, print_table, write_json
+from pipeline.bench.common import device_name, print_table, stop_process, write_json
 from pipeline.streams import DRAIN_FIELD, Names, connect, wait_until
 from pipeline.streams.durable import Durability, attach, set_value
 from pipeline.telemetry import read_jsonl, read_statuses, surviving_steps
@@ -82,13 +82,17 @@ EXTRA_FAULTS = {  # not in the default schedule
     "redis_primary_loss": ("lose", "redis_primary"),
     "cluster_primary_loss": ("lose", "cluster_primary"),
 }
+NEEDS_MODE = {  # a fault's target -> the redis.mode (and the --set that gives it) it needs
+    "redis_primary": ("sentinel", "redis=ha"),
+    "cluster_primary": ("cluster", "redis=cluster"),
+}
 RECOVERY_TIMEOUT_S = 180.0
 DRAIN_TIMEOUT_S = 240.0  # for the preprocessors and the trainer to empty the streams
 QUIET_S = 5.0  # nothing in the streams moved this long: drained
 
 
-def launch(run_dir: str, args) -> subprocess.Popen:
-    overrides = [
+def run_overrides(run_dir: str, args) -> list[str]:
+    return [
         "+exp=tiny",
         f"run_dir={run_dir}",
         "trainer.max_steps=100000",
@@ -99,6 +103,30 @@ def launch(run_dir: str, args) -> subprocess.Popen:
         "trainer.transfer_timeout_s=10",
         *args.set,
     ]
+
+
+def check_before_launch(run_dir: str, args) -> None:
+    """What can be known before anything starts: the run's config composes and passes the
+    launcher's checks, and every planned fault fits its redis.mode (SystemExit naming the
+    --set to add otherwise), so a bad invocation launches nothing."""
+    from actor.measure_episodes import compose
+
+    try:
+        cfg = compose(run_overrides(run_dir, args))
+    except Exception as e:  # hydra's and the config checks' own errors: say them plainly
+        raise SystemExit(f"the run's config is refused ({type(e).__name__}): {e}") from None
+    for _, _, target in args.plan:
+        if target in NEEDS_MODE and cfg.redis.mode != NEEDS_MODE[target][0]:
+            mode, setting = NEEDS_MODE[target]
+            name = next(n for n, (_, t) in EXTRA_FAULTS.items() if t == target)
+            raise SystemExit(
+                f"{name} needs a {setting} run (redis.mode is {cfg.redis.mode}): add "
+                f"--set {setting}"
+            )
+
+
+def launch(run_dir: str, args) -> subprocess.Popen:
+    overrides = run_overrides(run_dir, args)
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "launcher.out"), "w") as out:  # not a pipe: never fills
         return subprocess.Popen(
@@ -560,7 +588,15 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     run_dir = os.path.abspath(args.run_dir or tempfile.mkdtemp(prefix="nonstop-faults-"))
     load_start = os.getloadavg()
+    check_before_launch(run_dir, args)
     proc = launch(run_dir, args)
+    try:
+        return run_and_report(run_dir, args, proc, load_start)
+    finally:  # an error, Ctrl-C or SIGTERM (pipeline/bench/__main__.py): nothing left running
+        stop_process(proc, signal.SIGINT, args.timeout_s)
+
+
+def run_and_report(run_dir: str, args, proc: subprocess.Popen, load_start) -> int:
     client = wait_for_redis(run_dir, proc)
     names, metrics = run_names(run_dir), os.path.join(run_dir, "metrics.jsonl")
     if not wait_steps(metrics, 1, 300, proc):

@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.bench.common import LoadProbe, device_name, print_table, write_json
+from pipeline.bench.common import LoadProbe, device_name, print_table, stop_process, write_json
 from pipeline.telemetry import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,11 +67,11 @@ def run_one(run_dir: Path, overrides: list[str], timeout_s: float, logs: Path) -
         try:
             code = proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            proc.terminate()  # the launcher stops its pools and Redis on SIGTERM
-            proc.wait(120)
             raise RuntimeError(
                 f"{run_dir.name} did not finish in {timeout_s:.0f}s; see {log}"
             ) from None
+        finally:  # timed out, Ctrl-C or SIGTERM: the launcher stops its pools and Redis
+            stop_process(proc, signal.SIGTERM)
     if code != 0:
         raise RuntimeError(f"{run_dir.name} exited {code}; see {log}")
     return {"wall_s": round(time.monotonic() - t0, 1), "load": probe.end()}

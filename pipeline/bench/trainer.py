@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.bench.common import device_name, print_table, write_json
+from pipeline.bench.common import device_name, print_table, stop_process, write_json
 
 SHAPES = {  # name -> LlamaConfig fields (tiny tokenizer ids stay below 100)
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, heads=4, vocab=128),
@@ -207,7 +208,11 @@ def run_setting(args, backend: str, stage: int, world: int, tmp: Path, redis_url
         env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
         log = open(tmp / f"{result.stem}-{rank}.log", "w")  # noqa: SIM115
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-    codes = [p.wait(timeout=args.timeout_s) for p in procs]
+    try:
+        codes = [p.wait(timeout=args.timeout_s) for p in procs]
+    finally:  # timed out, Ctrl-C or SIGTERM: no rank outlives the bench
+        for p in procs:
+            stop_process(p, signal.SIGTERM, 10.0)
     if any(codes):
         tail = (tmp / f"{result.stem}-0.log").read_text()[-2000:]
         raise RuntimeError(f"{backend} stage {stage} x{world} failed ({codes}):\n{tail}")

@@ -1,0 +1,110 @@
+"""The benchmarks that launch runs leave nothing running: a bad invocation is refused
+before anything starts, and SIGTERM to the bench (as from a terminal closing, `kill`,
+systemd or Slurm) stops the launcher it started, its pools and its Redis."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launching import run_leftovers
+
+pytestmark = pytest.mark.slow
+
+
+def bench(args: list[str], tmp_path: Path, **kw) -> subprocess.Popen:
+    env = dict(os.environ, TMPDIR=str(tmp_path), HF_HUB_OFFLINE="1")
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.bench", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
+
+
+def launchers_of(run_dir: Path) -> list[int]:
+    """Live launcher processes started for ``run_dir`` (``run_dir=`` on their command line)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            state = Path(f"/proc/{entry}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != b"Z" and b"pipeline.launch" in cmd and f"run_dir={run_dir}".encode() in cmd:
+            found.append(int(entry))
+    return found
+
+
+def wait_for(check, timeout: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if proc.poll() is not None:
+            pytest.fail(f"the bench exited ({proc.returncode}) early:\n{proc.stdout.read()}")
+        assert time.monotonic() < deadline, f"not true within {timeout} s: {check}"
+        time.sleep(0.2)
+
+
+def test_a_fault_that_needs_another_redis_mode_launches_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = bench(
+        ["faults", "--faults", "redis_primary_loss", "--run-dir", str(run_dir),
+         "--out", str(tmp_path / "out.json")],
+        tmp_path,
+    )  # fmt: skip
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, out
+    want = "redis_primary_loss needs a redis=ha run (redis.mode is single): add --set redis=ha"
+    assert want in out
+    assert not (run_dir / "launcher.out").exists(), "a launcher was started"
+    assert not (tmp_path / "out.json").exists()
+
+
+def sigterm_stops_everything(proc: subprocess.Popen, run_dir: Path) -> str:
+    """SIGTERM to the bench once its launcher has started the run's processes; then the
+    bench, its launcher and every process of the run are gone."""
+    wait_for(lambda: launchers_of(run_dir) and run_leftovers(run_dir), 240, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode != 0
+    deadline = time.monotonic() + 30  # processes the launcher stopped may take a moment to go
+    while (run_leftovers(run_dir) or launchers_of(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert launchers_of(run_dir) == [], f"the launcher outlived the bench:\n{out}"
+    assert run_leftovers(run_dir) == [], f"processes of the run outlived the bench:\n{out}"
+    return out
+
+
+def test_sigterm_to_the_faults_bench_stops_its_run(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = bench(
+        ["faults", "--faults", "actor-0_sigkill", "--run-dir", str(run_dir),
+         "--out", str(tmp_path / "out.json")],
+        tmp_path,
+    )  # fmt: skip
+    sigterm_stops_everything(proc, run_dir)
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_sigterm_to_the_async_bench_stops_its_run(tmp_path):
+    proc = bench(
+        ["async", "--repeats", "1", "--settings", "normal", "--no-eval", "--budget-s", "600",
+         "--out", str(tmp_path / "async.json"), "--set", "model.name=tiny"],
+        tmp_path,
+    )  # fmt: skip
+    found: list[Path] = []
+
+    def run_started() -> bool:
+        found[:] = [p / "normal-0-sync" for p in tmp_path.glob("bench-async-*")]
+        return bool(found) and bool(run_leftovers(found[0]))
+
+    wait_for(run_started, 240, proc)
+    sigterm_stops_everything(proc, found[0])
