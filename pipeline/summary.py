@@ -197,6 +197,22 @@ def _cpu_fields(record: dict) -> dict:
     return {k: record[k] for k in ("wall_s", "cores", "cpu_s", "share")}
 
 
+def trainer_wait(steps: list[dict]) -> dict:
+    """The trainer's idle share from its step records' ``wait_s`` and ``step_s``, over the
+    steps after the first (the first one's wait holds the pools' start-up)."""
+    later = [r for r in steps[1:] if "wait_s" in r and "step_s" in r]
+    if not later:
+        return {}
+    wait, busy = sum(r["wait_s"] for r in later), sum(r["step_s"] for r in later)
+    return {
+        "steps": len(later),
+        "wait_s": round(wait, 2),
+        "step_s": round(busy, 2),
+        "idle_share": round(wait / (wait + busy), 4) if wait + busy > 0 else 0.0,
+        "longest_wait_s": round(max(r["wait_s"] for r in later), 2),
+    }
+
+
 def from_run_dir(run_dir: str, records: list[dict], terms: dict) -> dict:
     """The Summary fields both summaries (with Redis and without) take from the run
     directory: the config's mode and engine, the last evaluation, the reward over the
@@ -216,6 +232,7 @@ def from_run_dir(run_dir: str, records: list[dict], terms: dict) -> dict:
         first_eval=min(evals, key=lambda r: r["version"], default={}),
         nonfinite_steps=sum(r.get("event") == "nonfinite_step" for r in records),
         cpu=next((_cpu_fields(r) for r in reversed(records) if r.get("event") == "cpu"), {}),
+        trainer_wait=trainer_wait(steps),
         reward_mean_first_window=_mean(rewards[:window]),
         reward_mean_last_window=_mean(rewards[-window:]),
         reward_window_steps=window,

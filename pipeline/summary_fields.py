@@ -72,6 +72,10 @@ class Summary:
     # the launcher's last ``cpu`` record (pipeline/cpu_meter.py): per pool CPU seconds
     # and share (cores busy over the run), the cores, the wall it covers; {} without one
     cpu: dict = field(default_factory=dict)
+    # the trainer's wait for data (``wait_s`` of its step records) over the steps after the
+    # first (whose wait includes the start-up): ``steps``, ``wait_s``, ``step_s``,
+    # ``idle_share`` = wait / (wait + step), ``longest_wait_s``; {} with fewer than 2 steps
+    trainer_wait: dict = field(default_factory=dict)
 
     def render(self) -> str:
         s = self
@@ -141,6 +145,7 @@ class Summary:
             _account_row(s.accounting),
             ("groups with PRM-scored steps", s.prm_scored_groups),
             ("cores busy over the run", shares_text(s.cpu.get("share"), s.cpu.get("cores"))),
+            ("trainer waiting for data", _wait_text(s.trainer_wait)),
             ("wall seconds", f"{s.wall_seconds:.1f}"),
         ]
         if self.redis_unavailable:
@@ -148,6 +153,16 @@ class Summary:
             rows.insert(1, ("from disk only", why + "; ".join(self.redis_unavailable)))
         width = max(len(k) for k, _ in rows)
         return "\n".join(["run summary"] + [f"  {k.ljust(width)}  {v}" for k, v in rows])
+
+
+def _wait_text(w: dict) -> str:
+    if not w:
+        return "-"
+    return (
+        f"{100 * w['idle_share']:.1f}% of steps 2-{w['steps'] + 1} "
+        f"({w['wait_s']:.1f} s waiting, {w['step_s']:.1f} s training), "
+        f"longest wait {w['longest_wait_s']:.1f} s"
+    )
 
 
 def _episode_rows(e: dict) -> list[tuple[str, str]]:

@@ -36,6 +36,13 @@ def test_pipeline_end_to_end(tmp_path):
     assert 0 < sum(cpu["share"].values()) <= cpu["cores"] * 1.05, cpu
     assert "cores busy over the run" in out and "trainer" in out.split("cores busy")[1]
     assert [r for r in records if r.get("event") == "cpu"][-1]["cpu_s"] == cpu["cpu_s"]
+    # the trainer's idle share: each step record's wait for its data, summed over steps 2-6
+    steps = [r for r in records if r.get("event") == "step"]
+    wait = summary["trainer_wait"]
+    assert wait["steps"] == 5 and all(r["wait_s"] >= 0 for r in steps), wait
+    assert wait["wait_s"] == round(sum(r["wait_s"] for r in steps[1:]), 2), wait
+    assert wait["step_s"] == round(sum(r["step_s"] for r in steps[1:]), 2), wait
+    assert 0 <= wait["idle_share"] < 1 and "trainer waiting for data" in out
     # Whether a swap lands inside one of the hf engine's generation batches (about 50 ms
     # each here) is timing: two CI-like runs had no sequence spanning versions, one none
     # trained, one none published. The swap between two forward passes with sequences

@@ -72,6 +72,7 @@ def resolve_device(device: str, local_rank: int) -> str:
 class Trainer:
     def __init__(self, pool: Pool):
         self.pool, cfg = pool, pool.cfg
+        self.waited_s = 0.0  # main(): how long the trainer waited for the next step's data
         t = cfg.trainer
         self.ranks: Ranks = init_ranks(
             t.world_size, t.device, t.collective_timeout_s, need_dist=t.backend == "deepspeed"
@@ -219,6 +220,9 @@ class Trainer:
             self.publish()
             self.pool.tick()
         metrics["step_s"] = time.monotonic() - t0
+        # the wait for this step's data before it (reading, staleness, waiting for groups):
+        # the trainer's idle time, summed in summary.json's trainer_wait
+        metrics["wait_s"] = self.waited_s
         # the step's record before the checkpoint that covers it: a trainer killed after
         # the save resumes past these entries and never re-reads them, so a record written
         # later could be lost with it (and the step's samples with it, in the accounting)
@@ -381,9 +385,11 @@ def main(argv: list[str] | None = None) -> None:
     trainer = Trainer(pool)
     max_steps = pool.cfg.trainer.max_steps
     while trainer.state["version"] < max_steps:
+        t0 = time.monotonic()
         plan = trainer.next_plan()
         if plan.stop:
             break
+        trainer.waited_s = time.monotonic() - t0  # waiting for this step's data
         trainer.step(plan)  # records the step (report) before its checkpoint
     trainer.finish()
 
