@@ -197,6 +197,7 @@ class EpisodeRunner:
         self.journal = None  # actor/journal.py: set by the actor (the pool's Redis)
         self.env_errors: Counter = Counter()  # reset / step raised, by which
         self.on_env_error = None  # called with "reset" or "step" (the actor counts it)
+        self.steps_running = 0  # environment steps (tool calls) in progress now
 
     def close(self) -> None:
         if self.journal is not None:
@@ -367,11 +368,14 @@ class EpisodeRunner:
         """``ep.env.step(turn)``; an environment that raises ends the episode as an
         infrastructure failure (out of its group's advantage statistics, logged and
         counted in ``env_errors``), never the actor."""
+        self.steps_running += 1  # only ever changed on the loop thread
         try:
             return await ep.env.step(turn)
         except Exception as e:
             self._env_failed("step", e)
             return Step(done=True, outcome="infra", infra=True)
+        finally:
+            self.steps_running -= 1
 
     def _env_failed(self, what: str, e: Exception) -> None:
         log.error(
