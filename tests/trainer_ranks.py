@@ -10,8 +10,9 @@ full parameter set, or with ``--publish REDIS_URL`` what a real actor receiver i
 0's process received when the trainer published them (the test compares them with
 another backend's, never with the publisher's own gather). ``--hang`` waits after
 writing OUT (the test SIGKILLs the group). ``--routes`` (a MoE model): every sample
-carries random routes, replayed in training; OUT adds ``route_mismatch`` per step
-(and, with deepspeed, ``moe_leaves``: the ZeRO-3 leaf modules).
+carries random routes, replayed in training; OUT adds ``route_mismatch`` and
+``kl_actor_free`` (step 0 probes) per step (and, with deepspeed, ``moe_leaves``: the
+ZeRO-3 leaf modules).
 ``--nan-at K``: step K runs with every logit NaN (a forward hook), and OUT says
 whether each step was ``applied`` and whether step K left the weights
 ``unchanged_at_nan`` (every rank's own copy compared).
@@ -175,7 +176,8 @@ def main() -> None:
         if poisoned:
             before = [p.detach().clone() for p in module.parameters()]
             handle = module.register_forward_hook(nan_logits)
-        m = train_step(backend, ranks, mine, slots, first, cfg.trainer, 0, tokens)
+        version = step if args.routes else None  # step 0 probes (trainer.route_probe_every)
+        m = train_step(backend, ranks, mine, slots, first, cfg.trainer, 0, tokens, version=version)
         if poisoned:
             handle.remove()
             same = all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
@@ -185,6 +187,7 @@ def main() -> None:
         result["grad_norm"].append(m["grad_norm"])
         if args.routes:
             result.setdefault("route_mismatch", []).append(m["route_mismatch"])
+            result.setdefault("kl_actor_free", []).append(m.get("kl_actor_free"))
         if args.save_at == step + 1:
             checkpoint.save(args.ckpt, backend, {"version": step + 1}, 2, ranks)
     if args.publish:

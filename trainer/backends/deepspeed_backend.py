@@ -83,6 +83,7 @@ class DeepSpeedBackend(OptimizerLR):
         if self.stage == 3 and routing.is_moe(model):
             # an expert loop runs only the experts some token was routed to, so the ranks
             # would gather different parameters: ZeRO-3 fetches each MoE block whole
+            # (DeepSpeed 0.19 does so itself for Mixtral and Qwen-MoE blocks, not OLMoE's)
             deepspeed.utils.set_z3_leaf_modules(model, routing.moe_blocks(model))
         trainable = lora.trainable_parameters(model)  # every parameter without model.lora
         optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay)
