@@ -516,11 +516,12 @@ class TrainBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # shared prompt rows to each sample
     route_layout: list[int] = msgspec.field(default_factory=list)
 
-    def check(self, vocab_size: int) -> None:
+    def check(self, vocab_size: int, route_layout: list[int] | None = None) -> None:
         """Raise BadEntry naming the first inconsistency: lists of different lengths,
         a sample that breaks the per-token invariants (:meth:`Sample.check`),
         ``ref_logprobs`` on some samples only, a token id outside ``vocab_size``, or
-        routes that break :meth:`check_routes`."""
+        routes that break :meth:`check_routes`; with ``route_layout`` (the trainer's
+        model: [moe layers, k, experts], [] for a dense model) routes of another layout."""
         n = len(self.samples)
         if n == 0:
             raise BadEntry("batch has no samples")
@@ -551,6 +552,19 @@ class TrainBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                     "the same model.path"
                 )
         self.check_routes()
+        if route_layout is not None and self.route_layout:
+            if not route_layout:
+                raise BadEntry(
+                    f"batch {self.batch_id} carries routes of layout {self.route_layout} but "
+                    "the trainer's model has no mixture-of-experts router: the actors and the "
+                    "trainer must load the same model.path"
+                )
+            if list(self.route_layout) != list(route_layout):
+                raise BadEntry(
+                    f"batch {self.batch_id} has route_layout {self.route_layout} but the "
+                    f"trainer's model routes {route_layout} ([moe layers, k, experts]): the "
+                    "actors and the trainer must load the same model.path"
+                )
 
     def check_routes(self) -> None:
         """sampling.keep_routing: ``route_layout`` present exactly when routes are; routes on

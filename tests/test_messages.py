@@ -625,3 +625,13 @@ def test_mutated_valid_payloads_decode_or_raise_bad_entry(data):
         payload[pos] = data.draw(st.integers(0, 255))
     cut = data.draw(st.integers(0, len(payload)))
     _valid_or_bad_entry(bytes(payload[:cut]), cls)
+
+
+def test_a_batch_whose_routes_fit_another_model_fails_the_trainers_check():
+    batch = routed_batch()
+    batch.check(vocab_size=200, route_layout=[2, 2, 8])
+    with pytest.raises(BadEntry, match=r"route_layout \[2, 2, 8\] but the trainer's model routes"):
+        batch.check(vocab_size=200, route_layout=[2, 2, 16])
+    with pytest.raises(BadEntry, match="trainer's model has no mixture-of-experts router"):
+        batch.check(vocab_size=200, route_layout=[])
+    consistent_batch().check(vocab_size=200, route_layout=[])  # no routes: nothing to fit

@@ -32,7 +32,7 @@ from pipeline import checkpoint as layout  # where checkpoints are (trainer.chec
 from pipeline import lora
 from pipeline.config import run_secret
 from pipeline.messages import TrainBatch, decode, encode
-from pipeline.routing import is_moe
+from pipeline.routing import is_moe, layout_of
 from pipeline.runtime import Pool, model_path, start_pool
 from pipeline.stopping import final
 from pipeline.streams import DATA, Lua, add_once, durable
@@ -98,6 +98,10 @@ class Trainer:
         check_keep_routing(cfg, model_path(cfg))
         self.backend = make_backend(cfg, self.ranks, model_path(cfg), resume_from)
         self.pad_id = self.backend.tokenizer.pad_token_id
+        module = self.backend.engine.module if hasattr(self.backend, "engine") else None
+        module = module if module is not None else self.backend.model
+        # batches with routes of another model are dead-lettered, never replayed
+        self.route_layout = layout_of(module).as_list() if is_moe(module) else []
         self.state = {
             "version": 0,
             "samples_trained": 0,
@@ -196,6 +200,7 @@ class Trainer:
             self.state["recent_samples"],
             self.backend.vocab_size,
             idle=idle if self.ranks.world_size > 1 else lambda: None,
+            route_layout=self.route_layout,
         )
         if self.data is None:
             return share_plan(self.ranks, Plan(version=version, stop=True))
