@@ -265,6 +265,9 @@ def test_a_step_with_routes_replays_them_and_reports_the_metrics(moe_dir):
     )
     m = train_step(backend, one, [dense_batch], 1, dense_batch, cfg.trainer, 0, 5, version=6)
     assert "route_mismatch" not in m  # no routes, no routing metrics
+    mixed = [foreign, dense_batch]  # routes, then none: the second routes live
+    m = train_step(backend, one, mixed, 2, foreign, cfg.trainer, 0, mb_tokens + 5, version=7)
+    assert m["applied"] and m["route_mismatch"] > 0
     assert all(not r._forward_hooks for r in routing.moe_routers(backend.model))  # closed
 
 

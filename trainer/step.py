@@ -114,6 +114,8 @@ def make_loss_fn(
                 with torch.no_grad():
                     free_lp = token_logprobs(model, mb, autocast_dtype)
             replayer.use(mb.routes, mb.routes_valid)
+        else:  # a batch without routes after one with them routes live
+            replayer.free()
         new_lp = token_logprobs(model, mb, autocast_dtype)
         parts = policy_loss(
             new_lp,
