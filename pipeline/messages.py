@@ -123,6 +123,78 @@ def unpack_mask(ids: bytes, counts: bytes, n_tokens: int) -> list[np.ndarray] | 
     return np.split(flat, np.cumsum(per_token)[:-1])
 
 
+# ---------------------------------------------------------------- routes (Keep Routing)
+
+
+def _route_layout(
+    where: str, layout: list[int], samples: list, where_of, rows_of, extra: bool = False
+):
+    """The RouteLayout of a group or batch whose samples may carry routes (None: no
+    routes anywhere); BadEntry when the layout and the routes disagree or only some
+    samples carry routes. ``rows_of(sample)``: the rows its routes must hold (a sample
+    owing none, a one-id completion after prompt_routes, carries them empty);
+    ``extra``: routes elsewhere (a group's prompt_routes)."""
+    carrying = [bool(s.routes) or rows_of(s)[0] == 0 for s in samples]
+    if not any(bool(s.routes) for s in samples) and not extra:
+        carrying = [False] * len(samples)
+    if not any(carrying) and not extra:
+        if layout:
+            raise BadEntry(
+                f"{where} has route_layout {layout} but no sample carries routes: its writer "
+                "sets route_layout only with routes (sampling.keep_routing)"
+            )
+        return None
+    if not all(carrying):
+        s = samples[carrying.index(False)] if any(carrying) else samples[0]
+        raise BadEntry(
+            f"{where_of(s)} has no routes while {'other samples' if any(carrying) else 'its group'}"
+            " carry them: with sampling.keep_routing every sample carries routes (or none does)"
+        )
+    if not layout:
+        raise BadEntry(
+            f"{where} has routes but no route_layout: its writer must give "
+            "[moe layers, k, experts] (pipeline/routing.py RouteLayout.as_list)"
+        )
+    from pipeline.routing import RouteLayout  # torch: only where routes travel
+
+    try:
+        return RouteLayout.from_list(list(layout))
+    except ValueError as e:
+        raise BadEntry(f"{where}: {e}") from None
+
+
+def _check_routes(where: str, name: str, data: bytes, layout, rows: int, why: str) -> None:
+    """One array of routes: whole rows of the layout, exactly ``rows`` of them, every
+    id below the layout's experts, ids strictly ascending (distinct) within each row."""
+    try:
+        ids = layout.unpack(data)
+    except ValueError as e:
+        raise BadEntry(f"{where} {name}: {e}") from None
+    if len(ids) != rows:
+        raise BadEntry(
+            f"{where} has {len(ids)} rows of {name} but needs {rows} ({why}): one row per "
+            "token fed forward, the last completion id never is"
+        )
+    if not ids.size:
+        return
+    if int(ids.max()) >= layout.experts:
+        row, layer, _ = np.argwhere(ids >= layout.experts)[0]
+        raise BadEntry(
+            f"{where} {name} row {row} layer {layer} routes to expert "
+            f"{int(ids[row, layer].max())} but the model has {layout.experts} experts "
+            f"(ids 0..{layout.experts - 1}): actors and trainer must load the same model"
+        )
+    if layout.k > 1:
+        rising = np.diff(ids.astype(np.int32), axis=-1) > 0
+        if not rising.all():
+            row, layer, _ = np.argwhere(~rising)[0]
+            raise BadEntry(
+                f"{where} {name} row {row} layer {layer} holds {ids[row, layer].tolist()}: "
+                f"each row holds {layout.k} distinct expert ids in ascending order "
+                "(RouteLayout.pack sorts them; a repeated id is not a top-k)"
+            )
+
+
 # ---------------------------------------------------------------- actor -> preprocessor
 # Stream <run>:rollouts, one RolloutGroup per entry (XADD-once on its group id; with
 # redis.shards > 1 on each shard in turn). Written by each actor; read by the
@@ -369,7 +441,8 @@ class RolloutGroup(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def check(self) -> None:
         """Raise BadEntry naming the first sample (and field) that breaks the per-token
-        invariants (:meth:`Sample.check`), or a group with no samples."""
+        invariants (:meth:`Sample.check`) or the routes (:meth:`check_routes`), or a group
+        with no samples."""
         if not self.samples:
             raise BadEntry(f"rollout group {self.group_id} has no samples: an actor sends G > 0")
         try:
@@ -378,6 +451,46 @@ class RolloutGroup(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise BadEntry(f"rollout group {self.group_id} prompt_ids: {e}") from None
         for s in self.samples:
             s.check(f"sample {self.group_id}/{s.index}")
+        self.check_routes()
+
+    def check_routes(self) -> None:
+        """sampling.keep_routing: ``route_layout`` present exactly when routes are; routes on
+        every sample or none; ``prompt_routes`` one row per prompt id, and then each
+        sample's routes one per completion id less the last (without it: prompt +
+        completion - 1 rows); ids below the experts, distinct and ascending per row."""
+        where = f"rollout group {self.group_id}"
+        layout = _route_layout(
+            where,
+            self.route_layout,
+            self.samples,
+            lambda s: f"sample {self.group_id}/{s.index}",
+            self._route_rows,
+            extra=bool(self.prompt_routes),
+        )
+        if layout is None:
+            return
+        prompt = len(self.prompt_ids) // 4
+        if self.prompt_routes:
+            _check_routes(
+                where,
+                "prompt_routes",
+                self.prompt_routes,
+                layout,
+                prompt,
+                f"one per prompt id: {prompt}",
+            )
+        for s in self.samples:
+            rows, why = self._route_rows(s)
+            _check_routes(
+                f"sample {self.group_id}/{s.index}", "routes", s.routes, layout, rows, why
+            )
+
+    def _route_rows(self, s: Sample) -> tuple[int, str]:
+        """The rows ``s.routes`` must hold, and why."""
+        p, n = len(self.prompt_ids) // 4, len(s.completion_ids) // 4
+        if self.prompt_routes:
+            return n - 1, f"the group carries prompt_routes: completion {n} - 1"
+        return p + n - 1, f"prompt {p} + completion {n} - 1"
 
 
 # ---------------------------------------------------------------- preprocessor -> trainer
@@ -403,10 +516,12 @@ class TrainBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # shared prompt rows to each sample
     route_layout: list[int] = msgspec.field(default_factory=list)
 
-    def check(self, vocab_size: int) -> None:
+    def check(self, vocab_size: int, route_layout: list[int] | None = None) -> None:
         """Raise BadEntry naming the first inconsistency: lists of different lengths,
         a sample that breaks the per-token invariants (:meth:`Sample.check`),
-        ``ref_logprobs`` on some samples only, or a token id outside ``vocab_size``."""
+        ``ref_logprobs`` on some samples only, a token id outside ``vocab_size``, or
+        routes that break :meth:`check_routes`; with ``route_layout`` (the trainer's
+        model: [moe layers, k, experts], [] for a dense model) routes of another layout."""
         n = len(self.samples)
         if n == 0:
             raise BadEntry("batch has no samples")
@@ -436,6 +551,44 @@ class TrainBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                     "in prompt_ids or completion_ids: the actors and the trainer must load "
                     "the same model.path"
                 )
+        self.check_routes()
+        if route_layout is not None and self.route_layout:
+            if not route_layout:
+                raise BadEntry(
+                    f"batch {self.batch_id} carries routes of layout {self.route_layout} but "
+                    "the trainer's model has no mixture-of-experts router: the actors and the "
+                    "trainer must load the same model.path"
+                )
+            if list(self.route_layout) != list(route_layout):
+                raise BadEntry(
+                    f"batch {self.batch_id} has route_layout {self.route_layout} but the "
+                    f"trainer's model routes {route_layout} ([moe layers, k, experts]): the "
+                    "actors and the trainer must load the same model.path"
+                )
+
+    def check_routes(self) -> None:
+        """sampling.keep_routing: ``route_layout`` present exactly when routes are; routes on
+        every sample or none, each prompt + completion - 1 rows (the preprocessor joined
+        the group's prompt rows), ids below the experts, distinct and ascending per row."""
+        pairs = zip(self.group_ids, self.prompt_ids, self.samples, strict=True)
+        where_of = {id(s): f"sample {g}/{s.index}" for g, _, s in pairs}
+        prompt_of = {id(s): len(p) // 4 for p, s in zip(self.prompt_ids, self.samples, strict=True)}
+
+        def rows_of(s: Sample) -> tuple[int, str]:
+            p, n = prompt_of[id(s)], len(s.completion_ids) // 4
+            return p + n - 1, f"prompt {p} + completion {n} - 1"
+
+        layout = _route_layout(
+            f"batch {self.batch_id}",
+            self.route_layout,
+            self.samples,
+            lambda s: where_of[id(s)],
+            rows_of,
+        )
+        if layout is None:
+            return
+        for s in self.samples:
+            _check_routes(where_of[id(s)], "routes", s.routes, layout, *rows_of(s))
 
 
 # ---------------------------------------------------------------- actor -> actor

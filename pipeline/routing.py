@@ -4,7 +4,8 @@
 the engine feeds forward at every MoE layer, and the trainer forces those ids in its
 forward (recomputing the gate weights from the live router logits at them, so the router
 still gets its gradient). This module is the shared part: finding a model's routers,
-the array layout on the wire, and capturing routes from a transformers forward.
+the array layout on the wire, capturing routes from a transformers forward, and
+replaying them (:func:`replay`, :class:`Replayer`) in the trainer's forward.
 
 Layout (one sample): ``[rows, moe layers, k]``, ids ascending within each row, uint8
 when the model has at most 256 experts, else uint16; ``rows`` = prompt + completion ids
@@ -124,3 +125,162 @@ def stack_forward(layers: list[torch.Tensor], batch: int) -> np.ndarray:
     ids = torch.stack(layers, dim=1)  # [batch * seq, layers, k]
     ids = ids.reshape(batch, -1, *ids.shape[1:])
     return np.sort(ids.numpy(), axis=-1)
+
+
+def joined_routes(group) -> list[bytes]:
+    """Each sample's routes over all its rows (prompt + completion - 1) of a RolloutGroup
+    (pipeline/messages.py): the group's shared ``prompt_routes`` joined to every sample's
+    completion rows (the bytes concatenate: same layout, rows in sequence order)."""
+    return [group.prompt_routes + s.routes for s in group.samples]
+
+
+def moe_blocks(model: torch.nn.Module) -> list[type]:
+    """The classes of the sparse MoE blocks that hold the model's routers (as ``gate``):
+    the modules DeepSpeed ZeRO-3 must treat as leaves (their expert loop touches only the
+    experts some token was routed to, so ranks would fetch different parameters)."""
+    routers = set(map(id, moe_routers(model)))
+    found: list[type] = []
+    for m in model.modules():
+        gate = getattr(m, "gate", None)
+        if gate is not None and id(gate) in routers and type(m) not in found:
+            found.append(type(m))
+    return found
+
+
+@dataclass
+class RouteStats:
+    """How far the live router is from the replayed routes, over the valid rows of the last
+    forward: (token, layer) pairs whose live top-k set differs from the recorded one, and
+    tokens with any such layer."""
+
+    pairs_differ: int = 0
+    pairs: int = 0
+    tokens_differ: int = 0
+    tokens: int = 0
+
+    @property
+    def mismatch(self) -> float:
+        return self.pairs_differ / self.pairs if self.pairs else 0.0
+
+    @property
+    def mismatch_tokens(self) -> float:
+        return self.tokens_differ / self.tokens if self.tokens else 0.0
+
+
+def _gate_weights(router: torch.nn.Module, logits: torch.Tensor, ids: torch.Tensor):
+    """The router's own gate weights at ``ids``: its softmax of the live logits gathered
+    there, renormalised and cast exactly as its class's forward does (transformers 5)."""
+    if type(router).__name__ == "MixtralTopKRouter":
+        probs = torch.nn.functional.softmax(logits.float(), dim=-1)
+        top = probs.gather(-1, ids)
+        return top / top.sum(dim=-1, keepdim=True)  # always renormalised, kept in fp32
+    probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
+    top = probs.gather(-1, ids)
+    if router.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top.to(logits.dtype)
+
+
+class Replayer:
+    """Forces recorded routes on a model's routers while attached.
+
+    :meth:`attach` hooks every router once; :meth:`use` sets the routes of the next
+    forwards (``routes`` [B, T, layers, k] long, ``valid`` [B, T] bool); :meth:`free`
+    lets the routers pick live again; :meth:`close` removes the hooks. The mapping from
+    router to routes is fixed by layer, so a recompute (gradient checkpointing in the
+    backward, which must happen before the next :meth:`use`) sees the same routes, and
+    the per-layer mismatch is overwritten, not added, by it. Only the router's output is
+    touched (its logits stay differentiable), so it works inside DeepSpeed ZeRO-3 too.
+    """
+
+    def __init__(self) -> None:
+        self.handles: list = []
+        self.layers = 0
+        self.routes: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
+        self._differ: dict[int, torch.Tensor] = {}
+        self._tokens = 0
+
+    def attach(self, model: torch.nn.Module) -> Replayer:
+        if self.handles:
+            return self
+        routers = moe_routers(model)
+        if not routers:
+            layout_of(model)  # the ValueError naming the fix
+        self.layers = len(routers)
+        for layer, router in enumerate(routers):
+            self.handles.append(router.register_forward_hook(self._hook(layer)))
+        return self
+
+    def use(self, routes: torch.Tensor, valid: torch.Tensor) -> None:
+        if routes.dim() != 4 or routes.shape[2] != self.layers or valid.shape != routes.shape[:2]:
+            raise ValueError(
+                f"routes of shape {tuple(routes.shape)} with valid {tuple(valid.shape)}: need "
+                f"[batch, seq, {self.layers} moe layers, k] and a [batch, seq] mask"
+            )
+        self.routes, self.valid, self._differ = routes.long(), valid.bool(), {}
+        self._tokens = int(self.valid.sum())
+
+    def free(self) -> None:
+        self.routes = self.valid = None
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles, self.routes, self.valid = [], None, None
+
+    def stats(self) -> RouteStats:
+        """Mismatch over the valid rows of the last forward under :meth:`use` (still
+        readable after :meth:`free` and :meth:`close`)."""
+        if not self._differ:
+            return RouteStats()
+        tokens = self._tokens
+        differ = torch.stack([self._differ[k] for k in sorted(self._differ)])  # [L, N]
+        return RouteStats(
+            pairs_differ=int(differ.sum()),
+            pairs=tokens * len(self._differ),
+            tokens_differ=int(differ.any(dim=0).sum()),
+            tokens=tokens,
+        )
+
+    def _hook(self, layer: int):
+        def hook(module, _inputs, output):
+            if self.routes is None:
+                return None
+            logits, _scores, live = output
+            k = live.shape[-1]
+            recorded = self.routes[:, :, layer, :].reshape(-1, k).to(live.device)
+            valid = self.valid.reshape(-1).to(live.device)
+            if recorded.shape[0] != live.shape[0] or self.routes.shape[-1] != k:
+                raise ValueError(
+                    f"replayed routes cover {recorded.shape[0]} tokens x "
+                    f"{self.routes.shape[-1]} experts but MoE layer {layer} routed "
+                    f"{live.shape[0]} tokens x {k}: give routes of the forward's "
+                    "[batch, seq] shape and the model's top-k"
+                )
+            same = (live.sort(dim=-1).values == recorded.sort(dim=-1).values).all(dim=-1)
+            differ = valid & ~same
+            self._differ[layer] = differ.detach()
+            # rows that agree keep the live order, so the output is bit-identical there
+            ids = torch.where(differ[:, None], recorded, live)
+            return logits, _gate_weights(module, logits, ids), ids
+
+        return hook
+
+
+@contextlib.contextmanager
+def replay(model: torch.nn.Module, routes: torch.Tensor, valid: torch.Tensor) -> Iterator[Replayer]:
+    """Make every router of ``model`` route to ``routes`` ([B, T, layers, k] long ids)
+    where ``valid`` ([B, T] bool) and pick live elsewhere, inside the block.
+
+    The gate weights are the router's own softmax of its live logits gathered at the
+    replayed ids (renormalised as its class does), so the router still gets its gradient.
+    Yields the :class:`Replayer`; ``.stats()`` gives the mismatch of the last forward.
+    Run the backward inside the block when gradient checkpointing recomputes the forward.
+    """
+    replayer = Replayer().attach(model)
+    replayer.use(routes, valid)
+    try:
+        yield replayer
+    finally:
+        replayer.close()

@@ -27,6 +27,7 @@ import hashlib
 import logging
 from collections import Counter
 
+import msgspec
 import numpy as np
 
 from pipeline.messages import (
@@ -37,6 +38,7 @@ from pipeline.messages import (
     encode,
     unpack_i32,
 )
+from pipeline.routing import joined_routes
 from pipeline.runtime import Pool, start_pool
 from pipeline.stopping import final
 from pipeline.streams import DATA, Consumer, Names, publish, retire_groups
@@ -74,12 +76,26 @@ def to_batches(groups: list[RolloutGroup], budget: int) -> list[TrainBatch]:
     (shaping.pack_whole_groups; a group over the budget alone gets consecutive ones of
     its own). A TrainBatch carries one set of sampling settings, so groups generated
     under different settings (actors with other sampling.temperature/top_p/top_k) are
-    packed into separate batches."""
+    packed into separate batches. With routes (sampling.keep_routing) each sample's
+    routes get the group's ``prompt_routes`` joined in front, and the batch the groups'
+    ``route_layout``."""
     by_settings: dict[tuple, list[RolloutGroup]] = {}
-    for g in groups:
-        by_settings.setdefault(sampling_key(g), []).append(g)
+    for g in groups:  # groups with routes and without (keep_routing switched) apart
+        by_settings.setdefault((*sampling_key(g), tuple(g.route_layout)), []).append(g)
     out = []
-    for (temperature, top_p, top_k), same in by_settings.items():
+    for (temperature, top_p, top_k, route_layout), same in by_settings.items():
+        if route_layout:  # every sample's routes over all its rows (prompt_routes joined)
+            same = [
+                msgspec.structs.replace(
+                    g,
+                    prompt_routes=b"",
+                    samples=[
+                        msgspec.structs.replace(s, routes=r)
+                        for s, r in zip(g.samples, joined_routes(g), strict=True)
+                    ],
+                )
+                for g in same
+            ]
         prompt = [len(unpack_i32(g.prompt_ids)) for g in same]
         lengths = [
             [p + len(s.tokens()) for s in g.samples] for p, g in zip(prompt, same, strict=True)
@@ -96,6 +112,7 @@ def to_batches(groups: list[RolloutGroup], budget: int) -> list[TrainBatch]:
                     temperature=temperature,
                     top_p=top_p,
                     top_k=top_k,
+                    route_layout=list(route_layout),
                 )
             )
     return out

@@ -3,7 +3,9 @@
 ::
 
     reference  reads the rollout's tokens; writes Sample.ref_logprobs from a frozen copy
-               of the initial policy (at the rollout's temperature, never truncated)
+               of the initial policy (at the rollout's temperature, never truncated);
+               with MoE routes (sampling.keep_routing) it routes on its own unless
+               preprocessor.reference.replay_routes replays the actor's routes
     prm        reads the completion text; writes ScoredGroup.dense["prm"], per-token
                process advantages from step rewards (preprocessor/prm.py)
     teacher    reads the rollout's tokens and the actor's log-probs; writes
@@ -27,7 +29,7 @@ from pipeline.messages import unpack_f32
 from pipeline.models import load_model, materialize_model
 from pipeline.runtime import model_path
 from preprocessor.prm import ArithmeticPRM, ModelPRM
-from preprocessor.scoring import ScoredGroup, Scorer, group_logprobs
+from preprocessor.scoring import ScoredGroup, Scorer, group_logprobs, replayed_logprobs
 
 log = logging.getLogger("preprocessor")
 
@@ -46,19 +48,28 @@ class ReferenceScorer:
 
     name, dense, weight = "reference", False, 0.0
 
-    def __init__(self, model, pad_id: int, budget: int):
+    def __init__(self, model, pad_id: int, budget: int, replay_routes: bool = False):
         self.model, self.pad_id, self.budget = model, pad_id, budget
+        # MoE: route each token as the actor did (its recorded routes) instead of on the
+        # reference's own router; off by default, since the policy's routes bias the KL
+        self.replay_routes = replay_routes
 
     def score(self, items: list[ScoredGroup]) -> dict[str, float]:
         groups = [it.group for it in items]
-        for g, lps in zip(
-            groups,
-            group_logprobs(self.model, groups, self.budget, self.pad_id, truncate=False),
-            strict=True,
-        ):
+        routed = [g for g in groups if self.replay_routes and g.route_layout]
+        plain = [g for g in groups if not (self.replay_routes and g.route_layout)]
+        own = group_logprobs(self.model, plain, self.budget, self.pad_id, truncate=False)
+        scored = list(zip(plain, own, strict=True))
+        if routed:
+            replayed = replayed_logprobs(self.model, routed, self.budget, self.pad_id)
+            scored += zip(routed, replayed, strict=True)
+        for g, lps in scored:
             for sample, lp in zip(g.samples, lps, strict=True):
                 sample.ref_logprobs = lp.astype("<f4").tobytes()
-        return {"reference_scored_groups": len(items)}
+        counts = {"reference_scored_groups": len(items)}
+        if routed:
+            counts["reference_replayed_groups"] = len(routed)
+        return counts
 
 
 class TeacherScorer:
@@ -115,7 +126,10 @@ def _reference(cfg: Any, ctx: dict) -> Scorer:
     # the base model folder: with model.lora that is exactly the model the adapter is
     # applied to, without the adapter (this process never holds one: one copy of the base)
     model, tokenizer = load_model(ctx["policy_path"], *_placement(cfg))
-    return ReferenceScorer(model, pad_id_of(tokenizer), cfg.preprocessor.token_budget)
+    pre = cfg.preprocessor
+    return ReferenceScorer(
+        model, pad_id_of(tokenizer), pre.token_budget, pre.reference.replay_routes
+    )
 
 
 def _prm(cfg: Any, ctx: dict) -> Scorer:

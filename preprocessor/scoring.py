@@ -189,3 +189,47 @@ def group_logprobs(
                 out[indices[j]] = lps[k : k + n]
                 k += n
     return out  # type: ignore[return-value]
+
+
+def replayed_logprobs(
+    model, groups: list[RolloutGroup], budget: int, pad_id: int
+) -> list[list[np.ndarray]]:
+    """As :func:`group_logprobs` with ``truncate=False``, but every forward routes each
+    token to the experts the actor recorded (sampling.keep_routing; pipeline/routing.py
+    replay) instead of the model's own choice. One right-padded forward per
+    ``budget``-sized slice of a group (no shared prompt pass: the prompt's rows are
+    replayed with every sample's)."""
+    from pipeline.logprobs import completion_logprobs
+    from pipeline.routing import RouteLayout, joined_routes, replay
+
+    out = []
+    for g in groups:
+        prompt = unpack_i32(g.prompt_ids)
+        layout = RouteLayout.from_list(g.route_layout)
+        routes = joined_routes(g)
+        width = len(prompt) + max(len(s.tokens()) for s in g.samples)
+        per_pass = max(1, budget // width)
+        lps: list[np.ndarray] = []
+        for start in range(0, len(g.samples), per_pass):
+            part = range(start, min(start + per_pass, len(g.samples)))
+            n = len(part)
+            ids = torch.full((n, width), pad_id, dtype=torch.long)
+            attn = torch.zeros((n, width), dtype=torch.long)
+            comp = torch.zeros((n, width), dtype=torch.bool)
+            ids_routes = torch.zeros((n, width, layout.layers, layout.k), dtype=torch.long)
+            valid = torch.zeros((n, width), dtype=torch.bool)
+            for row, i in enumerate(part):
+                s = g.samples[i]
+                seq = np.concatenate([prompt, s.tokens()])
+                ids[row, : len(seq)] = torch.from_numpy(seq.astype(np.int64))
+                attn[row, : len(seq)] = 1
+                comp[row, len(prompt) : len(seq)] = torch.from_numpy(s.sampled())
+                ids_routes[row, : len(seq) - 1] = torch.from_numpy(
+                    layout.unpack(routes[i]).astype(np.int64)
+                )
+                valid[row, : len(seq) - 1] = True
+            with torch.no_grad(), replay(model, ids_routes, valid):
+                lp = completion_logprobs(model, ids, attn, comp, g.temperature)
+            lps += [lp[row][comp[row]].numpy().astype(np.float32) for row in range(n)]
+        out.append(lps)
+    return out

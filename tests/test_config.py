@@ -194,3 +194,12 @@ def test_the_old_engine_section_is_refused_naming_sampling(tmp_path):
     code, out = run_tiny(tmp_path, tmp_path / "run2", search, "+mine=old", timeout=120)
     assert code == 2 and "has an `engine:` section: it is now `sampling:`" in out, out
     assert not (tmp_path / "run2").exists()
+
+
+def test_the_old_reference_switch_is_refused_but_its_section_loads():
+    from pipeline.config.load import check_renamed
+
+    old = OmegaConf.create({"preprocessor": {"reference": True}})
+    with pytest.raises(ValueError, match="preprocessor.reference was folded into"):
+        check_renamed(old, "config.yaml")
+    check_renamed(OmegaConf.create({"preprocessor": {"reference": {"replay_routes": True}}}), "x")

@@ -415,6 +415,138 @@ def test_a_batch_that_disagrees_with_itself_fails_its_check(spoil, reason):
         batch.check(vocab_size=200)
 
 
+# ---------------------------------------------------------------- routes (Keep Routing)
+
+LAYOUT = [2, 2, 8]  # 2 MoE layers, top-2 of 8 experts
+
+
+def route_rows(rows: int, start: int = 0) -> bytes:
+    """``rows`` rows of valid routes: [t % 7, t % 7 + 1] at both layers."""
+    t = (np.arange(start, start + rows) % 7)[:, None, None]
+    return (
+        (np.concatenate([t, t + 1], axis=-1) * np.ones((1, 2, 1), int)).astype(np.uint8).tobytes()
+    )
+
+
+def routed_group(shared: bool = True) -> RolloutGroup:
+    """make_group with routes: prompt 4 ids, completions 5 ids (8 rows in all)."""
+    group = make_group()
+    group.route_layout = list(LAYOUT)
+    if shared:
+        group.prompt_routes = route_rows(4)
+    for s in group.samples:
+        s.routes = route_rows(4, 4) if shared else route_rows(8)
+    return group
+
+
+def routed_batch() -> TrainBatch:
+    batch = consistent_batch()
+    batch.route_layout = list(LAYOUT)
+    for p, s in zip(batch.prompt_ids, batch.samples, strict=True):
+        s.routes = route_rows(len(p) // 4 + 5 - 1)
+    return batch
+
+
+def set_row(data: bytes, row: int, ids: list[int]) -> bytes:
+    a = np.frombuffer(data, np.uint8).reshape(-1, 2, 2).copy()
+    a[row, 1] = ids
+    return a.tobytes()
+
+
+def test_groups_and_batches_with_routes_pass_their_checks():
+    routed_group(shared=True).check()
+    routed_group(shared=False).check()
+    routed_batch().check(vocab_size=200)
+    one = routed_group()  # a one-id completion after prompt_routes owes no rows
+    one.samples[0].completion_ids = pack_i32([7])
+    one.samples[0].logprobs, one.samples[0].versions = pack_f32([-1.0]), rle_encode([3])
+    one.samples[0].routes = b""
+    one.check()
+
+
+def _spoil_sample(field_value):
+    return lambda g: setattr(g.samples[1], "routes", field_value)
+
+
+@pytest.mark.parametrize(
+    "spoil, reason",
+    [
+        (
+            _spoil_sample(route_rows(3, 4)),
+            "actor-0:17/1 has 3 rows of routes but needs 4 .the group carries prompt_routes: "
+            "completion 5 - 1",
+        ),
+        (
+            lambda g: setattr(g, "prompt_routes", route_rows(5)),
+            "rollout group actor-0:17 has 5 rows of prompt_routes but needs 4 .one per prompt",
+        ),
+        (
+            _spoil_sample(set_row(route_rows(4, 4), 2, [3, 8])),
+            "actor-0:17/1 routes row 2 layer 1 routes to expert 8 but the model has 8 experts",
+        ),
+        (
+            _spoil_sample(set_row(route_rows(4, 4), 1, [5, 5])),
+            r"actor-0:17/1 routes row 1 layer 1 holds \[5, 5\]: each row holds 2 distinct",
+        ),
+        (
+            _spoil_sample(set_row(route_rows(4, 4), 0, [6, 2])),
+            r"row 0 layer 1 holds \[6, 2\]: each row holds 2 distinct expert ids in ascending",
+        ),
+        (_spoil_sample(b"\x01\x02\x03"), "actor-0:17/1 routes: routes of 3 bytes"),
+        (_spoil_sample(b""), "actor-0:17/1 has no routes while other samples carry them"),
+        (
+            lambda g: setattr(g, "route_layout", []),
+            "rollout group actor-0:17 has routes but no route_layout",
+        ),
+        (lambda g: setattr(g, "route_layout", [2, 9, 8]), "k <= experts"),
+    ],
+)
+def test_a_group_whose_routes_are_wrong_fails_its_check(spoil, reason):
+    group = routed_group()
+    spoil(group)
+    with pytest.raises(BadEntry, match=reason):
+        group.check()
+
+
+def test_a_group_without_routes_or_with_routes_but_not_per_sample_fails_its_check():
+    group = make_group()
+    group.route_layout = list(LAYOUT)
+    with pytest.raises(BadEntry, match=r"route_layout \[2, 2, 8\] but no sample carries routes"):
+        group.check()
+    group.prompt_routes = route_rows(4)  # prompt rows alone: the samples' rows are missing
+    with pytest.raises(BadEntry, match="actor-0:17/0 has no routes while its group carry"):
+        group.check()
+    unshared = routed_group(shared=False)
+    unshared.samples[0].routes = route_rows(4)
+    with pytest.raises(BadEntry, match="has 4 rows of routes but needs 8 .prompt 4 \\+ completion"):
+        unshared.check()
+
+
+@pytest.mark.parametrize(
+    "spoil, reason",
+    [
+        (
+            lambda b: setattr(b.samples[2], "routes", route_rows(8)),
+            r"actor-1:3/2 has 8 rows of routes but needs 7 .prompt 3 \+ completion 5 - 1",
+        ),
+        (lambda b: setattr(b, "route_layout", []), "batch pre-0:5 has routes but no route_layout"),
+        (
+            lambda b: setattr(b.samples[0], "routes", set_row(route_rows(6), 4, [0, 9])),
+            "actor-0:17/0 routes row 4 layer 1 routes to expert 9",
+        ),
+        (
+            lambda b: setattr(b.samples[0], "routes", b""),
+            "actor-0:17/0 has no routes while other samples carry them",
+        ),
+    ],
+)
+def test_a_batch_whose_routes_are_wrong_fails_its_check(spoil, reason):
+    batch = routed_batch()
+    spoil(batch)
+    with pytest.raises(BadEntry, match=reason):
+        batch.check(vocab_size=200)
+
+
 # ---------------------------------------------------------------- fuzzing
 
 
@@ -493,3 +625,13 @@ def test_mutated_valid_payloads_decode_or_raise_bad_entry(data):
         payload[pos] = data.draw(st.integers(0, 255))
     cut = data.draw(st.integers(0, len(payload)))
     _valid_or_bad_entry(bytes(payload[:cut]), cls)
+
+
+def test_a_batch_whose_routes_fit_another_model_fails_the_trainers_check():
+    batch = routed_batch()
+    batch.check(vocab_size=200, route_layout=[2, 2, 8])
+    with pytest.raises(BadEntry, match=r"route_layout \[2, 2, 8\] but the trainer's model routes"):
+        batch.check(vocab_size=200, route_layout=[2, 2, 16])
+    with pytest.raises(BadEntry, match="trainer's model has no mixture-of-experts router"):
+        batch.check(vocab_size=200, route_layout=[])
+    consistent_batch().check(vocab_size=200, route_layout=[])  # no routes: nothing to fit

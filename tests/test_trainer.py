@@ -116,6 +116,23 @@ def test_an_inconsistent_entry_is_dead_lettered_and_training_goes_on(make_traine
     assert pending == 0  # both entries acknowledged
 
 
+def test_a_batch_with_routes_for_a_dense_model_is_dead_lettered(make_trainer, rclient):
+    trainer = make_trainer(samples_per_step=2)
+    assert trainer.route_layout == []  # the tiny model is dense
+    rng = np.random.default_rng(4)
+    routed = batch("routed", [sample(0, 5, 0, 1.0, rng), sample(1, 5, 0, -1.0, rng)], rng)
+    routed.route_layout = [2, 2, 8]
+    for s in routed.samples:  # prompt 5 + completion 5 - 1 rows of valid routes
+        s.routes = np.tile(np.array([0, 1], np.uint8), 9 * 2).tobytes()
+    good = batch("good", [sample(0, 5, 0, 1.0, rng), sample(1, 5, 0, -1.0, rng)], rng)
+    publish(rclient, trainer.pool.names.batches, encode(routed))
+    publish(rclient, trainer.pool.names.batches, encode(good))
+    m = run_step(trainer)
+    assert m["sample_ids"] == ["good/0", "good/1"] and m["dead_lettered"] == 2
+    (dead,) = rclient.xrange(trainer.pool.names.dead)
+    assert b"the trainer's model has no mixture-of-experts router" in dead[1][b"reason"]
+
+
 def test_resume_restores_the_dedupe_window_and_retired_count(make_trainer, rclient):
     trainer = make_trainer(samples_per_step=2, checkpoint_every=1)
     rng = np.random.default_rng(4)

@@ -9,9 +9,13 @@ saves the weights after the last step (a safetensors file, HF names): the backen
 full parameter set, or with ``--publish REDIS_URL`` what a real actor receiver in rank
 0's process received when the trainer published them (the test compares them with
 another backend's, never with the publisher's own gather). ``--hang`` waits after
-writing OUT (the test SIGKILLs the group). ``--nan-at K``: step K runs with every
-logit NaN (a forward hook), and OUT says whether each step was ``applied`` and whether
-step K left the weights ``unchanged_at_nan`` (every rank's own copy compared).
+writing OUT (the test SIGKILLs the group). ``--routes`` (a MoE model): every sample
+carries random routes, replayed in training; OUT adds ``route_mismatch`` and
+``kl_actor_free`` (step 0 probes) per step (and, with deepspeed, ``moe_leaves``: the
+ZeRO-3 leaf modules).
+``--nan-at K``: step K runs with every logit NaN (a forward hook), and OUT says
+whether each step was ``applied`` and whether step K left the weights
+``unchanged_at_nan`` (every rank's own copy compared).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 from omegaconf import OmegaConf
 
 from pipeline import checkpoint as layout
+from pipeline import routing
 from pipeline.config import Config
 from pipeline.messages import (
     SCHEMA_VERSION,
@@ -45,8 +50,15 @@ from trainer.step import train_step
 VOCAB_LOW, VOCAB_HIGH = 10, 90  # printable characters of the tiny tokenizer
 
 
-def synthetic_batches(step: int, n_batches: int = 3) -> list[TrainBatch]:
-    """The same micro-batches for a step in every process (seeded by the step)."""
+def synthetic_routes(rng, rows: int, layout) -> bytes:
+    """Random routes (k distinct experts per row and layer) of ``rows`` rows."""
+    order = np.argsort(rng.random((rows, layout.layers, layout.experts)), axis=-1)
+    return layout.pack(order[..., : layout.k])
+
+
+def synthetic_batches(step: int, n_batches: int = 3, layout=None) -> list[TrainBatch]:
+    """The same micro-batches for a step in every process (seeded by the step);
+    ``layout`` (a RouteLayout): every sample carries random routes of it."""
     rng = np.random.default_rng(1000 + step)
     out = []
     for b in range(n_batches):
@@ -66,6 +78,9 @@ def synthetic_batches(step: int, n_batches: int = 3) -> list[TrainBatch]:
                 )
             )
             prompts.append(pack_i32(rng.integers(VOCAB_LOW, VOCAB_HIGH, int(rng.integers(3, 9)))))
+            if layout is not None:
+                rows_fed = len(prompts[-1]) // 4 + n - 1
+                samples[-1].routes = synthetic_routes(rng, rows_fed, layout)
         out.append(
             TrainBatch(
                 schema=SCHEMA_VERSION,
@@ -74,6 +89,7 @@ def synthetic_batches(step: int, n_batches: int = 3) -> list[TrainBatch]:
                 prompt_ids=prompts,
                 samples=samples,
                 temperature=1.0,
+                route_layout=layout.as_list() if layout is not None else [],
             )
         )
     return out
@@ -134,6 +150,7 @@ def main() -> None:
     ap.add_argument("--weights", default="")
     ap.add_argument("--hang", action="store_true")
     ap.add_argument("--nan-at", type=int, default=-1)
+    ap.add_argument("--routes", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -144,8 +161,13 @@ def main() -> None:
     start = layout.load_state(resume)["version"] if resume else 0
     result: dict = {"loss": [], "grad_norm": [], "start": start, "applied": []}
     module = backend.engine.module if hasattr(backend, "engine") else backend.model
+    route_layout = routing.layout_of(module) if args.routes else None
+    if args.routes and args.backend == "deepspeed":
+        from deepspeed.utils import z3_leaf_module
+
+        result["moe_leaves"] = sum(z3_leaf_module(m) for m in module.modules())
     for step in range(start, args.steps):
-        batches = synthetic_batches(step)
+        batches = synthetic_batches(step, layout=route_layout)
         tokens = sum(len(s.tokens()) for b in batches for s in b.samples)
         plan = Plan(version=step, batches=[encode(b) for b in batches], tokens=tokens)
         mine, slots = my_share(ranks, plan)
@@ -154,7 +176,8 @@ def main() -> None:
         if poisoned:
             before = [p.detach().clone() for p in module.parameters()]
             handle = module.register_forward_hook(nan_logits)
-        m = train_step(backend, ranks, mine, slots, first, cfg.trainer, 0, tokens)
+        version = step if args.routes else None  # step 0 probes (trainer.route_probe_every)
+        m = train_step(backend, ranks, mine, slots, first, cfg.trainer, 0, tokens, version=version)
         if poisoned:
             handle.remove()
             same = all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
@@ -162,6 +185,9 @@ def main() -> None:
         result["applied"].append(m["applied"])
         result["loss"].append(m["loss"])
         result["grad_norm"].append(m["grad_norm"])
+        if args.routes:
+            result.setdefault("route_mismatch", []).append(m["route_mismatch"])
+            result.setdefault("kl_actor_free", []).append(m.get("kl_actor_free"))
         if args.save_at == step + 1:
             checkpoint.save(args.ckpt, backend, {"version": step + 1}, 2, ranks)
     if args.publish:

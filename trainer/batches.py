@@ -9,7 +9,7 @@
 The path of one entry, all of it in :func:`collect` (entries are read one at a
 time)::
 
-    TrainBatch.check(vocab_size)       fails -> <run>:dead with the reason, acknowledged
+    TrainBatch.check(vocab_size, route_layout)  fails -> <run>:dead with the reason, acknowledged
         |                                       now; its samples dead and retired
         v passes: the entry id joins the step (acknowledged after the step)
     admit, per sample:
@@ -104,9 +104,12 @@ def collect(
     vocab_size: int,
     idle: Callable[[], None] = lambda: None,
     idle_every_s: float = 5.0,
+    route_layout: list[int] | None = None,
 ) -> StepData | None:
     """Read micro-batches until a step's worth of fresh samples; None when stopping.
-    ``idle`` runs every ``idle_every_s`` while waiting (keeps other ranks' deadlines)."""
+    ``idle`` runs every ``idle_every_s`` while waiting (keeps other ranks' deadlines).
+    ``route_layout``: the model's (``[]`` dense); a batch whose routes do not fit it is
+    dead-lettered (None: not checked)."""
     cfg, data = pool.cfg.trainer, StepData()
     last_idle = time.monotonic()
     while data.samples < cfg.samples_per_step:
@@ -117,7 +120,8 @@ def collect(
         # even when a backlog waits (else async steps would grow with the backlog)
         for entry_id, batch in consumer.read(count=1):
             try:
-                batch.check(vocab_size)  # the per-token invariants (pipeline/messages.py)
+                # the per-token invariants and the routes' layout (pipeline/messages.py)
+                batch.check(vocab_size, route_layout)
             except BadEntry as e:  # decodes but cannot be trained on: acknowledged now
                 consumer.dead_letter(entry_id, {DATA: encode(batch)}, str(e))
                 data.dead += len(batch.samples)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from pipeline.messages import TrainBatch, unpack_f32, unpack_i32
+from pipeline.routing import RouteLayout
 
 
 @dataclass
@@ -34,6 +35,13 @@ class MicroBatch:
     tokens: int  # sampled tokens (the loss covers these)
     sample_ids: list[str]  # "<group>/<index>" per row (trainer/batches.py sample_ids)
     weight: float = 1.0  # 0.0: a padding pass that keeps the ranks in step
+    # sampling.keep_routing (TrainBatch.route_layout set): [rows, width, moe layers, k] long
+    # expert ids to replay (pipeline/routing.py), valid [rows, width] bool on every position
+    # fed forward at sampling (prompt + completion less its last id; never padding), and
+    # the policy version of each sampled token ([rows, width] long, -1 elsewhere)
+    routes: torch.Tensor | None = None
+    routes_valid: torch.Tensor | None = None
+    versions: torch.Tensor | None = None
 
 
 def _scatter(values: list[np.ndarray], comp: np.ndarray) -> np.ndarray:
@@ -75,6 +83,7 @@ def collate(batch: TrainBatch, pad_id: int, device: torch.device) -> MicroBatch:
     if batch.samples[0].ref_logprobs:
         ref = _scatter([unpack_f32(s.ref_logprobs) for s in batch.samples], comp)
     masks = [s.sampling_mask() for s in batch.samples]
+    routes = _routes(batch, total, comp) if batch.route_layout else None
 
     def put(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(device, non_blocking=True)
@@ -92,4 +101,20 @@ def collate(batch: TrainBatch, pad_id: int, device: torch.device) -> MicroBatch:
         top_k=batch.top_k,
         tokens=int(comp.sum()),
         sample_ids=[f"{g}/{s.index}" for g, s in zip(batch.group_ids, batch.samples, strict=True)],
+        routes=put(routes[0]) if routes else None,
+        routes_valid=put(routes[1]) if routes else None,
+        versions=put(routes[2]) if routes else None,
     )
+
+
+def _routes(batch: TrainBatch, total: np.ndarray, comp: np.ndarray):
+    """(ids [rows, width, layers, k] int64, valid [rows, width] bool, versions [rows,
+    width] int64) of a batch with routes: row t of a sample's routes at position t."""
+    layout = RouteLayout.from_list(batch.route_layout)
+    width = comp.shape[1]
+    valid = np.arange(width)[None, :] < (total - 1)[:, None]
+    ids = np.zeros((len(total), width, layout.layers, layout.k), dtype=np.int64)
+    ids[valid] = np.concatenate([layout.unpack(s.routes) for s in batch.samples])
+    versions = np.full(comp.shape, -1, dtype=np.int64)
+    versions[comp] = np.concatenate([s.token_versions() for s in batch.samples])
+    return ids, valid, versions

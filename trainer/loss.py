@@ -125,3 +125,11 @@ def policy_loss(
         kl_sum=kl_sum,
         bad_rows=[int(i) for i in torch.nonzero(~finite).flatten()],
     )
+
+
+def k3_sum(new_lp: torch.Tensor, actor_lp: torch.Tensor, mask: torch.Tensor) -> float:
+    """Summed k3 estimate of KL(actor || trainer) from the actor's samples over ``mask``:
+    k3 = e^d - d - 1, d = new - actor, clamped as the loss is (no gradient)."""
+    d = (new_lp.detach().clamp(min=-1e4) - actor_lp).masked_fill(~mask, 0.0)
+    d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return float((torch.exp(d) - d - 1).clamp(max=KL_CLAMP)[mask].sum())

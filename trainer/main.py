@@ -32,6 +32,7 @@ from pipeline import checkpoint as layout  # where checkpoints are (trainer.chec
 from pipeline import lora
 from pipeline.config import run_secret
 from pipeline.messages import TrainBatch, decode, encode
+from pipeline.routing import is_moe, layout_of
 from pipeline.runtime import Pool, model_path, start_pool
 from pipeline.stopping import final
 from pipeline.streams import DATA, Lua, add_once, durable
@@ -69,6 +70,21 @@ def resolve_device(device: str, local_rank: int) -> str:
     return device
 
 
+def check_keep_routing(cfg, path: str) -> None:
+    """Refuse sampling.keep_routing for a dense model (one line, before loading it)."""
+    if not cfg.sampling.keep_routing:
+        return
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(path)
+    if not is_moe(hf):
+        raise ValueError(
+            f"sampling.keep_routing=true but {cfg.model.name} ({hf.model_type}) is a dense "
+            "model with no experts to route: set sampling.keep_routing=false or train a "
+            "mixture-of-experts model"
+        )
+
+
 class Trainer:
     def __init__(self, pool: Pool):
         self.pool, cfg = pool, pool.cfg
@@ -80,8 +96,13 @@ class Trainer:
         t.device = resolve_device(t.device, self.ranks.local_rank)
         self.ckpt_root = os.path.join(cfg.run_dir or ".", "checkpoints")
         resume_from = layout.latest(self.ckpt_root) if t.resume else None
+        check_keep_routing(cfg, model_path(cfg))
         self.backend = make_backend(cfg, self.ranks, model_path(cfg), resume_from)
         self.pad_id = self.backend.tokenizer.pad_token_id
+        module = self.backend.engine.module if hasattr(self.backend, "engine") else None
+        module = module if module is not None else self.backend.model
+        # batches with routes of another model are dead-lettered, never replayed
+        self.route_layout = layout_of(module).as_list() if is_moe(module) else []
         self.state = {
             "version": 0,
             "samples_trained": 0,
@@ -180,6 +201,7 @@ class Trainer:
             self.state["recent_samples"],
             self.backend.vocab_size,
             idle=idle if self.ranks.world_size > 1 else lambda: None,
+            route_layout=self.route_layout,
         )
         if self.data is None:
             return share_plan(self.ranks, Plan(version=version, stop=True))
@@ -208,6 +230,7 @@ class Trainer:
             self.pad_id,
             totals,
             on_micro=self.pool.tick,  # a long step is progress, not a hang
+            version=plan.version,  # the weights this step starts from (kl_actor_* metrics)
         )
         if not metrics.pop("applied"):
             return self.skip(plan, metrics)

@@ -14,9 +14,23 @@ import torch
 
 from pipeline.logprobs import completion_logprobs
 from pipeline.messages import TrainBatch
+from pipeline.routing import Replayer
 from trainer.collate import MicroBatch, collate
-from trainer.loss import STAT_NAMES, policy_loss
+from trainer.loss import STAT_NAMES, k3_sum, policy_loss
 from trainer.ranks import Ranks, sum_across
+
+# sampling.keep_routing: counters each micro-batch adds after STAT_NAMES and nonfinite_rows
+# (zero without routes), summed over ranks into the route_* and kl_actor_* metrics
+ROUTE_STAT_NAMES = (
+    "route_pairs_differ",  # valid (token, MoE layer) pairs whose live top-k set differs
+    "route_pairs",
+    "route_tokens_differ",  # valid tokens with any such layer
+    "route_tokens",
+    "kl_replayed_sum",  # k3(actor || trainer) over current-version tokens, routes replayed
+    "kl_current_tokens",
+    "kl_free_sum",  # the same without replay (probe steps only)
+    "kl_free_tokens",
+)
 
 
 @dataclass
@@ -71,11 +85,37 @@ def aggregation_weights(cfg, mb: MicroBatch, totals: StepTotals) -> torch.Tensor
     raise ValueError(f"trainer.loss_aggregation={how!r} is not supported")
 
 
-def make_loss_fn(cfg, totals: StepTotals, autocast_dtype: torch.dtype | None, bad: list):
-    """loss_fn(model, mb) -> (scaled loss tensor, stats in STAT_NAMES order + bad rows).
-    Sample ids of rows whose loss is not finite are appended to ``bad``."""
+def make_loss_fn(
+    cfg,
+    totals: StepTotals,
+    autocast_dtype: torch.dtype | None,
+    bad: list,
+    replayer: Replayer | None = None,
+    version: int | None = None,
+    probe: bool = False,
+):
+    """loss_fn(model, mb) -> (scaled loss tensor, stats in STAT_NAMES order + bad rows +
+    ROUTE_STAT_NAMES). Sample ids of rows whose loss is not finite are appended to ``bad``.
+
+    A micro-batch with routes (sampling.keep_routing) runs its loss forward with them
+    replayed through ``replayer`` (pipeline/routing.py; the caller closes it after the
+    backward, which may recompute the forward); ``probe``: first a no-grad forward with
+    live routing, for ``kl_actor_free``. The trainer-vs-actor KL counts the tokens
+    sampled at ``version`` only (None: every sampled token), so it measures the engines'
+    mismatch, not the policy's change."""
+    replayer = replayer or Replayer()
 
     def loss_fn(model, mb: MicroBatch):
+        free_lp = None
+        if mb.routes is not None:
+            replayer.attach(model)
+            if probe:
+                replayer.free()
+                with torch.no_grad():
+                    free_lp = token_logprobs(model, mb, autocast_dtype)
+            replayer.use(mb.routes, mb.routes_valid)
+        else:  # a batch without routes after one with them routes live
+            replayer.free()
         new_lp = token_logprobs(model, mb, autocast_dtype)
         parts = policy_loss(
             new_lp,
@@ -94,10 +134,34 @@ def make_loss_fn(cfg, totals: StepTotals, autocast_dtype: torch.dtype | None, ba
         if mb.weight:
             bad.extend(mb.sample_ids[i] for i in parts.bad_rows)
         loss = parts.loss * mb.weight
-        stats = parts.stats() + [len(parts.bad_rows)]
+        stats = (
+            parts.stats()
+            + [len(parts.bad_rows)]
+            + _route_stats(mb, replayer, new_lp, free_lp, version)
+        )
         return loss, [v * mb.weight for v in stats]
 
     return loss_fn
+
+
+def _route_stats(mb: MicroBatch, replayer: Replayer, new_lp, free_lp, version) -> list[float]:
+    """ROUTE_STAT_NAMES of one micro-batch (zeros without routes)."""
+    if mb.routes is None:
+        return [0.0] * len(ROUTE_STAT_NAMES)
+    r = replayer.stats()
+    current = mb.comp if version is None else mb.comp & (mb.versions == version)
+    n = int(current.sum())
+    kl_free = k3_sum(free_lp, mb.actor_lp, current) if free_lp is not None else 0.0
+    return [
+        r.pairs_differ,
+        r.pairs,
+        r.tokens_differ,
+        r.tokens,
+        k3_sum(new_lp.detach(), mb.actor_lp, current),
+        n,
+        kl_free,
+        n if free_lp is not None else 0,
+    ]
 
 
 def padded(mine: list[TrainBatch], slots: int, all_first: TrainBatch) -> list[tuple]:
@@ -117,9 +181,18 @@ def train_step(
     pad_id: int,
     totals: StepTotals | int,
     on_micro=lambda: None,
+    version: int | None = None,
 ) -> dict:
     """Train on this rank's share; returns metrics summed over all ranks.
     ``on_micro`` runs before each micro-batch (progress for the watchdog).
+
+    Batches with routes (sampling.keep_routing) train with them replayed and add
+    ``route_mismatch`` (share of valid (token, MoE layer) pairs whose live top-k differs
+    from the recorded one), ``route_mismatch_tokens`` (share of tokens with any such
+    layer), ``kl_actor_replayed`` (k3 KL(actor || trainer) per token sampled at
+    ``version``, the weights this step starts from) and, every
+    ``trainer.route_probe_every`` versions, ``kl_actor_free`` (the same from a no-grad
+    forward with live routing).
 
     A step whose loss or gradient is not finite on any rank is not applied (the
     backend leaves weights and optimizer state as they were): ``applied`` is False and
@@ -133,17 +206,24 @@ def train_step(
         mb.weight = weight
         micro.append(mb)
     bad: list[str] = []
-    inner = make_loss_fn(cfg, totals, backend.autocast_dtype, bad)
+    every = int(getattr(cfg, "route_probe_every", 0))
+    probe = bool(every) and version is not None and version % every == 0
+    replayer = Replayer()
+    inner = make_loss_fn(cfg, totals, backend.autocast_dtype, bad, replayer, version, probe)
 
     def loss_fn(model, mb):
         on_micro()
         return inner(model, mb)
 
-    grad_norm, stats, applied = backend.step(micro, loss_fn)
-    summed = sum_across(ranks, stats or [0.0] * (len(STAT_NAMES) + 1))
-    named = dict(zip(STAT_NAMES + ("nonfinite_rows",), summed, strict=True))
+    names = STAT_NAMES + ("nonfinite_rows",) + ROUTE_STAT_NAMES
+    try:
+        grad_norm, stats, applied = backend.step(micro, loss_fn)
+    finally:
+        replayer.close()
+    summed = sum_across(ranks, stats or [0.0] * len(names))
+    named = dict(zip(names, summed, strict=True))
     n = totals.tokens
-    return {
+    return _route_metrics(named) | {
         "loss": named["loss"],
         "grad_norm": grad_norm,
         "tokens": n,
@@ -155,6 +235,21 @@ def train_step(
         "applied": applied,
         "nonfinite_sample_ids": bad,
     }
+
+
+def _route_metrics(named: dict) -> dict:
+    """The Keep Routing metrics of a step whose batches carry routes (else none)."""
+    if not named["route_tokens"]:
+        return {}
+    out = {
+        "route_mismatch": named["route_pairs_differ"] / max(named["route_pairs"], 1),
+        "route_mismatch_tokens": named["route_tokens_differ"] / named["route_tokens"],
+    }
+    if named["kl_current_tokens"]:
+        out["kl_actor_replayed"] = named["kl_replayed_sum"] / named["kl_current_tokens"]
+    if named["kl_free_tokens"]:
+        out["kl_actor_free"] = named["kl_free_sum"] / named["kl_free_tokens"]
+    return out
 
 
 def sample_metrics(batches: list[TrainBatch]) -> dict:

@@ -116,7 +116,8 @@ def check_renamed(raw: DictConfig, path: str) -> None:
         raise ValueError(
             f"{path}: {ENGINE_KIND}; write actor: {{engine: hf}} (or vllm) and drop engine.kind"
         )
-    if OmegaConf.select(raw, "preprocessor.reference") is not None:
+    # the old switch was a bool; today's preprocessor.reference is a section (replay_routes)
+    if isinstance(OmegaConf.select(raw, "preprocessor.reference"), bool):
         raise ValueError(
             f"{path}: preprocessor.reference was folded into preprocessor.scorers; "
             "write preprocessor.scorers: [reference] (true) or [] (false) instead"

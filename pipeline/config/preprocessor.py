@@ -1,6 +1,6 @@
 """``preprocessor``: the preprocessor pool and the scorers it runs on every rollout
-group (preprocessor/scorers.py): ``reference``, ``prm`` (``preprocessor.prm``) and
-``teacher`` (``preprocessor.teacher``)."""
+group (preprocessor/scorers.py): ``reference`` (``preprocessor.reference``), ``prm``
+(``preprocessor.prm``) and ``teacher`` (``preprocessor.teacher``)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,16 @@ class PRMConfig:
 
 
 @dataclass
+class ReferenceConfig:
+    """The frozen initial policy's log-probs (scorer ``reference``)."""
+
+    # MoE with sampling.keep_routing: route the reference's forward to the experts the
+    # actor recorded. Off by default: the reference then routes on its own router, as the
+    # initial policy would; replaying the current policy's routes biases the KL toward it
+    replay_routes: bool = False
+
+
+@dataclass
 class TeacherConfig:
     """On-policy distillation (scorer ``teacher``): reward_t = teacher_lp_t - student_lp_t."""
 
@@ -42,6 +52,7 @@ class PreprocessorConfig:
     # (distillation rewards). Default none: reference is added (preprocessor/scorers.py)
     # only when trainer.kl_coef > 0; list it to get the `kl` metric with kl_coef=0
     scorers: list[str] = field(default_factory=list)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     prm: PRMConfig = field(default_factory=PRMConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     drop_no_signal: bool = True
@@ -57,6 +68,15 @@ def validate_preprocessor(cfg: Any) -> None:
     check_positive(cfg, "preprocessor.num_workers", "preprocessor.token_budget")
     validate_scorers(cfg.preprocessor)
     check_pool_device(cfg, "preprocessor")
+    replay = cfg.preprocessor.reference.replay_routes
+    if not isinstance(replay, bool):
+        raise ValueError(f"preprocessor.reference.replay_routes={replay!r} must be true or false")
+    if replay and not cfg.sampling.keep_routing:
+        raise ValueError(
+            "preprocessor.reference.replay_routes=true replays the routes the actors record "
+            "with sampling.keep_routing=true, which is off: turn it on or set "
+            "preprocessor.reference.replay_routes=false"
+        )
 
 
 def validate_scorers(pre: Any) -> None:

@@ -49,6 +49,10 @@ class TrainerConfig:
     # float32 | bfloat16 (fp32 master weights and optimizer, bf16 compute); empty: model.dtype
     dtype: str = ""
     collective_timeout_s: float = 300.0  # deadline of every collective between the ranks
+    # sampling.keep_routing: every this many versions one no-grad forward per micro-batch
+    # with live routing (no replay) gives the `kl_actor_free` metric beside
+    # `kl_actor_replayed`; 0: never
+    route_probe_every: int = 10
 
 
 def validate_trainer(cfg: Any) -> None:
@@ -67,6 +71,15 @@ def validate_trainer(cfg: Any) -> None:
     validate_objective(cfg)
     if t.max_lag < 0:
         raise ValueError(f"trainer.max_lag={t.max_lag} must be >= 0")
+    if isinstance(t.route_probe_every, bool) or not isinstance(t.route_probe_every, int):
+        raise ValueError(
+            f"trainer.route_probe_every={t.route_probe_every!r} must be a whole number of steps"
+        )
+    if t.route_probe_every < 0:
+        raise ValueError(
+            f"trainer.route_probe_every={t.route_probe_every} must be >= 0 (0: no probe "
+            "forward without replayed routes)"
+        )
     check_pool_device(cfg, "trainer")
     if t.world_size < 1:
         raise ValueError(f"trainer.world_size={t.world_size} must be >= 1")

@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from pipeline import lora
+from pipeline import lora, routing
 from pipeline.config import pool_dtype
 from pipeline.models import DTYPES, load_model
 from trainer.backends.base import OptimizerLR, all_ranks_finite
@@ -80,6 +80,11 @@ class DeepSpeedBackend(OptimizerLR):
             model = lora.apply_lora(model, self.lora, cfg.run.seed)
         if resume_from:  # refuse another kind, adapter shape or base model, saying why
             lora.check_resume(resume_from, self.lora, getattr(self, "base_identity", None))
+        if self.stage == 3 and routing.is_moe(model):
+            # an expert loop runs only the experts some token was routed to, so the ranks
+            # would gather different parameters: ZeRO-3 fetches each MoE block whole
+            # (DeepSpeed 0.19 does so itself for Mixtral and Qwen-MoE blocks, not OLMoE's)
+            deepspeed.utils.set_z3_leaf_modules(model, routing.moe_blocks(model))
         trainable = lora.trainable_parameters(model)  # every parameter without model.lora
         optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
