@@ -216,8 +216,8 @@ def _build_tiny(out: Path, seed: int = 0, **shape) -> None:
 
 def _build_tiny_moe(out: Path, family: str = "qwen3_moe", seed: int = 0) -> None:
     """A tiny random mixture-of-experts model (8 experts, top-2, two sparse layers) with
-    the tiny tokenizer, head size 32 (vLLM's CPU attention refuses 16): ``qwen3_moe`` (Qwen3-MoE: top-k weights renormalized) or
-    ``olmoe`` (OLMoE: not renormalized)."""
+    the tiny tokenizer, head size 32 (vLLM's CPU attention refuses 16): ``qwen3_moe``
+    (Qwen3-MoE: top-k weights renormalized) or ``olmoe`` (OLMoE: not renormalized)."""
     from transformers import (
         OlmoeConfig,
         OlmoeForCausalLM,
