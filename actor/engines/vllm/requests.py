@@ -88,7 +88,7 @@ class VLLMRequests:
             async with self._slots:
                 salt, salt_version = self._salt()
                 request = {"prompt_token_ids": list(prompt)}
-                if self.settings.enable_prefix_caching:
+                if self.prefix_caching:
                     request["cache_salt"] = salt
                 if self.in_flight_now == 0:  # the engine had nothing since _empty_since
                     self._empty_s += time.monotonic() - self._empty_since
@@ -141,9 +141,11 @@ class VLLMRequests:
                 raise RuntimeError(f"vLLM request failed: {u.error}") from u.error
         ids = [rid for u in units for rid in u.ids]
         runs: dict = {}
+        routes: dict = {}
         if ids:
             try:
-                runs = self.rpc("nonstop_poll", ids, False)["versions"]
+                poll = self.rpc("nonstop_poll", ids, False)
+                runs, routes = poll["versions"], poll.get("routes") or {}
             except Exception as e:
                 if self.llm.errored:
                     raise
@@ -154,7 +156,10 @@ class VLLMRequests:
                     e,
                 )
         return [
-            [self._completion(f, runs.get(rid)) for rid, f in zip(u.ids, u.finals, strict=True)]
+            [
+                self._completion(f, runs.get(rid), routes.get(rid))
+                for rid, f in zip(u.ids, u.finals, strict=True)
+            ]
             for u in units
         ]
 
@@ -244,8 +249,9 @@ class VLLMRequests:
 
         self._call(cancel(), self.rpc_timeout_s)
 
-    def _completion(self, final, runs: list[list[int]] | None) -> Completion:
-        """``runs``: the worker's step versions for the request (None: not read)."""
+    def _completion(self, final, runs: list[list[int]] | None, routes: dict | None = None):
+        """``runs``: the worker's step versions for the request (None: not read);
+        ``routes`` (keep_routing): its rows from the worker (worker/routes.py)."""
         if final is None:  # stopped before it was submitted
             return Completion([], [], [], False)
         out, salt_version = final
@@ -269,9 +275,42 @@ class VLLMRequests:
         if versions and getattr(out, "num_cached_tokens", 0) and salt_version >= 0:
             versions[0] = min(versions[0], salt_version)  # it read KV cached under that
         self.stats.tokens += len(tokens)
-        return Completion(
+        done = Completion(
             tokens, logprobs, versions, c.finish_reason == "stop", versions_exact=exact
         )
+        if getattr(self, "keep_routing", False) and tokens:
+            prompt = len(out.prompt_token_ids or ())
+            done.routes, done.routes_exact = request_routes(
+                routes, prompt + len(tokens) - 1, self.route_layout, out.request_id
+            )
+        return done
+
+
+def request_routes(got: dict | None, rows: int, layout: list[int], request_id: str):
+    """(routes [rows, layers, k], exact) from the worker's answer for one request: its
+    rows by position (prompt + sampled tokens but the last). Fewer or more rows than
+    that (records lost, a poll that failed) are cut or padded with expert 0 and marked
+    inexact, with a warning; nothing at all: zeros, inexact."""
+    import numpy as np
+
+    layers, k, experts = layout
+    dtype = np.dtype(np.uint8 if experts <= 256 else "<u2")
+    if not got:
+        log.warning("request %s: no routes from the worker (routes_exact=False)", request_id)
+        return np.zeros((rows, layers, k), dtype=dtype), False
+    have = np.frombuffer(got["rows"], dtype=dtype).reshape(got["shape"])
+    exact = bool(got["exact"])
+    if len(have) != rows:
+        log.warning(
+            "request %s: %d route rows for %d fed-forward tokens (routes_exact=False)",
+            request_id,
+            len(have),
+            rows,
+        )
+        fixed = np.zeros((rows, layers, k), dtype=dtype)
+        fixed[: min(rows, len(have))] = have[:rows]
+        return fixed, False
+    return have.copy(), exact
 
 
 FAILED_FINISH = ("abort", "error")  # vLLM's FinishReason: the request did not complete

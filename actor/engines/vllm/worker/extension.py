@@ -98,6 +98,32 @@ def check_unquantized_worker(worker: Any) -> None:
         )
 
 
+def install_routes(worker: Any) -> tuple[Any, Any]:
+    """keep_routing on vLLM's V1 model runner: our capture on every MoE layer's router
+    (worker/routes.py) and the runner's request order of each step."""
+    from actor.engines.vllm.worker.routes import StepRoutes
+
+    runner = getattr(worker, "model_runner", None)
+    batch = getattr(runner, "input_batch", None)
+    if batch is None or not hasattr(batch, "req_ids"):
+        raise ValueError(
+            f"sampling.keep_routing: this vLLM's model runner ({type(runner).__name__}) has "
+            "no V1 input batch to split the routes by request; on CUDA use vLLM's own "
+            "enable_return_routed_experts (model runner V2), or set sampling.keep_routing=false"
+        )
+    cfg = worker.vllm_config
+    routes = StepRoutes(
+        worker.get_model(),
+        int(cfg.scheduler_config.max_num_batched_tokens),
+        int(cfg.model_config.get_num_experts()),
+    )
+
+    def order() -> list:
+        return list(runner.input_batch.req_ids[: runner.input_batch.num_reqs])
+
+    return routes, order
+
+
 def load_source(spec: dict) -> BucketSource:
     """``spec["factory"]`` is ``module:function``; it gets the rest of ``spec``."""
     factory: Callable[..., BucketSource] = import_path(spec["factory"])
@@ -112,10 +138,14 @@ class NonstopWorkerExtension:
         lock_timeout_s: float = 10.0,
         transfer_timeout_s: float = 60.0,
         lora: dict | None = None,
+        keep_routing: bool = False,
     ) -> dict:
         """Wrap the steps with the lock and start the receiver thread. ``lora``
         (``model.lora``): ``{"dir": the version-0 adapter folder, "request": the
-        LoRARequest class as module:name}``; versions are then adapters."""
+        LoRARequest class as module:name}``; versions are then adapters.
+        ``keep_routing`` (``sampling.keep_routing``): record every token's experts at
+        every MoE layer on the V1 runner (worker/routes.py); ValueError for a model
+        without MoE layers, or a runner that does not lay its batch out as V1 does."""
         if getattr(self, "_nonstop", None) is not None:
             return self._nonstop_info
         adapter = None
@@ -128,6 +158,8 @@ class NonstopWorkerExtension:
         tp = tp_of(self)
         util = getattr(getattr(self, "cache_config", None), "gpu_memory_utilization", None)
         w = LockedWeights(named, lock_timeout_s, adapter, tp, self.get_model(), util)
+        if keep_routing:
+            w.routes, w.batch_order = install_routes(self)
         w.wrap(self)
         self._nonstop, self._nonstop_timeout = w, transfer_timeout_s
         self._nonstop_group = (  # TP > 1: the weights-only group (every rank at once)
@@ -144,6 +176,9 @@ class NonstopWorkerExtension:
             "install_stream": getattr(w.install_stream, "cuda_stream", None),
             "tp_rank": tp[0],
             "tp_size": tp[1],
+            "route_layout": (
+                [w.routes.layers, w.routes.k, w.routes.experts] if w.routes is not None else None
+            ),
         }
         return self._nonstop_info
 
@@ -271,6 +306,7 @@ class NonstopWorkerExtension:
             "step_records": w.steps.sizes(),
             "preemption": {"preempted": w.steps.preempted, "resumed": w.steps.resumed},
             "versions": w.steps.take(request_ids or []),
+            "routes": w.routes.take(request_ids or []) if w.routes is not None else {},
             "gaps": w.take_gaps(),  # always handed over: the client adds each to its stats
         }
 
