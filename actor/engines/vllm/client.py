@@ -181,6 +181,7 @@ class VLLMEngine(VLLMRequests, VLLMWeights, Engine):
             async_scheduling=False,  # one recorded step per sampled token (module docstring)
             worker_extension_cls="actor.engines.vllm.worker.extension.NonstopWorkerExtension",
             **vllm_lora.engine_kwargs(lora),
+            **native_routes(self.api.AsyncEngineArgs, self.keep_routing),
             **(engine_args or {}),
         )
         self.engine_args = args
@@ -206,7 +207,10 @@ class VLLMEngine(VLLMRequests, VLLMWeights, Engine):
             adapter,
             self.keep_routing,
         )
-        self.route_layout = self.info.get("route_layout")  # [moe layers, k, experts]
+        routing = self.info.get("routing") or {}
+        self.route_layout = routing.get("layout")  # [moe layers, k, experts]
+        self.routes_via = routing.get("via")  # "worker" (V1 runner) or "vllm" (native)
+        self.moe_layers = routing.get("moe_layers")
         log.info("vLLM engine up (%s), update_mode=%s", self.info, update_mode)
 
     async def _start(self, args):
@@ -311,6 +315,20 @@ def check_unquantized(model_path: str) -> None:
             "vllm engine swaps unquantized weights only; point model.name at an unquantized "
             "(bf16/fp16/fp32) checkpoint for actor.engine=vllm"
         )
+
+
+def native_routes(engine_args_cls: Any, keep_routing: bool) -> dict:
+    """``enable_return_routed_experts=True`` with keep_routing on CUDA where this vLLM
+    has it (its capture needs model runner V2, which the CPU build cannot start: there
+    the worker captures on the V1 runner, worker/routes.py); nothing otherwise."""
+    import dataclasses
+
+    if not keep_routing or installed_vllm_platform() == CPU:
+        return {}
+    fields = {f.name for f in dataclasses.fields(engine_args_cls)}
+    return (
+        {"enable_return_routed_experts": True} if "enable_return_routed_experts" in fields else {}
+    )
 
 
 def check_moe(model_path: str, keep_routing: bool, lora: Any) -> bool:

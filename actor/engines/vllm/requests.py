@@ -142,10 +142,12 @@ class VLLMRequests:
         ids = [rid for u in units for rid in u.ids]
         runs: dict = {}
         routes: dict = {}
+        preempted = 0
         if ids:
             try:
                 poll = self.rpc("nonstop_poll", ids, False)
                 runs, routes = poll["versions"], poll.get("routes") or {}
+                preempted = (poll.get("preemption") or {}).get("preempted", 0)
             except Exception as e:
                 if self.llm.errored:
                     raise
@@ -157,7 +159,7 @@ class VLLMRequests:
                 )
         return [
             [
-                self._completion(f, runs.get(rid), routes.get(rid))
+                self._completion(f, runs.get(rid), routes.get(rid), preempted)
                 for rid, f in zip(u.ids, u.finals, strict=True)
             ]
             for u in units
@@ -249,9 +251,13 @@ class VLLMRequests:
 
         self._call(cancel(), self.rpc_timeout_s)
 
-    def _completion(self, final, runs: list[list[int]] | None, routes: dict | None = None):
+    def _completion(
+        self, final, runs: list[list[int]] | None, routes: dict | None = None, preempted: int = 0
+    ):
         """``runs``: the worker's step versions for the request (None: not read);
-        ``routes`` (keep_routing): its rows from the worker (worker/routes.py)."""
+        ``routes`` (keep_routing): its rows from the worker (worker/routes.py);
+        ``preempted``: the engine's preemptions so far (vLLM's own routes: inexact across
+        a swap once any happened)."""
         if final is None:  # stopped before it was submitted
             return Completion([], [], [], False)
         out, salt_version = final
@@ -280,6 +286,12 @@ class VLLMRequests:
         )
         if getattr(self, "keep_routing", False) and tokens:
             prompt = len(out.prompt_token_ids or ())
+            if self.routes_via == "vllm":
+                routes = native_request_routes(
+                    getattr(c, "routed_experts", None),
+                    self.moe_layers,
+                    exact and (len(set(versions)) == 1 or preempted == 0),
+                )
             done.routes, done.routes_exact = request_routes(
                 routes, prompt + len(tokens) - 1, self.route_layout, out.request_id
             )
@@ -298,7 +310,11 @@ def request_routes(got: dict | None, rows: int, layout: list[int], request_id: s
     if not got:
         log.warning("request %s: no routes from the worker (routes_exact=False)", request_id)
         return np.zeros((rows, layers, k), dtype=dtype), False
-    have = np.frombuffer(got["rows"], dtype=dtype).reshape(got["shape"])
+    data = got["rows"]
+    if isinstance(data, bytes):
+        have = np.frombuffer(data, dtype=dtype).reshape(got["shape"])
+    else:  # vLLM's own (native_request_routes)
+        have = np.asarray(data).astype(dtype)
     exact = bool(got["exact"])
     if len(have) != rows:
         log.warning(
@@ -311,6 +327,20 @@ def request_routes(got: dict | None, rows: int, layout: list[int], request_id: s
         fixed[: min(rows, len(have))] = have[:rows]
         return fixed, False
     return have.copy(), exact
+
+
+def native_request_routes(got, moe_layers: list[int], exact: bool) -> dict | None:
+    """vLLM's own routed experts of one request (``CompletionOutput.routed_experts``,
+    ``[tokens, every decoder layer, k]``, with ``enable_return_routed_experts``) in the
+    worker's form: the MoE layers' columns, ids ascending per row. ``exact``: vLLM's
+    capture knows nothing of swaps or preemption, so the caller says (the request's
+    stamps are exact, and it ran on one version or no preemption happened)."""
+    import numpy as np
+
+    if got is None:
+        return None
+    rows = np.sort(np.asarray(got)[:, moe_layers], axis=-1)
+    return {"rows": rows, "shape": list(rows.shape), "exact": exact}
 
 
 FAILED_FINISH = ("abort", "error")  # vLLM's FinishReason: the request did not complete

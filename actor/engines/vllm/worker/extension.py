@@ -98,30 +98,50 @@ def check_unquantized_worker(worker: Any) -> None:
         )
 
 
-def install_routes(worker: Any) -> tuple[Any, Any]:
-    """keep_routing on vLLM's V1 model runner: our capture on every MoE layer's router
-    (worker/routes.py) and the runner's request order of each step."""
-    from actor.engines.vllm.worker.routes import StepRoutes
+def install_routes(worker: Any) -> tuple[Any, Any, dict]:
+    """keep_routing: (our route recorder, the runner's request order of each step, what
+    the client needs: ``layout`` [moe layers, k, experts], ``moe_layers`` (their layer
+    ids), ``via``). Where vLLM itself returns routed experts
+    (``enable_return_routed_experts``, set by the client on CUDA: model runner V2) the
+    worker installs nothing (``via="vllm"``: the rows come with each RequestOutput);
+    otherwise our capture on every MoE layer's router on the V1 runner (worker/routes.py,
+    ``via="worker"``: the rows come with the poll)."""
+    from actor.engines.vllm.worker.routes import StepRoutes, moe_runners
 
+    cfg = worker.vllm_config
+    model = worker.get_model()
+    runners = moe_runners(model)
+    if not runners:
+        raise ValueError(
+            "sampling.keep_routing is on but this vLLM model has no mixture-of-experts "
+            "layer with a router vLLM can capture from: set sampling.keep_routing=false "
+            "or serve a MoE model"
+        )
+    experts = int(cfg.model_config.get_num_experts())
+    k = int(cfg.model_config.get_num_experts_per_tok())
+    info = {
+        "layout": [len(runners), k, experts],
+        "moe_layers": [int(r.layer_id) for r in runners],
+        "via": "worker",
+    }
+    aux = getattr(cfg, "aux_output_config", None)
+    if getattr(aux, "enable_return_routed_experts", False):
+        return None, None, {**info, "via": "vllm"}
     runner = getattr(worker, "model_runner", None)
     batch = getattr(runner, "input_batch", None)
     if batch is None or not hasattr(batch, "req_ids"):
         raise ValueError(
             f"sampling.keep_routing: this vLLM's model runner ({type(runner).__name__}) has "
-            "no V1 input batch to split the routes by request; on CUDA use vLLM's own "
-            "enable_return_routed_experts (model runner V2), or set sampling.keep_routing=false"
+            "no V1 input batch to split the routes by request, and vLLM's own "
+            "enable_return_routed_experts is off; use a vLLM that has it (CUDA, model "
+            "runner V2) or set sampling.keep_routing=false"
         )
-    cfg = worker.vllm_config
-    routes = StepRoutes(
-        worker.get_model(),
-        int(cfg.scheduler_config.max_num_batched_tokens),
-        int(cfg.model_config.get_num_experts()),
-    )
+    routes = StepRoutes(model, int(cfg.scheduler_config.max_num_batched_tokens), experts)
 
     def order() -> list:
         return list(runner.input_batch.req_ids[: runner.input_batch.num_reqs])
 
-    return routes, order
+    return routes, order, info
 
 
 def load_source(spec: dict) -> BucketSource:
@@ -158,8 +178,9 @@ class NonstopWorkerExtension:
         tp = tp_of(self)
         util = getattr(getattr(self, "cache_config", None), "gpu_memory_utilization", None)
         w = LockedWeights(named, lock_timeout_s, adapter, tp, self.get_model(), util)
+        routing = None
         if keep_routing:
-            w.routes, w.batch_order = install_routes(self)
+            w.routes, w.batch_order, routing = install_routes(self)
         w.wrap(self)
         self._nonstop, self._nonstop_timeout = w, transfer_timeout_s
         self._nonstop_group = (  # TP > 1: the weights-only group (every rank at once)
@@ -176,9 +197,7 @@ class NonstopWorkerExtension:
             "install_stream": getattr(w.install_stream, "cuda_stream", None),
             "tp_rank": tp[0],
             "tp_size": tp[1],
-            "route_layout": (
-                [w.routes.layers, w.routes.k, w.routes.experts] if w.routes is not None else None
-            ),
+            "routing": routing,  # keep_routing: layout, MoE layer ids, who captures
         }
         return self._nonstop_info
 
