@@ -212,3 +212,29 @@ def test_keep_routing_on_a_dense_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="mixture-of-experts"):
         check_moe(str(moe), keep_routing=False, lora=lora)
     assert check_moe(str(moe), keep_routing=True, lora=None)
+
+
+def test_preempted_requests_keep_their_rows(moe_engine):
+    """A KV cache of 10 blocks of 32 tokens for 6 requests of ~110 tokens: vLLM preempts
+    and recomputes (V1: from position 0, prompt and sampled tokens again). The recomputed
+    rows land on the same positions, route the same (one version), and every request's
+    routes stay exact and equal to the teacher-forced forward's. A second engine of its
+    own (the module's keeps its large cache); the module's is idle meanwhile."""
+    eng = start_engine(
+        _DIRS[0],
+        keep_routing=True,
+        max_model_len=256,
+        engine_args={"block_size": 32, "num_gpu_blocks_override": 10, "max_num_batched_tokens": 64},
+    )
+    eng.sampling["ignore_eos"] = True
+    try:
+        prompts = [[20 + i] * (4 + 3 * i) + [50] for i in range(6)]
+        outs = eng.generate(prompts, 100)
+        preempted = eng.rpc("nonstop_poll", [], False)["preemption"]["preempted"]
+    finally:
+        eng.close()
+    print(f"preemptions: {preempted}")
+    assert preempted > 0, "the small KV cache did not force a preemption"
+    for p, c in zip(prompts, outs, strict=True):
+        assert len(c.tokens) == 100 and c.routes_exact
+        assert mismatched_rows(c.routes, teacher_routes(p, c.tokens, [0] * 100)) == 0

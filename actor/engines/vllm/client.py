@@ -28,7 +28,13 @@ cent on small models). The CPU build forces it off anyway
 (``vllm/platforms/cpu.py``: ``scheduler_config.async_scheduling = False``).
 
 Prefix caching across a swap: every request carries a ``cache_salt`` naming the live
-version (requests.py), so no request hits a KV block computed under other weights.
+version (requests.py), so no request hits a KV block computed under other weights. With
+``keep_routing`` prefix caching is off (a hit would skip the prompt rows of the routes).
+
+``keep_routing`` (MoE models): every completion carries the experts each fed-forward
+token was routed to (``Completion.routes`` / ``routes_exact``): on the CPU build captured
+by the worker on the V1 runner (worker/routes.py) and fetched with the versions' poll; on
+CUDA from vLLM's own ``enable_return_routed_experts`` (:func:`native_routes`).
 
 ``model.lora`` (``lora=``): vLLM starts with LoRA on (``vllm_lora.engine_kwargs``), the
 trainer's version-0 adapter (same seed) is written to a folder of this engine's own,

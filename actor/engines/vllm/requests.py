@@ -18,6 +18,10 @@ bound (staleness over-, never understated: the oldest version the request can ha
 read) and the completion says so (``Completion.versions_exact=False``, carried to the
 trainer as ``Sample.versions_exact``; counted in ``stats.inexact_stamps``).
 
+Routes (``keep_routing``): fetched in the same poll (the worker's rows by position,
+worker/routes.py) or read from vLLM's own output (CUDA), checked against prompt +
+completion - 1 rows (:func:`request_routes`: cut or padded and inexact otherwise).
+
 Prefix caching across a swap: every request carries ``cache_salt`` = the live
 version and this engine's swap count, so a request submitted under version B never
 hits a KV block first computed for a request submitted under A (vLLM's block hash

@@ -25,8 +25,10 @@ calls at shutdown; no Worker of 0.24 or 0.32 has it); ``execute_model`` /
                                               paused, "nonstop_swap_paused" (pause mode)
     collective_rpc("nonstop_poll", ids) -->   live and staged version, swaps, errors,
                                               per request the versions of the steps that
-                                              sampled it, and the added gap around each
-                                              swap a step has followed since the last poll
+                                              sampled it (with keep_routing its experts'
+                                              rows, worker/routes.py), and the added gap
+                                              around each swap a step has followed since
+                                              the last poll
     collective_rpc("nonstop_connect",   -->   returns at once; the receiver thread opens
                    transport, rdv, nonce)     the channel (the handshake waits for the
                                               trainer); the poll's ``channel`` says how

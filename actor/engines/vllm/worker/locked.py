@@ -13,7 +13,8 @@ Two layouts, two swaps: on CUDA the parameters are written in place (CUDA graphs
 their pointers). On the CPU vLLM computes each linear layer with a packed copy of its
 weight (``layer.cpu_linear``; ``layer.weight`` is emptied), so ``stage`` also builds the
 next version's tensors and packed layers from staging, outside the lock, and the swap
-only exchanges pointers under it (packed.py). Tested on real vLLM's CPU build
+only exchanges pointers under it (packed.py). With keep_routing the same locked step
+files the step's routed experts by request (``routes``, routes.py). Tested on real vLLM's CPU build
 (tests/test_vllm_real.py) and, for the lock and staging logic, with fake workers.
 """
 

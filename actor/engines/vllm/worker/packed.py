@@ -22,6 +22,12 @@ per-forward lock, while the engine generates::
     packed layer a new cpu_linear built by      closure. Pointer assignments only: the
     dispatch_cpu_unquantized_gemm on a copy     next step reads the whole new version.
 
+Mixture-of-experts layers (vLLM's ``RoutedExperts``) keep their ``w13_weight`` /
+``w2_weight`` parameters, but padded and prepacked for the CPU grouped GEMM; they are
+staged in the checkpoint's shapes and a new version is prepacked by vLLM's own post-load
+step outside the lock (:func:`repack_experts`), then exchanged by pointer like the rest.
+The router (``GateLinear``) is a packed linear layer like any other.
+
 The old tensors and closures are dropped after the lock is released. Memory during a
 swap: the live version, the prepared one (packed: about the weights' size again) and the
 staging copy. With torch.compile (``actor.vllm.enforce_eager=false``) the CPU build
