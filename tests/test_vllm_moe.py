@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,6 +37,7 @@ BATCHED = 64  # max_num_batched_tokens: prompts longer than this are prefilled i
 PROMPTS = [[5 + i] * (3 + 29 * i) + [17, 30 + 3 * i] for i in range(4)]  # 5 .. 94 tokens
 
 _MODELS: dict[int, torch.nn.Module] = {}
+_DIRS: dict[int, str] = {}  # seed -> the saved model's folder (the module fixture)
 
 
 def moe_model(seed: int):
@@ -45,9 +47,6 @@ def moe_model(seed: int):
 
         _MODELS[seed] = AutoModelForCausalLM.from_pretrained(_DIRS[seed]).float().eval()
     return _MODELS[seed]
-
-
-_DIRS: dict[int, str] = {}
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:
@@ -74,7 +73,7 @@ def moe_engine(tmp_path_factory):
 
     for seed in (0, 1):
         _DIRS[seed] = str(tmp_path_factory.mktemp(f"tiny-moe-{seed}"))
-        _build_tiny_moe(__import__("pathlib").Path(_DIRS[seed]), seed=seed)
+        _build_tiny_moe(Path(_DIRS[seed]), seed=seed)
     t0 = time.monotonic()
     engine = start_engine(
         _DIRS[0], keep_routing=True, engine_args={"max_num_batched_tokens": BATCHED}

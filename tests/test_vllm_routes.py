@@ -67,8 +67,8 @@ def test_rows_split_by_request_and_placed_by_position():
     each request's rows land at its own positions."""
     m = model()
     r = StepRoutes(m, 64, 8)
-    step(r, m, output(new=[("a-12345678", 0, 3), ("b-12345678", 0, 2)]), ["b-12345678", "a-12345678"], 0,
-         [[0, 1], [0, 2], [1, 2], [1, 3], [2, 3]])  # fmt: skip
+    step(r, m, output(new=[("a-12345678", 0, 3), ("b-12345678", 0, 2)]),
+         ["b-12345678", "a-12345678"], 0, [[0, 1], [0, 2], [1, 2], [1, 3], [2, 3]])  # fmt: skip
     step(r, m, output(cached=[("a-12345678", 3, 2), ("b-12345678", 2, 1)]),
          ["a-12345678", "b-12345678"], 0, [[3, 4], [4, 5], [5, 6]])  # fmt: skip
     got = r.take(["a", "b"])
