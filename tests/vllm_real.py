@@ -156,11 +156,14 @@ def start_engine(
     *,
     update_mode: str = "lock",
     temperature: float = 1.0,
+    keep_routing: bool = False,
+    engine_args: dict | None = None,
     **setting_overrides: Any,
 ):
     """A real VLLMEngine on ``model_dir`` (float32, seed 0); the caller closes it. Its KV
     cache is ``actor.vllm.cpu_kv_cache_gib``'s: an exported VLLM_CPU_KVCACHE_SPACE (which
-    would win) is set aside while the engine starts."""
+    would win) is set aside while the engine starts. ``keep_routing`` and
+    ``engine_args`` go to VLLMEngine as they are."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from actor.engines.vllm.client import VLLMEngine
 
@@ -177,6 +180,8 @@ def start_engine(
             seed=0,
             update_mode=update_mode,
             transfer_timeout_s=60.0,
+            keep_routing=keep_routing,
+            engine_args=engine_args,
         )
     finally:
         if kv_env is not None:

@@ -28,7 +28,13 @@ cent on small models). The CPU build forces it off anyway
 (``vllm/platforms/cpu.py``: ``scheduler_config.async_scheduling = False``).
 
 Prefix caching across a swap: every request carries a ``cache_salt`` naming the live
-version (requests.py), so no request hits a KV block computed under other weights.
+version (requests.py), so no request hits a KV block computed under other weights. With
+``keep_routing`` prefix caching is off (a hit would skip the prompt rows of the routes).
+
+``keep_routing`` (MoE models): every completion carries the experts each fed-forward
+token was routed to (``Completion.routes`` / ``routes_exact``): on the CPU build captured
+by the worker on the V1 runner (worker/routes.py) and fetched with the versions' poll; on
+CUDA from vLLM's own ``enable_return_routed_experts`` (:func:`native_routes`).
 
 ``model.lora`` (``lora=``): vLLM starts with LoRA on (``vllm_lora.engine_kwargs``), the
 trainer's version-0 adapter (same seed) is written to a folder of this engine's own,
@@ -115,17 +121,32 @@ class VLLMEngine(VLLMRequests, VLLMWeights, Engine):
         lora_seed: int = 0,
         api: SimpleNamespace | None = None,
         engine_args: dict | None = None,
+        keep_routing: bool = False,
     ):
         """``lora``: ``model.lora`` (adapters only; rank 0 or None: full weights);
         ``lora_seed``: the run's seed, so the version-0 adapter is the trainer's;
         ``engine_args``: more AsyncEngineArgs (tests and benchmarks: e.g. a small
-        ``num_gpu_blocks_override`` that forces preemption)."""
+        ``num_gpu_blocks_override`` that forces preemption); ``keep_routing``
+        (``sampling.keep_routing``, MoE models only): every completion carries the
+        experts each fed-forward token was routed to (``Completion.routes``), captured
+        by the worker on vLLM's V1 model runner (worker/routes.py). It turns vLLM's
+        prefix caching off, whatever ``actor.vllm.enable_prefix_caching`` says: a cache
+        hit skips the prompt positions whose routes the trainer needs. Where the worker
+        captures (the CPU build) it also runs vLLM eagerly (``enforce_eager``): under
+        torch.compile the capture never ran (every row missing, all marked inexact)."""
         if update_mode not in ("lock", "pause"):
             raise ValueError(f"weights.update_mode={update_mode!r}; use lock or pause")
         check_unquantized(model_path)
+        check_moe(model_path, keep_routing, lora)
+        self.keep_routing = bool(keep_routing)
+        self.prefix_caching = bool(settings.enable_prefix_caching) and not self.keep_routing
         self.tokenizer = tokenizer
         allow_untested = bool(settings.allow_untested_version)  # read with or without ``api``
         self.api = api or load_vllm(allow_untested=allow_untested)
+        native = native_routes(self.api.AsyncEngineArgs, self.keep_routing)
+        # the worker's own capture (no native routes) runs eagerly: under the CPU build's
+        # torch.compile the routers' capture_fn never ran (measured: every row missing)
+        self.eager = bool(settings.enforce_eager) or (self.keep_routing and not native)
         self.settings, self.update_mode = settings, update_mode
         self.rpc_timeout_s = float(settings.rpc_timeout_s)
         self.stats = EngineStats()
@@ -164,14 +185,15 @@ class VLLMEngine(VLLMRequests, VLLMWeights, Engine):
             gpu_memory_utilization=settings.gpu_memory_utilization,
             max_num_seqs=settings.max_num_seqs,
             tensor_parallel_size=settings.tensor_parallel_size,
-            enforce_eager=settings.enforce_eager,
-            enable_prefix_caching=settings.enable_prefix_caching,
+            enforce_eager=self.eager,
+            enable_prefix_caching=self.prefix_caching,
             max_model_len=settings.max_model_len,
             **cpu_kv_cache(settings),
             logprobs_mode="processed_logprobs",  # the sampled-from distribution
             async_scheduling=False,  # one recorded step per sampled token (module docstring)
             worker_extension_cls="actor.engines.vllm.worker.extension.NonstopWorkerExtension",
             **vllm_lora.engine_kwargs(lora),
+            **native,
             **(engine_args or {}),
         )
         self.engine_args = args
@@ -191,8 +213,16 @@ class VLLMEngine(VLLMRequests, VLLMWeights, Engine):
             cls = self.api.LoRARequest
             adapter = {"dir": self.adapter_dir, "request": f"{cls.__module__}:{cls.__qualname__}"}
         self.info = self.rpc(
-            "nonstop_install", float(settings.lock_timeout_s), float(transfer_timeout_s), adapter
+            "nonstop_install",
+            float(settings.lock_timeout_s),
+            float(transfer_timeout_s),
+            adapter,
+            self.keep_routing,
         )
+        routing = self.info.get("routing") or {}
+        self.route_layout = routing.get("layout")  # [moe layers, k, experts]
+        self.routes_via = routing.get("via")  # "worker" (V1 runner) or "vllm" (native)
+        self.moe_layers = routing.get("moe_layers")
         log.info("vLLM engine up (%s), update_mode=%s", self.info, update_mode)
 
     async def _start(self, args):
@@ -297,6 +327,50 @@ def check_unquantized(model_path: str) -> None:
             "vllm engine swaps unquantized weights only; point model.name at an unquantized "
             "(bf16/fp16/fp32) checkpoint for actor.engine=vllm"
         )
+
+
+def native_routes(engine_args_cls: Any, keep_routing: bool) -> dict:
+    """``enable_return_routed_experts=True`` with keep_routing on CUDA where this vLLM
+    has it (its capture needs model runner V2, which the CPU build cannot start: there
+    the worker captures on the V1 runner, worker/routes.py); nothing otherwise."""
+    if not keep_routing or installed_vllm_platform() == CPU:
+        return {}
+    fields = getattr(engine_args_cls, "__dataclass_fields__", {})
+    return (
+        {"enable_return_routed_experts": True} if "enable_return_routed_experts" in fields else {}
+    )
+
+
+def check_moe(model_path: str, keep_routing: bool, lora: Any) -> bool:
+    """Whether the checkpoint in ``model_path`` is a mixture of experts (its
+    ``config.json``; False where there is none to read, e.g. a hub name: the worker
+    then checks the model itself). Refuses, in one line each, ``keep_routing`` on a
+    dense model and ``model.lora`` on a MoE model (vLLM's MoE LoRA is not wired into
+    the adapter swap)."""
+    path = os.path.join(model_path, "config.json")
+    if not os.path.isfile(path):
+        return False
+    import json
+
+    with open(path) as f:
+        cfg = json.load(f)
+    text = cfg.get("text_config") or cfg
+    moe = bool(
+        text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts")
+    )
+    if keep_routing and not moe:
+        raise ValueError(
+            f"sampling.keep_routing=true but {model_path} is not a mixture-of-experts model "
+            "(no num_experts / num_local_experts in its config.json): set "
+            "sampling.keep_routing=false, or serve a MoE model"
+        )
+    if moe and lora_lib.settings(lora) is not None:
+        raise ValueError(
+            f"model.lora with the vllm engine on a mixture-of-experts model ({model_path}) "
+            "is not supported: the adapter swap maps dense layers only; train full weights "
+            "(model.lora.rank=0) or use actor.engine=hf"
+        )
+    return moe
 
 
 def _stop_ids(tokenizer) -> set[int]:

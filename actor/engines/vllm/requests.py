@@ -18,6 +18,10 @@ bound (staleness over-, never understated: the oldest version the request can ha
 read) and the completion says so (``Completion.versions_exact=False``, carried to the
 trainer as ``Sample.versions_exact``; counted in ``stats.inexact_stamps``).
 
+Routes (``keep_routing``): fetched in the same poll (the worker's rows by position,
+worker/routes.py) or read from vLLM's own output (CUDA), checked against prompt +
+completion - 1 rows (:func:`request_routes`: cut or padded and inexact otherwise).
+
 Prefix caching across a swap: every request carries ``cache_salt`` = the live
 version and this engine's swap count, so a request submitted under version B never
 hits a KV block first computed for a request submitted under A (vLLM's block hash
@@ -88,7 +92,7 @@ class VLLMRequests:
             async with self._slots:
                 salt, salt_version = self._salt()
                 request = {"prompt_token_ids": list(prompt)}
-                if self.settings.enable_prefix_caching:
+                if self.prefix_caching:
                     request["cache_salt"] = salt
                 if self.in_flight_now == 0:  # the engine had nothing since _empty_since
                     self._empty_s += time.monotonic() - self._empty_since
@@ -141,9 +145,13 @@ class VLLMRequests:
                 raise RuntimeError(f"vLLM request failed: {u.error}") from u.error
         ids = [rid for u in units for rid in u.ids]
         runs: dict = {}
+        routes: dict = {}
+        preempted = 0
         if ids:
             try:
-                runs = self.rpc("nonstop_poll", ids, False)["versions"]
+                poll = self.rpc("nonstop_poll", ids, False)
+                runs, routes = poll["versions"], poll.get("routes") or {}
+                preempted = (poll.get("preemption") or {}).get("preempted", 0)
             except Exception as e:
                 if self.llm.errored:
                     raise
@@ -154,7 +162,10 @@ class VLLMRequests:
                     e,
                 )
         return [
-            [self._completion(f, runs.get(rid)) for rid, f in zip(u.ids, u.finals, strict=True)]
+            [
+                self._completion(f, runs.get(rid), routes.get(rid), preempted)
+                for rid, f in zip(u.ids, u.finals, strict=True)
+            ]
             for u in units
         ]
 
@@ -244,8 +255,13 @@ class VLLMRequests:
 
         self._call(cancel(), self.rpc_timeout_s)
 
-    def _completion(self, final, runs: list[list[int]] | None) -> Completion:
-        """``runs``: the worker's step versions for the request (None: not read)."""
+    def _completion(
+        self, final, runs: list[list[int]] | None, routes: dict | None = None, preempted: int = 0
+    ):
+        """``runs``: the worker's step versions for the request (None: not read);
+        ``routes`` (keep_routing): its rows from the worker (worker/routes.py);
+        ``preempted``: the engine's preemptions so far (vLLM's own routes: inexact across
+        a swap once any happened)."""
         if final is None:  # stopped before it was submitted
             return Completion([], [], [], False)
         out, salt_version = final
@@ -269,9 +285,66 @@ class VLLMRequests:
         if versions and getattr(out, "num_cached_tokens", 0) and salt_version >= 0:
             versions[0] = min(versions[0], salt_version)  # it read KV cached under that
         self.stats.tokens += len(tokens)
-        return Completion(
+        done = Completion(
             tokens, logprobs, versions, c.finish_reason == "stop", versions_exact=exact
         )
+        if getattr(self, "keep_routing", False) and tokens:
+            prompt = len(out.prompt_token_ids or ())
+            if self.routes_via == "vllm":
+                routes = native_request_routes(
+                    getattr(c, "routed_experts", None),
+                    self.moe_layers,
+                    exact and (len(set(versions)) == 1 or preempted == 0),
+                )
+            done.routes, done.routes_exact = request_routes(
+                routes, prompt + len(tokens) - 1, self.route_layout, out.request_id
+            )
+        return done
+
+
+def request_routes(got: dict | None, rows: int, layout: list[int], request_id: str):
+    """(routes [rows, layers, k], exact) from the worker's answer for one request: its
+    rows by position (prompt + sampled tokens but the last). Fewer or more rows than
+    that (records lost, a poll that failed) are cut or padded with expert 0 and marked
+    inexact, with a warning; nothing at all: zeros, inexact."""
+    import numpy as np
+
+    layers, k, experts = layout
+    dtype = np.dtype(np.uint8 if experts <= 256 else "<u2")
+    if not got:
+        log.warning("request %s: no routes from the worker (routes_exact=False)", request_id)
+        return np.zeros((rows, layers, k), dtype=dtype), False
+    data = got["rows"]
+    if isinstance(data, bytes):
+        have = np.frombuffer(data, dtype=dtype).reshape(got["shape"])
+    else:  # vLLM's own (native_request_routes)
+        have = np.asarray(data).astype(dtype)
+    exact = bool(got["exact"])
+    if len(have) != rows:
+        log.warning(
+            "request %s: %d route rows for %d fed-forward tokens (routes_exact=False)",
+            request_id,
+            len(have),
+            rows,
+        )
+        fixed = np.zeros((rows, layers, k), dtype=dtype)
+        fixed[: min(rows, len(have))] = have[:rows]
+        return fixed, False
+    return have.copy(), exact
+
+
+def native_request_routes(got, moe_layers: list[int], exact: bool) -> dict | None:
+    """vLLM's own routed experts of one request (``CompletionOutput.routed_experts``,
+    ``[tokens, every decoder layer, k]``, with ``enable_return_routed_experts``) in the
+    worker's form: the MoE layers' columns, ids ascending per row. ``exact``: vLLM's
+    capture knows nothing of swaps or preemption, so the caller says (the request's
+    stamps are exact, and it ran on one version or no preemption happened)."""
+    import numpy as np
+
+    if got is None:
+        return None
+    rows = np.sort(np.asarray(got)[:, moe_layers], axis=-1)
+    return {"rows": rows, "shape": list(rows.shape), "exact": exact}
 
 
 FAILED_FINISH = ("abort", "error")  # vLLM's FinishReason: the request did not complete

@@ -25,8 +25,10 @@ calls at shutdown; no Worker of 0.24 or 0.32 has it); ``execute_model`` /
                                               paused, "nonstop_swap_paused" (pause mode)
     collective_rpc("nonstop_poll", ids) -->   live and staged version, swaps, errors,
                                               per request the versions of the steps that
-                                              sampled it, and the added gap around each
-                                              swap a step has followed since the last poll
+                                              sampled it (with keep_routing its experts'
+                                              rows, worker/routes.py), and the added gap
+                                              around each swap a step has followed since
+                                              the last poll
     collective_rpc("nonstop_connect",   -->   returns at once; the receiver thread opens
                    transport, rdv, nonce)     the channel (the handshake waits for the
                                               trainer); the poll's ``channel`` says how
@@ -98,6 +100,52 @@ def check_unquantized_worker(worker: Any) -> None:
         )
 
 
+def install_routes(worker: Any) -> tuple[Any, Any, dict]:
+    """keep_routing: (our route recorder, the runner's request order of each step, what
+    the client needs: ``layout`` [moe layers, k, experts], ``moe_layers`` (their layer
+    ids), ``via``). Where vLLM itself returns routed experts
+    (``enable_return_routed_experts``, set by the client on CUDA: model runner V2) the
+    worker installs nothing (``via="vllm"``: the rows come with each RequestOutput);
+    otherwise our capture on every MoE layer's router on the V1 runner (worker/routes.py,
+    ``via="worker"``: the rows come with the poll)."""
+    from actor.engines.vllm.worker.routes import StepRoutes, moe_runners
+
+    cfg = worker.vllm_config
+    model = worker.get_model()
+    runners = moe_runners(model)
+    if not runners:
+        raise ValueError(
+            "sampling.keep_routing is on but this vLLM model has no mixture-of-experts "
+            "layer with a router vLLM can capture from: set sampling.keep_routing=false "
+            "or serve a MoE model"
+        )
+    experts = int(cfg.model_config.get_num_experts())
+    k = int(cfg.model_config.get_num_experts_per_tok())
+    info = {
+        "layout": [len(runners), k, experts],
+        "moe_layers": [int(r.layer_id) for r in runners],
+        "via": "worker",
+    }
+    aux = getattr(cfg, "aux_output_config", None)
+    if getattr(aux, "enable_return_routed_experts", False):
+        return None, None, {**info, "via": "vllm"}
+    runner = getattr(worker, "model_runner", None)
+    batch = getattr(runner, "input_batch", None)
+    if batch is None or not hasattr(batch, "req_ids"):
+        raise ValueError(
+            f"sampling.keep_routing: this vLLM's model runner ({type(runner).__name__}) has "
+            "no V1 input batch to split the routes by request, and vLLM's own "
+            "enable_return_routed_experts is off; use a vLLM that has it (CUDA, model "
+            "runner V2) or set sampling.keep_routing=false"
+        )
+    routes = StepRoutes(model, int(cfg.scheduler_config.max_num_batched_tokens), experts)
+
+    def order() -> list:
+        return list(runner.input_batch.req_ids[: runner.input_batch.num_reqs])
+
+    return routes, order, info
+
+
 def load_source(spec: dict) -> BucketSource:
     """``spec["factory"]`` is ``module:function``; it gets the rest of ``spec``."""
     factory: Callable[..., BucketSource] = import_path(spec["factory"])
@@ -112,10 +160,14 @@ class NonstopWorkerExtension:
         lock_timeout_s: float = 10.0,
         transfer_timeout_s: float = 60.0,
         lora: dict | None = None,
+        keep_routing: bool = False,
     ) -> dict:
         """Wrap the steps with the lock and start the receiver thread. ``lora``
         (``model.lora``): ``{"dir": the version-0 adapter folder, "request": the
-        LoRARequest class as module:name}``; versions are then adapters."""
+        LoRARequest class as module:name}``; versions are then adapters.
+        ``keep_routing`` (``sampling.keep_routing``): record every token's experts at
+        every MoE layer on the V1 runner (worker/routes.py); ValueError for a model
+        without MoE layers, or a runner that does not lay its batch out as V1 does."""
         if getattr(self, "_nonstop", None) is not None:
             return self._nonstop_info
         adapter = None
@@ -128,6 +180,9 @@ class NonstopWorkerExtension:
         tp = tp_of(self)
         util = getattr(getattr(self, "cache_config", None), "gpu_memory_utilization", None)
         w = LockedWeights(named, lock_timeout_s, adapter, tp, self.get_model(), util)
+        routing = None
+        if keep_routing:
+            w.routes, w.batch_order, routing = install_routes(self)
         w.wrap(self)
         self._nonstop, self._nonstop_timeout = w, transfer_timeout_s
         self._nonstop_group = (  # TP > 1: the weights-only group (every rank at once)
@@ -144,6 +199,7 @@ class NonstopWorkerExtension:
             "install_stream": getattr(w.install_stream, "cuda_stream", None),
             "tp_rank": tp[0],
             "tp_size": tp[1],
+            "routing": routing,  # keep_routing: layout, MoE layer ids, who captures
         }
         return self._nonstop_info
 
@@ -271,6 +327,7 @@ class NonstopWorkerExtension:
             "step_records": w.steps.sizes(),
             "preemption": {"preempted": w.steps.preempted, "resumed": w.steps.resumed},
             "versions": w.steps.take(request_ids or []),
+            "routes": w.routes.take(request_ids or []) if w.routes is not None else {},
             "gaps": w.take_gaps(),  # always handed over: the client adds each to its stats
         }
 

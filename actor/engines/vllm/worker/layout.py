@@ -7,6 +7,10 @@ vLLM fuses some projections and shards others under tensor parallelism::
     ...mlp.{gate,up}_proj.W      ->  ...mlp.gate_up_proj.W       [gate | up]
     ...o_proj.W, ...down_proj.W  ->  same name, columns split across TP ranks
     embed_tokens.W, lm_head.W    ->  same name, vocab rows split, padded to 64
+    ...mlp.experts.gate_up_proj  ->  ...mlp.experts[.routed_experts].w13_weight
+                                     [E, gate | up, hidden] (transformers 5 names)
+    ...mlp.experts.down_proj     ->  ...mlp.experts[.routed_experts].w2_weight
+    ...mlp.gate.W (the router)   ->  same name
 
 A :class:`Plan` lists, per HF name, the pieces to copy: a slice of the HF
 tensor and the region of one vLLM parameter it lands in. It is built once
@@ -30,6 +34,22 @@ FUSED = {  # vLLM fused parameter part -> (HF part, position in the fused rows)
 ROW_PARALLEL = (".o_proj.weight", ".down_proj.weight")  # input dim split across TP ranks
 VOCAB = ("embed_tokens.weight", "lm_head.weight")
 IGNORED = ("rotary_emb.inv_freq",)
+# MoE experts: vLLM's fused expert weights -> transformers 5's fused expert tensors, same
+# shape [experts, rows, cols] (the per-expert names of older checkpoints are not mapped:
+# trainers publish named_parameters(), which transformers 5 fuses)
+EXPERTS = {
+    "w13_weight": "gate_up_proj",  # [E, 2 * intermediate, hidden], gate rows first
+    "w2_weight": "down_proj",  # [E, hidden, intermediate]
+}
+
+
+def experts_source(vllm_name: str) -> str | None:
+    """The HF name of a vLLM fused-expert parameter, or None for any other."""
+    head, _, leaf = vllm_name.rpartition(".")
+    if leaf not in EXPERTS or ".experts" not in head:
+        return None
+    head = head.removesuffix(".routed_experts")  # vLLM 0.32's MoERunner wraps RoutedExperts
+    return f"{head}.{EXPERTS[leaf]}"
 
 
 @dataclass(frozen=True)
@@ -102,6 +122,22 @@ def build_plan(
                 pieces.setdefault(hname, []).append(Piece(vname, 0, start, n, row))
                 row += n
             covered[vname] = row
+        elif (hname := experts_source(vname)) is not None:
+            if tp_size > 1:
+                raise ValueError(
+                    f"vLLM parameter {vname}: mixture-of-experts weights under "
+                    f"tensor_parallel_size={tp_size} are not mapped; use "
+                    "actor.vllm.tensor_parallel_size=1 for a MoE model"
+                )
+            if hname not in hf_shapes:
+                raise ValueError(f"vLLM parameter {vname} needs {hname}, which the trainer lacks")
+            if tuple(hf_shapes[hname]) != tuple(vshape):
+                raise ValueError(
+                    f"vLLM parameter {vname} {tuple(vshape)} and the trainer's {hname} "
+                    f"{tuple(hf_shapes[hname])} differ; is it the same model config?"
+                )
+            pieces.setdefault(hname, []).append(Piece(vname, 0, 0, vshape[0], 0))
+            covered[vname] = vshape[0]
         elif vname.endswith(VOCAB):
             hname = _hf_vocab_name(vname, hf_shapes)
             start, n = _vocab_shard(hf_shapes[hname][0], vshape[0], tp_rank)

@@ -13,7 +13,8 @@ Two layouts, two swaps: on CUDA the parameters are written in place (CUDA graphs
 their pointers). On the CPU vLLM computes each linear layer with a packed copy of its
 weight (``layer.cpu_linear``; ``layer.weight`` is emptied), so ``stage`` also builds the
 next version's tensors and packed layers from staging, outside the lock, and the swap
-only exchanges pointers under it (packed.py). Tested on real vLLM's CPU build
+only exchanges pointers under it (packed.py). With keep_routing the same locked step
+files the step's routed experts by request (``routes``, routes.py). Tested on real vLLM's CPU build
 (tests/test_vllm_real.py) and, for the lock and staging logic, with fake workers.
 """
 
@@ -106,6 +107,10 @@ class LockedWeights:
         self.live_version = 0
         self.staged_version: int | None = None  # staging holds this whole version
         self.steps = StepVersions()
+        # keep_routing: the experts of every token, filed by request under the lock
+        # (routes.py; installed by the extension), and the runner's request order
+        self.routes: Any = None
+        self.batch_order: Any = None
         self.swaps: deque[dict] = deque(maxlen=1024)
         # the added gap around each swap, measured at the next step's start (_measure):
         # the steps' (start, end), the steps that continued no request (the engine was
@@ -157,9 +162,13 @@ class LockedWeights:
             for o, p, shape in zip(offsets, self.params, shapes, strict=True)
         ]
         with torch.no_grad():
-            live = [(v, p) for v, p in zip(self.views, self.params, strict=True) if p.numel()]
+            live = [
+                (v, p if self.cpu is None else self.cpu.initial(i))
+                for i, (v, p) in enumerate(zip(self.views, self.params, strict=True))
+            ]  # CPU: packed or repacked weights start at zeros (every version covers them)
             for view, p in live:
-                view.copy_(p)  # padding rows keep their values
+                if p is not None and p.numel():
+                    view.copy_(p)  # padding rows keep their values
         if self.cuda:  # the receiver writes staging on its side stream: no order with this
             torch.cuda.current_stream(self.device).synchronize()
         self.by_name = dict(zip(self.names, self.views, strict=True))
@@ -192,12 +201,16 @@ class LockedWeights:
                     self._apply_logged(version, time.perf_counter())
                 # zero tokens too: such a step tells the workers which requests finished
                 self.steps.record(scheduler_output, self.live_version)
+                if self.routes is not None:
+                    self.routes.begin(scheduler_output)
                 self._step_start = time.perf_counter()
                 if not scheduler_output.scheduled_cached_reqs.req_ids:
                     self.breaks.append(self._step_start)  # nothing ran on into this step
                 if self.applied_at:
                     self._measure(self._step_start)
                 out = run(scheduler_output, *args, **kwargs)
+                if self.routes is not None:  # the forward ran: file its rows by request
+                    self.routes.end(scheduler_output, self.batch_order(), self.live_version)
             except BaseException:
                 self.lock.release()
                 raise

@@ -22,6 +22,12 @@ per-forward lock, while the engine generates::
     packed layer a new cpu_linear built by      closure. Pointer assignments only: the
     dispatch_cpu_unquantized_gemm on a copy     next step reads the whole new version.
 
+Mixture-of-experts layers (vLLM's ``RoutedExperts``) keep their ``w13_weight`` /
+``w2_weight`` parameters, but padded and prepacked for the CPU grouped GEMM; they are
+staged in the checkpoint's shapes and a new version is prepacked by vLLM's own post-load
+step outside the lock (:func:`repack_experts`), then exchanged by pointer like the rest.
+The router (``GateLinear``) is a packed linear layer like any other.
+
 The old tensors and closures are dropped after the lock is released. Memory during a
 swap: the live version, the prepared one (packed: about the weights' size again) and the
 staging copy. With torch.compile (``actor.vllm.enforce_eager=false``) the CPU build
@@ -89,7 +95,9 @@ class CpuLayout:
         self.shapes: list[torch.Size] = [p.shape for p in self.params]
         for m, i in self.packed:
             if self.params[i].numel() == 0:  # removed after packing: its logical shape
-                rows, cols = m.output_size_per_partition, m.input_size_per_partition
+                # ReplicatedLinear (a MoE router's GateLinear) has no per-partition sizes
+                rows = getattr(m, "output_size_per_partition", None) or m.output_size
+                cols = getattr(m, "input_size_per_partition", None) or m.input_size
                 self.shapes[i] = torch.Size((int(rows), int(cols)))
             if len(self.shapes[i]) != 2:
                 raise ValueError(
@@ -97,10 +105,18 @@ class CpuLayout:
                     "but not a 2-D linear weight; not handled"
                 )
 
+        self.experts = moe_experts(model, index)
+        for m, i13, i2 in self.experts:  # staged in the checkpoint's (unpadded) shapes
+            e, inter, hidden = m.local_num_experts, m.intermediate_size_per_partition, m.hidden_size
+            self.shapes[i13] = torch.Size((int(e), 2 * int(inter), int(hidden)))
+            self.shapes[i2] = torch.Size((int(e), int(hidden), int(inter)))
+        self.repacked = {i for _, i13, i2 in self.experts for i in (i13, i2)}
+
     def initial(self, i: int) -> torch.Tensor | None:
-        """Parameter ``i``'s live data, or None where only a packed copy exists."""
+        """Parameter ``i``'s live data, or None where only a packed copy exists (an
+        emptied linear weight, or MoE expert weights repacked for the CPU kernel)."""
         p = self.params[i]
-        return p.data if p.numel() > 0 else None
+        return p.data if p.numel() > 0 and i not in self.repacked else None
 
     def prepare(self, version: int, views: list[torch.Tensor]) -> Prepared:
         """Outside the lock: new tensors (copies of staging) and packed closures."""
@@ -109,8 +125,13 @@ class CpuLayout:
         t0, rss0 = time.perf_counter(), _rss_mb()
         with torch.no_grad():
             tensors = [
-                (p, v.clone()) for p, v in zip(self.params, views, strict=True) if p.numel() > 0
+                (p, v.clone())
+                for i, (p, v) in enumerate(zip(self.params, views, strict=True))
+                if p.numel() > 0 and i not in self.repacked
             ]
+            for m, i13, i2 in self.experts:  # the CPU kernel's padded, prepacked layout
+                w13, w2 = repack_experts(m, views[i13], views[i2])
+                tensors += [(self.params[i13], w13), (self.params[i2], w2)]
             closures = []
             for m, i in self.packed:
                 holder = torch.nn.Module()  # only the weight: the bias is passed per call
@@ -132,3 +153,46 @@ class CpuLayout:
             old.append(m.cpu_linear)
             m.cpu_linear = fn
         return old
+
+
+def moe_experts(model: torch.nn.Module, index: dict[int, int]) -> list[tuple[Any, int, int]]:
+    """The fused-MoE expert layers of ``model`` (vLLM's ``RoutedExperts``, or any module
+    with ``w13_weight``/``w2_weight`` and a fused-MoE quant method): (layer, index of its
+    w13 weight, of its w2 weight). On the CPU their ``process_weights_after_loading``
+    pads the intermediate size and prepacks both weights for the grouped GEMM
+    (``CPUUnquantizedExperts``, vllm/model_executor/layers/fused_moe/experts/cpu_moe.py);
+    the forward reads ``layer.w13_weight`` / ``layer.w2_weight`` at every call, so a
+    new version is prepacked outside the lock (:func:`repack_experts`) and exchanged
+    by pointer like every other tensor."""
+    out = []
+    for mname, m in model.named_modules():
+        w13, w2 = getattr(m, "w13_weight", None), getattr(m, "w2_weight", None)
+        if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):
+            continue
+        if id(w13) not in index or id(w2) not in index:
+            raise ValueError(f"vLLM MoE layer {mname}: expert weights not among its parameters")
+        if any(hasattr(m, b) for b in ("w13_bias", "w2_bias")):
+            raise ValueError(
+                f"vLLM MoE layer {mname} has expert biases: not handled by the weight swap "
+                "(actor/engines/vllm/worker/packed.py)"
+            )
+        out.append((m, index[id(w13)], index[id(w2)]))
+    return out
+
+
+def repack_experts(
+    layer: Any, w13: torch.Tensor, w2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """New expert tensors for ``layer`` from the checkpoint-shaped ``w13`` [E, 2I, H] and
+    ``w2`` [E, H, I], in the form its kernel reads: vLLM's own post-load step for these
+    weights (the fused-experts' ``process_weights_after_loading``: pad, prepack) run
+    on a stand-in module, so the live layer is not touched."""
+    holder = torch.nn.Module()
+    holder.moe_config = layer.moe_config
+    holder.w13_weight = torch.nn.Parameter(w13.clone(), requires_grad=False)
+    holder.w2_weight = torch.nn.Parameter(w2.clone(), requires_grad=False)
+    kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if experts is not None:
+        experts.process_weights_after_loading(holder)
+    return holder.w13_weight.data, holder.w2_weight.data

@@ -112,5 +112,6 @@ def merge_polls(answers: list[dict]) -> dict:
         "step_records": answers[0].get("step_records"),
         "preemption": answers[0].get("preemption"),
         "versions": answers[0]["versions"],
+        "routes": answers[0].get("routes", {}),  # the router is replicated: rank 0's
         "gaps": answers[0].get("gaps", []),  # rank 0's steps: every rank's are the same
     }
