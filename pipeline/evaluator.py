@@ -31,8 +31,6 @@ import time
 from typing import Any
 
 from pipeline import checkpoint
-from pipeline.eval import checkpoint_version, eval_problems, evaluate
-from pipeline.models import load_model
 from pipeline.runtime import Pool, model_path, run_main, start_pool
 from pipeline.streams import Names
 from pipeline.telemetry import read_statuses
@@ -44,6 +42,8 @@ ROLE = "evaluator"
 def checkpoints(run_dir: str) -> list[tuple[str, int]]:
     """(folder, version) of every complete checkpoint on disk, oldest first."""
     root = os.path.join(run_dir, "checkpoints")
+    from pipeline.eval import checkpoint_version  # torch: not in the launcher's import path
+
     found = []
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         path = os.path.join(root, name)
@@ -75,6 +75,9 @@ def next_due(
 
 def evaluate_once(pool: Pool, path: str, version: int, problems: list) -> dict | None:
     """Load ``path`` and evaluate it; None when the folder vanished (rotated away)."""
+    from pipeline.eval import evaluate
+    from pipeline.models import load_model
+
     cfg, t0 = pool.cfg, time.monotonic()
     try:
         model, tokenizer = load_model(path, cfg.model.dtype)
@@ -90,6 +93,8 @@ def evaluate_once(pool: Pool, path: str, version: int, problems: list) -> dict |
 
 
 def main(argv: list[str] | None = None) -> None:
+    from pipeline.eval import eval_problems
+
     pool = start_pool(ROLE, argv)
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # a warning per parse otherwise
     cfg = pool.cfg

@@ -119,7 +119,7 @@ def supervise(
             if done:
                 progress.close()
                 return done
-            time.sleep(cfg.launch.progress_interval_s)
+            sup.wait_for_exit(cfg.launch.progress_interval_s)  # a pool's exit: a round now
     except KeyboardInterrupt:
         progress.close()
         print("\ninterrupted: stopping every pool")

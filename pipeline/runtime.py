@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-import torch
 
 from pipeline.config import load_config, redis_tls, redis_url, refuse_shard_urls
 from pipeline.prom import Endpoint, Notifier, serve
@@ -142,6 +141,8 @@ def start_pool(
         "trainer": cfg.trainer.torch_threads,
         "evaluator": cfg.eval.torch_threads,
     }[role]
+    import torch  # here, not at the top: the launcher imports this module without torch
+
     torch.set_num_threads(threads)
     pin_cpus(role, cfg.pipeline.cpus)
     stop = StopEvent()

@@ -179,6 +179,17 @@ class Supervisor:
             self.event("restart", unit, attempt=self.restarts[unit])
         return None
 
+    def wait_for_exit(self, timeout_s: float) -> None:
+        """Sleep up to ``timeout_s``, returning as soon as a pool that was running exits:
+        the next round (restart, or the finished trainer) comes at once instead of up
+        to a progress interval later."""
+        running = [p for p in self.procs.values() if not _exited(p)]
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if any(_exited(p) for p in running):
+                return
+            time.sleep(min(0.05, left))
+
     def measure_cpu(self, record: bool = False) -> None:
         """Sample the pools' CPU; write a ``cpu`` record every CPU_RECORD_S (or now)."""
         self.cpu.sample({name: proc.pid for name, proc in self.procs.items()})

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from pipeline.config import register
 from pipeline.models import materialize_model
-from tests.launching import ROOT
+from tests.launching import ROOT, tiny_cache
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "conf")
 
@@ -45,7 +45,7 @@ def actor_config(tmp_path, url: str, *extra: str) -> str:
     ]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=overrides)
-    cfg.model.path = materialize_model("tiny", str(tmp_path / "cache"))
+    cfg.model.path = materialize_model("tiny", tiny_cache(tmp_path / "cache"))
     path = str(tmp_path / "config.yaml")
     OmegaConf.save(cfg, path)
     return path

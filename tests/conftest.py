@@ -19,6 +19,7 @@ from pipeline.runtime import Pool
 from pipeline.streams import Names, connect
 from pipeline.telemetry import MetricsFile, PoolStatus
 from tests.deploy_builders import unit_root  # noqa: F401 - a fixture: a root to verify units in
+from tests.launching import tiny_cache
 from tests.listen_builders import wrap  # noqa: F401 - a fixture: a host whose name resolves off loopback
 from tests.slurm_builders import slurm  # noqa: F401 - a fixture: the single-host Slurm
 from tests.vllm_real import vllm_available, vllm_engine  # noqa: F401 (the fixture)
@@ -57,8 +58,8 @@ def rclient(redis_server):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The tiny model's folder, materialized once per test module (a module may define
-    its own ``tiny``)."""
-    return materialize_model("tiny", str(tmp_path_factory.mktemp("m")))
+    its own ``tiny``): a copy of the session's (tests/launching.py tiny_cache)."""
+    return materialize_model("tiny", tiny_cache(tmp_path_factory.mktemp("m")))
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import threading
 
 from pipeline.bench.faults import account_run, passed
 from pipeline.telemetry import read_jsonl, surviving_steps
+from tests.launching import tiny_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,7 +30,7 @@ def check_fault_took_effect(fault: dict) -> None:
 
 def run_faults_bench(tmp_path, *extra: str):
     out, run_dir = tmp_path / "faults.json", tmp_path / "run"
-    env = dict(os.environ, NONSTOP_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
+    env = dict(os.environ, NONSTOP_CACHE=tiny_cache(tmp_path / "cache"), HF_HUB_OFFLINE="1")
     proc = subprocess.run(
         [sys.executable, "-m", "pipeline.bench", "faults", "--out", str(out)]
         + ["--run-dir", str(run_dir), "--tail-steps", "5", *extra],

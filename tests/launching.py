@@ -2,22 +2,47 @@
 command line, the environment (private model cache, no hub), waiting, and finding
 the processes a run left (by the ``NONSTOP_RUN_DIR`` its launcher gives every pool)."""
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from pipeline.telemetry import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
+_TINY_SEED: list[Path] = []  # the tiny model, built once per test session
+
+
+def tiny_cache(cache) -> str:
+    """``cache`` (a private model cache, a run's NONSTOP_CACHE) holding the tiny model
+    already, copied from one built once per test session: a launched run finds it
+    instead of building it (importing transformers and writing it: ~5 s of every launch
+    on 2 cores). The model is the same bytes (a seeded build); building it from nothing
+    stays tested (tests/test_models.py: a build is deterministic, and cached)."""
+    from pipeline.models import TINY_DIR, TINY_MODEL, materialize_model
+
+    if not _TINY_SEED:
+        seed = Path(tempfile.mkdtemp(prefix="nonstop-tiny-seed-"))
+        atexit.register(shutil.rmtree, seed, True)
+        _TINY_SEED.append(Path(materialize_model(TINY_MODEL, str(seed))))
+    target = Path(cache) / TINY_DIR
+    if not (target / "config.json").is_file():
+        shutil.copytree(_TINY_SEED[0], target, dirs_exist_ok=True)
+    return str(cache)
 
 
 def launch_tiny(tmp, run_dir, *overrides, env_extra=None, wrap=()) -> subprocess.Popen:
     """``python -m pipeline.launch +exp=tiny run_dir=...`` with stdout+stderr piped;
     ``wrap``: a command that execs the rest (e.g. into a namespace)."""
     env = dict(
-        os.environ, NONSTOP_CACHE=str(Path(tmp) / "cache"), HF_HUB_OFFLINE="1", **(env_extra or {})
+        os.environ,
+        NONSTOP_CACHE=tiny_cache(Path(tmp) / "cache"),
+        HF_HUB_OFFLINE="1",
+        **(env_extra or {}),
     )
     launch = [sys.executable, "-m", "pipeline.launch", "+exp=tiny", f"run_dir={run_dir}"]
     return subprocess.Popen(

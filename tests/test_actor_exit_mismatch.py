@@ -13,7 +13,7 @@ import sys
 from pipeline.runtime import EXIT_MISMATCH
 from pipeline.streams import Names
 from tests.config_builders import actor_config
-from tests.launching import ROOT
+from tests.launching import ROOT, tiny_cache
 
 
 def test_a_transport_mismatch_stops_the_actor_with_exit_mismatch(tmp_path, redis_server, rclient):
@@ -25,7 +25,7 @@ def test_a_transport_mismatch_stops_the_actor_with_exit_mismatch(tmp_path, redis
     )
     env = dict(
         os.environ,
-        NONSTOP_CACHE=str(tmp_path / "cache"),
+        NONSTOP_CACHE=tiny_cache(tmp_path / "cache"),
         HF_HUB_OFFLINE="1",
         NONSTOP_RUN_SECRET="s" * 32,
         NONSTOP_REDIS_URL=redis_server.url,

@@ -16,7 +16,7 @@ import pytest
 from pipeline.streams import Names
 from pipeline.telemetry import read_jsonl, read_statuses
 from tests.config_builders import MAX_QUEUE, PER_BATCH, G, actor_config
-from tests.launching import ROOT
+from tests.launching import ROOT, tiny_cache
 
 BOUND = MAX_QUEUE - 1 + PER_BATCH  # groups in flight, at most
 
@@ -51,7 +51,7 @@ def test_actor_never_exceeds_its_backpressure_bounds(tmp_path, redis_server, rcl
     names = Names("nonstop", "tiny")
     env = dict(
         os.environ,
-        NONSTOP_CACHE=str(tmp_path / "cache"),
+        NONSTOP_CACHE=tiny_cache(tmp_path / "cache"),
         HF_HUB_OFFLINE="1",
         NONSTOP_RUN_SECRET="s" * 32,
         NONSTOP_REDIS_URL=redis_server.url,

@@ -35,6 +35,7 @@ import torch
 
 from pipeline.models import materialize_model
 from pipeline.redis_server import free_port
+from tests.launching import tiny_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 4
@@ -60,7 +61,7 @@ def start_ranks(out, model, backend, stage, world, *extra, tmp):
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=port,
             OMP_NUM_THREADS="1",
-            NONSTOP_CACHE=str(Path(tmp) / "cache"),
+            NONSTOP_CACHE=tiny_cache(Path(tmp) / "cache"),
             HF_HUB_OFFLINE="1",
         )
         cmd = [sys.executable, "-W", "ignore::FutureWarning", "-m", "tests.trainer_ranks"]

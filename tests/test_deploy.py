@@ -20,6 +20,7 @@ import pytest
 import redis
 
 from tests.deploy_builders import LIB, env_file, unit_file, verify_units
+from tests.launching import tiny_cache
 from tests.slurm_builders import sbatch, slurm_env, tail_of, wait_done
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -256,7 +257,7 @@ def test_the_units_commands_run_a_whole_pipeline(tmp_path, fake_venv):
         "NONSTOP_RUN": "deploytest",
         "NONSTOP_CONFIG": str(run_dir / "config.yaml"),
         "NONSTOP_PYTHON": str(fake_venv / "bin" / "python"),
-        "NONSTOP_CACHE": str(tmp_path / "cache"),
+        "NONSTOP_CACHE": tiny_cache(tmp_path / "cache"),
         "NONSTOP_TRANSFER_HOST": "127.0.0.1",
         "NONSTOP_REDIS_DIR": str(tmp_path / "redis-data"),
         "NONSTOP_REDIS_RUNTIME": str(tmp_path / "redis-run"),

@@ -618,3 +618,51 @@ def _answers(client) -> bool:
         return bool(client.ping())
     except redis.RedisError:
         return False
+
+
+def test_a_redis_task_stops_a_replica_that_refuses_its_first_sigterm(tmp_path):
+    """redis-server 7.0 refuses a SIGTERM that arrives while a replica writes its initial
+    AOF after a full sync ("Writing initial AOF, can't exit.") and runs on: a Slurm Redis
+    task that signalled once and waited outlived scancel --signal=TERM (the cluster job's
+    node brought back as a replica, stopped right after its sync). common.sh's
+    nonstop_stop_servers, which the tasks' traps call, signals again until it exits, and
+    it exits cleanly (AOF written). rdb-key-save-delay stretches the AOF write to ~2 s."""
+    ports = free_port(), free_port()
+    procs = []
+    for port, extra in zip(
+        ports, (["--appendonly", "no"], ["--rdb-key-save-delay", "100000"]), strict=True
+    ):
+        (tmp_path / str(port)).mkdir()
+        argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+        argv += ["--dir", str(tmp_path / str(port)), "--logfile", f"{port}.log", *extra]
+        procs.append(subprocess.Popen(argv + ["--appendonly", "yes"] * (port == ports[1])))
+    primary, replica = (redis.Redis("127.0.0.1", p, socket_timeout=5) for p in ports)
+    log = tmp_path / str(ports[1]) / f"{ports[1]}.log"
+    try:
+        _wait(lambda: _pings(primary) and _pings(replica), 30, "the two servers")
+        primary.mset({f"k{i}": i for i in range(20)})
+        replica.replicaof("127.0.0.1", ports[0])
+        _wait(lambda: replica.info("replication")["master_link_status"] == "up", 30, "sync")
+        procs[1].send_signal(signal.SIGTERM)  # the one SIGTERM of a scancel --signal=TERM
+        _wait(lambda: "can't exit" in log.read_text(), 10, lambda: log.read_text())
+        assert procs[1].poll() is None  # refused: still running
+        started = time.monotonic()
+        subprocess.run(
+            ["bash", "-c", f"source {DEPLOY}/slurm/common.sh; nonstop_stop_servers {procs[1].pid}"],
+            timeout=60,
+            check=True,
+        )
+        assert procs[1].wait(timeout=5) == 0, log.read_text()
+        assert "ready to exit" in log.read_text()  # a clean stop, not SIGKILL
+        assert time.monotonic() - started < 30
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def _pings(client) -> bool:
+    try:
+        return client.ping()
+    except redis.RedisError:
+        return False

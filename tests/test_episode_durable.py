@@ -29,7 +29,7 @@ from pipeline.streams import Names
 from pipeline.telemetry import Window, read_jsonl
 from tests.config_builders import actor_config
 from tests.episode_builders import DurableEnv, RestartingEnv, actor_pool, env_config
-from tests.launching import ROOT, wait_until
+from tests.launching import ROOT, tiny_cache, wait_until
 
 NAMES = Names("nonstop", "tiny")  # +exp=tiny's run
 
@@ -62,7 +62,7 @@ def _prefix_kept(state: EpisodeState, sample) -> None:
 def _start(tmp_path, config: str, name: str) -> subprocess.Popen:
     env = dict(
         os.environ,
-        NONSTOP_CACHE=str(tmp_path / "cache"),
+        NONSTOP_CACHE=tiny_cache(tmp_path / "cache"),
         HF_HUB_OFFLINE="1",
         NONSTOP_RUN_SECRET="s" * 32,
     )

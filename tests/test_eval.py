@@ -13,7 +13,7 @@ import pytest
 from pipeline.models import TINY_MODEL, load_model, materialize_model
 from pipeline.tasks import ArithmeticTask, reward
 from pipeline.telemetry import read_jsonl
-from tests.launching import ROOT, run_tiny
+from tests.launching import ROOT, run_tiny, tiny_cache
 
 
 @pytest.mark.parametrize("difficulty", [1, 2, 3, 4])
@@ -30,7 +30,7 @@ def test_heldout_problems_never_appear_in_training_draws(difficulty):
 
 
 def _eval(*args, cache) -> subprocess.CompletedProcess:
-    env = dict(os.environ, NONSTOP_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    env = dict(os.environ, NONSTOP_CACHE=tiny_cache(cache), HF_HUB_OFFLINE="1")
     return subprocess.run(
         [sys.executable, "-m", "pipeline.eval", *map(str, args), "--no-progress"],
         cwd=ROOT,

@@ -24,7 +24,7 @@ from pipeline.streams import Names, RedisRefused, check_permissions, connect, wa
 from pipeline.streams.cluster import parse
 from pipeline.streams.durable import Durability
 from pipeline.weight_publisher import set_rendezvous
-from tests.launching import ROOT
+from tests.launching import ROOT, tiny_cache
 from tests.redis_builders import acl_cluster, tiny_run_as_role_users
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
@@ -270,7 +270,7 @@ def test_an_actor_refused_on_one_partitions_node_exits_4_naming_it(tmp_path):
         for j in (k, *(r for r, p in local.replica_of.items() if p == k)):
             local.node_client(local.nodes[j]).acl_setuser("actor", enabled=True, commands=["-xadd"])
         env = dict(os.environ, NONSTOP_REDIS_URL_ACTOR=urls["actor"], HF_HUB_OFFLINE="1")
-        env.update(NONSTOP_CACHE=str(tmp_path / "cache"), NONSTOP_RUN_SECRET="s" * 32)
+        env.update(NONSTOP_CACHE=tiny_cache(tmp_path / "cache"), NONSTOP_RUN_SECRET="s" * 32)
         env["NONSTOP_REDIS_URL"] = urls["operator"]
         cfg = actor_config(tmp_path, "null")
         cmd = [sys.executable, "-m", "actor", "--config", cfg, "redis.mode=cluster"]

@@ -24,7 +24,7 @@ from pipeline.messages import RolloutGroup, encode
 from pipeline.redis_server import EmbeddedRedis, free_port
 from pipeline.streams import Consumer, Names, RedisUnavailable, connect, publish
 from pipeline.summary import build_summary
-from tests.launching import ROOT
+from tests.launching import ROOT, tiny_cache
 from tests.redis_builders import acl_server
 from tests.trainer_builders import batch, run_step, sample
 
@@ -97,7 +97,7 @@ def test_a_pool_exits_2_in_one_line_when_redis_is_unreachable(tmp_path):
 
     url = closed_url()
     env = dict(os.environ, NONSTOP_REDIS_URL=url, HF_HUB_OFFLINE="1")
-    env["NONSTOP_CACHE"] = str(tmp_path / "cache")
+    env["NONSTOP_CACHE"] = tiny_cache(tmp_path / "cache")
     cmd = [sys.executable, "-m", "preprocessor", "--config", actor_config(tmp_path, url)]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -114,7 +114,7 @@ def test_a_pool_exits_4_in_one_line_on_an_evicting_redis(tmp_path, redis_server,
 
     url = redis_server.url
     env = dict(os.environ, NONSTOP_REDIS_URL=url, HF_HUB_OFFLINE="1")
-    env["NONSTOP_CACHE"] = str(tmp_path / "cache")
+    env["NONSTOP_CACHE"] = tiny_cache(tmp_path / "cache")
     cmd = [sys.executable, "-m", "preprocessor", "--config", actor_config(tmp_path, url)]
     rclient.config_set("maxmemory-policy", "allkeys-lru")
     try:
@@ -132,7 +132,7 @@ def test_a_pool_exits_4_in_one_line_on_an_evicting_redis(tmp_path, redis_server,
 def test_the_launcher_exits_2_in_one_line_when_redis_url_is_unreachable(tmp_path):
     url = closed_url()
     cmd = [sys.executable, "-m", "pipeline.launch", "redis=external", f"redis.url={url}"]
-    env = dict(os.environ, NONSTOP_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
+    env = dict(os.environ, NONSTOP_CACHE=tiny_cache(tmp_path / "cache"), HF_HUB_OFFLINE="1")
     env.pop("NONSTOP_REDIS_URL", None)
     start = time.monotonic()
     proc = subprocess.run(
@@ -223,7 +223,7 @@ def test_an_actor_without_xadd_exits_4_at_start_up(tmp_path):
     urls = acl_server(tmp_path, drop=" +xadd")
     try:
         env = dict(os.environ, NONSTOP_REDIS_URL_ACTOR=urls["actor"], HF_HUB_OFFLINE="1")
-        env.update(NONSTOP_CACHE=str(tmp_path / "cache"), NONSTOP_RUN_SECRET="s" * 32)
+        env.update(NONSTOP_CACHE=tiny_cache(tmp_path / "cache"), NONSTOP_RUN_SECRET="s" * 32)
         env["NONSTOP_REDIS_URL"] = urls["operator"]
         cmd = [sys.executable, "-m", "actor", "--config", actor_config(tmp_path, urls["actor"])]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -243,7 +243,9 @@ def test_a_pool_started_alone_refuses_shard_urls_in_one_line(tmp_path):
     from tests.config_builders import actor_config
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", NONSTOP_RUN_SECRET="s" * 32)
-    env.update(NONSTOP_CACHE=str(tmp_path / "cache"), NONSTOP_REDIS_URL="redis://127.0.0.1:1/0")
+    env.update(
+        NONSTOP_CACHE=tiny_cache(tmp_path / "cache"), NONSTOP_REDIS_URL="redis://127.0.0.1:1/0"
+    )
     env["NONSTOP_REDIS_SHARD_URLS"] = "redis://127.0.0.1:2/0"
     cmd = [sys.executable, "-m", "actor", "--config", actor_config(tmp_path, "redis://h:1/0")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

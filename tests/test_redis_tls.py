@@ -30,7 +30,7 @@ from pipeline.redis_ha import RedisHA
 from pipeline.redis_server import EmbeddedRedis, free_port
 from pipeline.redis_tls import TLSFiles, make_run_certs, speaks_plain, speaks_tls
 from pipeline.streams import RedisRefused, connect
-from tests.launching import ROOT, run_tiny
+from tests.launching import ROOT, run_tiny, tiny_cache
 from tests.redis_builders import WatchRounds
 
 TLS_ENV = ("NONSTOP_REDIS_TLS_CA", "NONSTOP_REDIS_TLS_CERT", "NONSTOP_REDIS_TLS_KEY")
@@ -106,7 +106,7 @@ def test_a_pool_with_a_wrong_ca_exits_4_with_one_line(tls_server, tmp_path):
     server, _ = tls_server
     _, other = make_run_certs(str(tmp_path / "other"))
     env = dict(os.environ, NONSTOP_REDIS_URL=server.url, HF_HUB_OFFLINE="1")
-    env.update(NONSTOP_CACHE=str(tmp_path / "cache"), NONSTOP_RUN_SECRET="s" * 32)
+    env.update(NONSTOP_CACHE=tiny_cache(tmp_path / "cache"), NONSTOP_RUN_SECRET="s" * 32)
     env.update(NONSTOP_REDIS_TLS_CA=other.ca, NONSTOP_REDIS_TLS_CERT=server.client_tls.cert)
     env["NONSTOP_REDIS_TLS_KEY"] = server.client_tls.key
     cmd = [sys.executable, "-m", "actor", "--config", actor_config(tmp_path, server.url)]

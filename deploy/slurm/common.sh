@@ -76,7 +76,7 @@ print(OmegaConf.select(load_config(os.environ["NONSTOP_CONFIG"]), sys.argv[1]))'
 # NONSTOP_REDIS_WAIT_S (120) seconds in all (NONSTOP_WAITED counts them over the calls
 # of one start); else print the rest of the arguments as one line, stop the step, fail.
 nonstop_wait_file() {
-  local file=$1
+  local file=$1 tick=0
   shift
   while [ ! -s "$file" ]; do
     if ! kill -0 "$REDIS_PID" 2>/dev/null || [ "$NONSTOP_WAITED" -ge "${NONSTOP_REDIS_WAIT_S:-120}" ]; then
@@ -84,8 +84,9 @@ nonstop_wait_file() {
       kill "$REDIS_PID" 2>/dev/null
       return 1
     fi
-    sleep 1
-    NONSTOP_WAITED=$((NONSTOP_WAITED + 1))
+    sleep 0.2  # the file is seen within 0.2 s of its writing; NONSTOP_WAITED counts seconds
+    tick=$((tick + 1))
+    [ $((tick % 5)) -ne 0 ] || NONSTOP_WAITED=$((NONSTOP_WAITED + 1))
   done
 }
 
@@ -244,6 +245,35 @@ nonstop_start_redis_cluster() {
   echo "redis cluster of $nodes nodes ($replicas replica(s) per primary): $hosts"
 }
 
+# Stop the redis-server (and sentinel) processes "$@" of a Redis task cleanly (AOF
+# written): SIGTERM, sent again every second while any of them lives. One SIGTERM is not
+# enough: redis-server 7.0 refuses one that arrives while a replica writes its initial
+# AOF after a full sync ("Writing initial AOF, can't exit.") and runs on, so a task that
+# sent one and waited outlived scancel --signal=TERM. A later SIGTERM stops it once that
+# AOF is written; after NONSTOP_REDIS_STOP_S (60) seconds, SIGKILL.
+nonstop_stop_servers() {
+  local pid stat live ticks=0 limit=$((${NONSTOP_REDIS_STOP_S:-60} * 10))
+  while :; do
+    live=
+    for pid in "$@"; do  # running: not gone, not a zombie (exited, not yet reaped)
+      { read -r stat <"/proc/$pid/stat"; } 2>/dev/null || continue
+      stat=${stat##*) }
+      [ "${stat%% *}" = Z ] || live="$live $pid"
+    done
+    [ -n "$live" ] || return 0
+    if [ "$ticks" -ge "$limit" ]; then
+      echo "redis did not stop ${NONSTOP_REDIS_STOP_S:-60} s after SIGTERM: killing$live" >&2
+      # shellcheck disable=SC2086  # several pids
+      kill -KILL $live 2>/dev/null || true
+      return 0
+    fi
+    # shellcheck disable=SC2086  # several pids
+    [ $((ticks % 10)) -ne 0 ] || kill -TERM $live 2>/dev/null || true
+    sleep 0.1  # a foreground wait: bash reaps the servers that exited meanwhile
+    ticks=$((ticks + 1))
+  done
+}
+
 # Stop Redis (the step nonstop_start_redis started; $1: its het component's job id, or
 # this job's): SIGTERM to its tasks, which stop redis-server cleanly (AOF written).
 nonstop_stop_redis() {
@@ -283,8 +313,8 @@ nonstop_stop() {
     scancel --signal=TERM $jobs 2>/dev/null || true
   fi
   for pid in $pids; do
-    while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt "$timeout" ]; do
-      sleep 1
+    while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt $((timeout * 5)) ]; do
+      sleep 0.2  # a pool's end is seen within 0.2 s; waited counts fifths of a second
       waited=$((waited + 1))
     done
     kill -TERM "$pid" 2>/dev/null || true

@@ -41,9 +41,11 @@ port=$(nonstop_cluster_port)
 url="$scheme://:$NONSTOP_REDIS_PASSWORD@$addr:$port/"
 node_pid= stopping=
 stop() {
+  trap '' TERM INT  # once: Slurm's SIGTERM reaches this task and its node both
   stopping=1
   # shellcheck disable=SC2046  # the node and any background job
   kill -TERM $node_pid $(jobs -p) 2>/dev/null || true
+  nonstop_stop_servers "$node_pid"  # again until it exits (a new replica may refuse one)
   wait 2>/dev/null || true
   rm -rf "$runtime"
   exit 0
@@ -133,6 +135,6 @@ while [ -z "$stopping" ]; do
       rejoin_new "$old" || true
     fi
   fi
-  sleep 1 & wait $! || true
+  sleep 0.2 & wait $! || true  # a dead node is seen within 0.2 s
 done
 stop

@@ -39,10 +39,12 @@ fi
 url="$scheme://:$NONSTOP_REDIS_PASSWORD@$addr:0/$service/0"  # the password for the scripts
 node_pid= sentinel_pid= stopping=
 stop() {
+  trap '' TERM INT  # once: Slurm's SIGTERM reaches this task and its node both
   stopping=1
   record_primary || true  # a last look, if the sentinel still answers
   # shellcheck disable=SC2046  # every background job: the node and sentinel of any restart
   kill -TERM $sentinel_pid $node_pid $(jobs -p) 2>/dev/null || true
+  nonstop_stop_servers "$node_pid" "$sentinel_pid"  # again until they exit (a replica may refuse one)
   wait 2>/dev/null || true
   rm -rf "$runtime"
   exit 0

@@ -21,7 +21,7 @@ NONSTOP_REDIS_URL=$url NONSTOP_REDIS_BIND="${NONSTOP_REDIS_BIND:-$addr 127.0.0.1
   NONSTOP_REDIS_DIR="$dir" NONSTOP_REDIS_RUNTIME="$runtime" \
   nonstop-redis-start "$NONSTOP_DEPLOY/redis/nonstop-redis.conf" --logfile "$dir/redis.log" &
 pid=$!
-trap 'kill -TERM "$pid" 2>/dev/null; wait "$pid"; rm -rf "$runtime"; exit 0' TERM INT
+trap 'trap "" TERM INT; nonstop_stop_servers "$pid"; wait "$pid"; rm -rf "$runtime"; exit 0' TERM INT
 NONSTOP_REDIS_URL=$url "$NONSTOP_PYTHON" -c 'import os
 from pipeline.streams import connect
 connect(os.environ["NONSTOP_REDIS_URL"], attempts=30)' || { kill "$pid"; exit 1; }
