@@ -42,6 +42,7 @@ def make_engine(cfg: Any, path: str, seed: int, tokenizer: Any = FROM_FOLDER) ->
             top_k=e.top_k,
             seed=seed,
             keep_sampling_mask=e.keep_sampling_mask,
+            keep_routing=e.keep_routing,
         )
     if kind == "vllm":
         if importlib.util.find_spec("vllm") is None:
