@@ -217,3 +217,31 @@ def test_keep_routing_with_an_engine_that_records_none_stops_the_actor(moe, rcli
     task = make_task("arithmetic", 1, "", 0)
     with pytest.raises(RuntimeError, match="engine recorded no routes"):
         generate_step(pool, engine, task, tok, Window(), RewardErrors())
+
+
+def test_make_engine_passes_keep_routing_and_refuses_an_engine_that_records_none(
+    tmp_path, monkeypatch
+):
+    """actor.engine=hf records routes in the model's layout; an engine that says no
+    ``route_layout`` under keep_routing (a vllm build without it) is closed and refused."""
+    from actor.engines import make_engine
+    from actor.engines.vllm import client
+
+    cfg = OmegaConf.structured(Config)
+    cfg.sampling.keep_routing, cfg.actor.engine = True, "hf"
+    path = materialize_model("tiny-moe", str(tmp_path))
+    assert make_engine(cfg, path, seed=0).route_layout == routing.RouteLayout(2, 2, 8)
+
+    closed = []
+
+    class NoRoutes:
+        route_layout = None
+
+        def close(self):
+            closed.append(True)
+
+    monkeypatch.setattr(client, "from_config", lambda *a: NoRoutes())
+    cfg.actor.engine = "vllm"
+    with pytest.raises(ValueError, match="records no routes.*keep_routing=false"):
+        make_engine(cfg, path, seed=0, tokenizer=None)
+    assert closed == [True]

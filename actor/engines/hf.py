@@ -200,9 +200,7 @@ class HFEngine(Engine):
         versions: list[int] = []
         kept: list[list] = []
         self.stats.breaks.append(time.perf_counter())  # no gap is measured across calls
-        # keep_routing: per forward pass, each MoE layer's [tokens, k] expert ids
-        recording = routing.capture(self.model) if self.route_layout else contextlib.nullcontext()
-        with recording as calls:
+        with self._recording() as calls:  # keep_routing: each forward pass's expert ids
             logits, version = self._forward(
                 input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache
             )
@@ -235,20 +233,45 @@ class HFEngine(Engine):
                 out.routes = rows
         return outs
 
+    @contextlib.contextmanager
+    def _recording(self):
+        """keep_routing: per forward pass, each MoE layer's ``[tokens, k]`` expert ids
+        (None without keep_routing). pipeline/routing.py's ``capture``, except that the
+        ids stay on the model's device until :meth:`_routes` (one transfer per generate,
+        not a host sync per layer per token)."""
+        if self.route_layout is None:
+            yield None
+            return
+        routers = routing.moe_routers(self.model)
+        calls: list[list[torch.Tensor]] = []
+
+        def hook(module, _inputs, output):
+            if module is routers[0]:
+                calls.append([])
+            calls[-1].append(output[2].detach().to(torch.int16))
+
+        handles = [r.register_forward_hook(hook) for r in routers]
+        try:
+            yield calls
+        finally:
+            for h in handles:
+                h.remove()
+
     def _routes(self, calls, prompts, outs) -> list[np.ndarray]:
         """Per sequence, its routes ``[len(prompt) + len(tokens) - 1, layers, k]``: the
         prefill's rows right of the left padding, then the first ``len(tokens) - 1``
         decode steps' (its later steps, if any, fed padding or a token it does not keep)."""
         batch, width = len(prompts), max(len(p) for p in prompts)
-        prefill = routing.stack_forward(calls[0], batch)  # [batch, width, layers, k]
-        decode = [routing.stack_forward(c, batch)[:, 0] for c in calls[1:]]
-        steps = np.stack(decode, axis=1) if decode else prefill[:, :0]
-        dtype = self.route_layout.dtype
+        # every pass's ids as [batch, seq, layers, k], the passes end to end: column
+        # width + s is decode step s; one transfer to the host
+        ids = torch.cat(
+            [torch.stack(c, dim=1).view(batch, -1, len(c), c[0].shape[-1]) for c in calls], 1
+        )
+        ids = np.sort(ids.cpu().numpy(), axis=-1).astype(self.route_layout.dtype)
         routes = []
         for i, (p, out) in enumerate(zip(prompts, outs, strict=True)):
-            fed = len(out.tokens) - 1  # the last token is never fed forward
-            rows = np.concatenate([prefill[i, width - len(p) :], steps[i, : max(fed, 0)]])
-            routes.append(rows[: len(p) + fed].astype(dtype))
+            fed = max(len(out.tokens) - 1, 0)  # the last token is never fed forward
+            routes.append(ids[i, width - len(p) : width + fed])
         return routes
 
     def _at_stop_string(self, steps) -> torch.Tensor:
