@@ -5,6 +5,8 @@ episodes are refused in one line. On the tiny-moe model (8 experts, top-2, 2 lay
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -126,18 +128,9 @@ def _groups(rclient, names) -> list[RolloutGroup]:
     return [decode(f[b"data"], RolloutGroup) for _, f in rclient.xrange(names.rollouts)]
 
 
-def test_published_groups_carry_consistent_routes(moe, rclient, tmp_path):
-    """Through the actor's batch loop (actor/batch.py generate_step) to a real Redis:
-    every group decodes with the model's layout, its prompt's rows once (identical in
-    every sample of a group) and each sample's completion rows, together those of a
-    teacher-forced forward."""
-    model, tok = moe
-    pool = _pool(rclient, tmp_path)
-    engine = _engine(moe)
-    task = make_task("arithmetic", 1, "", 0)
-    assert generate_step(pool, engine, task, tok, Window(), RewardErrors()) == 2
-    groups = _groups(rclient, pool.names)
-    assert len(groups) == 2
+def _check_groups(model, groups: list[RolloutGroup]) -> None:
+    """Each group: tiny-moe's layout, its prompt's rows once, each sample's completion
+    rows (one fewer than its ids), together those of a teacher-forced forward."""
     layout = routing.RouteLayout(2, 2, 8)
     for g in groups:
         assert g.route_layout == layout.as_list()
@@ -150,6 +143,21 @@ def test_published_groups_carry_consistent_routes(moe, rclient, tmp_path):
             assert rows.shape == (len(tokens) - 1, 2, 2) and s.routes_exact
             whole = np.concatenate([head, rows])
             assert (whole == _teacher_forced(model, prompt + tokens[:-1])).all()
+
+
+def test_published_groups_carry_consistent_routes(moe, rclient, tmp_path):
+    """Through the actor's batch loop (actor/batch.py generate_step) to a real Redis:
+    every group decodes with the model's layout, its prompt's rows once (identical in
+    every sample of a group) and each sample's completion rows, together those of a
+    teacher-forced forward."""
+    model, tok = moe
+    pool = _pool(rclient, tmp_path)
+    engine = _engine(moe)
+    task = make_task("arithmetic", 1, "", 0)
+    assert generate_step(pool, engine, task, tok, Window(), RewardErrors()) == 2
+    groups = _groups(rclient, pool.names)
+    assert len(groups) == 2
+    _check_groups(model, groups)
 
 
 def test_prompt_rows_stay_per_sample_when_they_differ(moe, rclient, tmp_path):
@@ -245,3 +253,44 @@ def test_make_engine_passes_keep_routing_and_refuses_an_engine_that_records_none
     with pytest.raises(ValueError, match="records no routes.*keep_routing=false"):
         make_engine(cfg, path, seed=0, tokenizer=None)
     assert closed == [True]
+
+
+def test_a_real_actor_process_publishes_groups_whose_routes_replay(
+    moe, tmp_path, redis_server, rclient
+):
+    """``python -m actor`` on tiny-moe with sampling.keep_routing (hf engine): the groups
+    of its first batch decode with consistent routes (:func:`_check_groups`)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.config_builders import PER_BATCH, actor_config
+    from tests.launching import ROOT
+
+    path = actor_config(tmp_path, redis_server.url, "model=tiny_moe", "sampling.keep_routing=true")
+    cfg = OmegaConf.load(path)
+    cfg.model.path = materialize_model("tiny-moe", str(tmp_path / "cache"))
+    OmegaConf.save(cfg, path)
+    env = dict(
+        os.environ,
+        NONSTOP_CACHE=str(tmp_path / "cache"),
+        HF_HUB_OFFLINE="1",
+        NONSTOP_RUN_SECRET="s" * 32,
+        NONSTOP_REDIS_URL=redis_server.url,
+    )
+    names = Names("nonstop", "tiny")
+    cmd = [sys.executable, "-m", "actor", "--config", path, "--name", "actor-0"]
+    log = open(tmp_path / "actor.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 60
+        while rclient.xlen(names.rollouts) < PER_BATCH and time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "actor.log").read_text()[-2000:]
+            time.sleep(0.2)
+        groups = _groups(rclient, names)
+        assert len(groups) >= PER_BATCH, (tmp_path / "actor.log").read_text()[-2000:]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+    _check_groups(moe[0], groups)

@@ -33,7 +33,8 @@ class SamplingConfig:
     keep_sampling_mask: bool = False
     # mixture-of-experts models (Keep Routing): record the experts every token was routed
     # to at every MoE layer (prompt included) and force them in the trainer's forward
-    # (pipeline/routing.py); refused for a dense model
+    # (pipeline/routing.py); refused for a dense model and with task.kind=env
+    # (validate_keep_routing; +exp=tiny_moe is the tiny MoE run)
     keep_routing: bool = False
     torch_threads: int = 1  # the actor's torch threads
 
