@@ -253,6 +253,9 @@ def test_make_engine_passes_keep_routing_and_refuses_an_engine_that_records_none
     with pytest.raises(ValueError, match="records no routes.*keep_routing=false"):
         make_engine(cfg, path, seed=0, tokenizer=None)
     assert closed == [True]
+    NoRoutes.route_layout = [2, 2, 8]  # the vllm worker reports it as a list
+    engine = make_engine(cfg, path, seed=0, tokenizer=None)
+    assert engine.route_layout == routing.RouteLayout(2, 2, 8) and closed == [True]
 
 
 def test_a_real_actor_process_publishes_groups_whose_routes_replay(
