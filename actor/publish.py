@@ -119,10 +119,13 @@ def publish_group(
     outs: list[Completion],
     rewards: Window,
     errors: RewardErrors,
-    layout: RouteLayout | None = None,
+    layout: RouteLayout | list[int] | None = None,
 ) -> None:
     """Score one group's completions and XADD it to the rollouts stream. ``layout``:
-    the engine's ``route_layout`` (sampling.keep_routing: every completion has routes)."""
+    the engine's ``route_layout`` (sampling.keep_routing: every completion has routes),
+    a RouteLayout or its [layers, k, experts] list."""
+    if isinstance(layout, list | tuple):
+        layout = RouteLayout.from_list(list(layout))
     texts = tokenizer.batch_decode([c.tokens for c in outs], skip_special_tokens=True)
     scores = score_group(pool, texts, problem.answer, errors)
     rewards.add(*scores)

@@ -8,7 +8,6 @@ from typing import Any
 
 from actor.engines.base import Completion, Engine, EngineStats, SwapRecord
 from pipeline.config import VLLM_MISSING
-from pipeline.routing import RouteLayout
 
 ENGINES = ("hf", "vllm")
 FROM_FOLDER = object()  # make_engine(tokenizer=...): the model folder's own tokenizer
@@ -22,8 +21,8 @@ def make_engine(cfg: Any, path: str, seed: int, tokenizer: Any = FROM_FOLDER) ->
     ``tokenizer``: the folder's unless given (None: token ids only, no stop tokens; vllm
     only). The engine's ``tokenizer`` attribute is the one it uses. ``sampling.keep_routing``:
     the engine records every token's experts and says their layout in ``route_layout``
-    (a RouteLayout here, whatever [layers, k, experts] list the engine gave; a dense model
-    is refused, naming the fix)."""
+    (a RouteLayout, or the [layers, k, experts] list the vllm worker reports; a dense
+    model is refused, naming the fix)."""
     from pipeline.config import pool_dtype
 
     kind = cfg.actor.engine
@@ -64,8 +63,6 @@ def make_engine(cfg: Any, path: str, seed: int, tokenizer: Any = FROM_FOLDER) ->
                 "sampling.keep_routing=true: this build's vllm engine records no routes; "
                 "use actor.engine=hf or set sampling.keep_routing=false"
             )
-        if isinstance(engine.route_layout, list | tuple):  # as its worker reports it
-            engine.route_layout = RouteLayout.from_list(list(engine.route_layout))
         return engine
     raise ValueError(f"actor.engine={kind!r} is not an engine; use one of {ENGINES}")
 

@@ -165,8 +165,9 @@ class Engine(ABC):
     stats: EngineStats
     version: int | None  # the live weight version (None: partial, nothing generates)
     streaming = False  # True: submit/take units without batch boundaries (actor/stream.py)
-    # sampling.keep_routing: the layout of every Completion.routes (None: none recorded)
-    route_layout: RouteLayout | None = None
+    # sampling.keep_routing: the layout of every Completion.routes (None: none recorded);
+    # a RouteLayout or its [layers, k, experts] list (actor/publish.py takes either)
+    route_layout: RouteLayout | list[int] | None = None
 
     @abstractmethod
     def generate(
