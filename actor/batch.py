@@ -53,7 +53,8 @@ def generate_step(
     if pool.stop.is_set():
         return 0  # a half-finished batch is not published
     for i, (problem, prompt) in enumerate(zip(problems, prompts, strict=True)):
-        publish_group(pool, tokenizer, problem, prompt, outs[i * g : (i + 1) * g], rewards, errors)
+        group = outs[i * g : (i + 1) * g]
+        publish_group(pool, tokenizer, problem, prompt, group, rewards, errors, engine.route_layout)
     return len(problems)
 
 

@@ -125,7 +125,8 @@ def stream_groups(
                 engine.submit(key, [prompt] * g, cfg.sampling.max_new_tokens)
             for key, outs in engine.take(timeout=0.05):
                 problem, prompt = open_groups.pop(key)
-                publish_group(pool, tokenizer, problem, prompt, outs, rewards, errors)
+                layout = engine.route_layout
+                publish_group(pool, tokenizer, problem, prompt, outs, rewards, errors, layout)
                 published += 1
                 room.changed()
             pool.tick()

@@ -200,15 +200,17 @@ def _role_of(source: str) -> str:
 
 def dead_letters(client: redis.Redis, names: Names) -> list[dict[str, Any]]:
     """Every dead-letter entry: its source stream, the consumer that wrote it and
-    its ``role`` (preprocessor or trainer), reason, and the groups (rollouts)
-    or samples (batches) its payload names; ``groups`` falls back to the entry's
-    plain ``group`` field when the payload does not decode."""
+    its ``role`` (preprocessor or trainer; actor for a group it could not publish),
+    reason, and the groups (rollouts) or samples (batches) its payload names; ``groups``
+    falls back to the entry's plain ``group`` field when the payload does not decode."""
     out = []
     for entry_id, f in client.xrange(names.dead):
         text = {k.decode(): v.decode(errors="replace") for k, v in f.items() if k != b"data"}
         item = {"id": entry_id.decode(), "source": text.get("source", ""), "reason": ""}
         item["reason"] = text.get("reason", "")
-        item["consumer"], item["role"] = text.get("consumer", ""), _role_of(item["source"])
+        item["consumer"] = text.get("consumer", "")
+        # an actor's own dead letter (a group too big to publish) names its role
+        item["role"] = text.get("role") or _role_of(item["source"])
         item["groups"], item["samples"] = [], []
         data = f.get(b"data", b"")
         try:

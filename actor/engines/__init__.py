@@ -19,7 +19,10 @@ def make_engine(cfg: Any, path: str, seed: int, tokenizer: Any = FROM_FOLDER) ->
     dtype; ``model.lora``: wrapped with the trainer's version-0 adapter, the run's seed);
     ``vllm`` hands the folder to vLLM, which loads it in its engine-core process.
     ``tokenizer``: the folder's unless given (None: token ids only, no stop tokens; vllm
-    only). The engine's ``tokenizer`` attribute is the one it uses."""
+    only). The engine's ``tokenizer`` attribute is the one it uses. ``sampling.keep_routing``:
+    the engine records every token's experts and says their layout in ``route_layout``
+    (a RouteLayout, or the [layers, k, experts] list the vllm worker reports; a dense
+    model is refused, naming the fix)."""
     from pipeline.config import pool_dtype
 
     kind = cfg.actor.engine
@@ -42,6 +45,7 @@ def make_engine(cfg: Any, path: str, seed: int, tokenizer: Any = FROM_FOLDER) ->
             top_k=e.top_k,
             seed=seed,
             keep_sampling_mask=e.keep_sampling_mask,
+            keep_routing=e.keep_routing,
         )
     if kind == "vllm":
         if importlib.util.find_spec("vllm") is None:
@@ -52,7 +56,14 @@ def make_engine(cfg: Any, path: str, seed: int, tokenizer: Any = FROM_FOLDER) ->
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(path)
-        return from_config(cfg, path, tokenizer, seed)
+        engine = from_config(cfg, path, tokenizer, seed)  # sampling.keep_routing: its own
+        if e.keep_routing and engine.route_layout is None:
+            engine.close()
+            raise ValueError(
+                "sampling.keep_routing=true: this build's vllm engine records no routes; "
+                "use actor.engine=hf or set sampling.keep_routing=false"
+            )
+        return engine
     raise ValueError(f"actor.engine={kind!r} is not an engine; use one of {ENGINES}")
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.messages import Sample, WeightAnnouncement, pack_f32, pack_i32, pack_mask, rle_encode
+from pipeline.routing import RouteLayout
 from pipeline.telemetry import Gap, added_gap
 from pipeline.transfer import BucketSource
 
@@ -53,9 +54,13 @@ class Completion:
     routes: np.ndarray | None = None
     routes_exact: bool = True
 
-    def to_sample(self, index: int, reward: float) -> Sample:
-        """The wire form: packed arrays, run-length versions, the mask if recorded."""
+    def to_sample(self, index: int, reward: float, layout: RouteLayout | None = None) -> Sample:
+        """The wire form: packed arrays, run-length versions, the mask if recorded, the
+        routes packed in ``layout`` (the engine's ``route_layout``) when given."""
         mask_ids, mask_counts = pack_mask(self.kept)  # b"", b"" unless keep_sampling_mask
+        routes = b""
+        if layout is not None and self.routes is not None:
+            routes = layout.pack(self.routes)
         return Sample(
             index=index,
             completion_ids=pack_i32(self.tokens),
@@ -66,6 +71,8 @@ class Completion:
             mask_ids=mask_ids,
             mask_counts=mask_counts,
             versions_exact=self.versions_exact,
+            routes=routes,
+            routes_exact=self.routes_exact,
         )
 
 
@@ -158,6 +165,9 @@ class Engine(ABC):
     stats: EngineStats
     version: int | None  # the live weight version (None: partial, nothing generates)
     streaming = False  # True: submit/take units without batch boundaries (actor/stream.py)
+    # sampling.keep_routing: the layout of every Completion.routes (None: none recorded);
+    # a RouteLayout or its [layers, k, experts] list (actor/publish.py takes either)
+    route_layout: RouteLayout | list[int] | None = None
 
     @abstractmethod
     def generate(

@@ -9,6 +9,12 @@ distribution actually sampled from (temperature, then top-k/top-p). The
 sampling loop stays on the model's device: per-token results are gathered
 as tensors and turned into lists once per generate() call.
 
+With ``keep_routing`` (sampling.keep_routing, MoE models) a forward hook on every router
+(pipeline/routing.py's ``capture``) records the experts each fed-forward token went to:
+the prefill gives the prompt's rows (its left padding gives none), each decode step one
+row per sequence; :meth:`_routes` lays them out ``[prompt + completion - 1, layers, k]``
+per sequence, cut where its tokens are cut (EOS, a stop string, should_stop).
+
 A peft LoRA model (``model.lora``, pipeline/lora.py) swaps its adapter alone:
 the announcements say ``kind="lora"`` and name the adapter's tensors, staged
 and swapped under the same lock as full weights; the base never changes.
@@ -16,15 +22,17 @@ and swapped under the same lock as full weights; the base never changes.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
 from actor.engines.base import Completion, Engine, EngineStats
-from pipeline import lora
+from pipeline import lora, routing
 from pipeline.logprobs import sampling_logprobs
 from pipeline.messages import BucketSpec, WeightAnnouncement
 from pipeline.transfer import BucketSource
@@ -42,11 +50,14 @@ class HFEngine(Engine):
         top_k: int,
         seed: int = 0,
         keep_sampling_mask: bool = False,
+        keep_routing: bool = False,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         truncating = top_p < 1.0 or 0 < top_k < model.config.vocab_size
         self.keep_sampling_mask = keep_sampling_mask and truncating
+        # sampling.keep_routing: the route layout (a dense model: ValueError naming the fix)
+        self.route_layout = routing.layout_of(model) if keep_routing else None
         self.lock = threading.Condition()
         self.version: int | None = 0
         self.stats = EngineStats()
@@ -189,33 +200,79 @@ class HFEngine(Engine):
         versions: list[int] = []
         kept: list[list] = []
         self.stats.breaks.append(time.perf_counter())  # no gap is measured across calls
-        logits, version = self._forward(
-            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache
-        )
-        for _ in range(max_new_tokens):
-            logp = sampling_logprobs(logits, self.temperature, self.top_p, self.top_k)
-            token = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)
-            steps.append((token, logp.gather(-1, token[:, None]).squeeze(-1), alive.clone()))
-            versions.append(version)
-            if self.keep_sampling_mask:
-                kept.append(self._kept_ids(logp))
-            stopped = alive & torch.isin(token, stop)
-            finished |= stopped
-            alive &= ~stopped
-            if self.stop_strings:
-                alive &= ~self._at_stop_string(steps)
-            if not bool(alive.any()) or should_stop():  # one host sync per token step
-                break
-            token = torch.where(alive, token, torch.full_like(token, self.pad_id))
-            mask = torch.cat([mask, alive[:, None].long()], dim=1)
-            positions = positions[:, -1:] + 1
+        with self._recording() as calls:  # keep_routing: each forward pass's expert ids
             logits, version = self._forward(
-                input_ids=token[:, None],
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
+                input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache
             )
-        return self._completions(steps, versions, kept, finished)
+            for _ in range(max_new_tokens):
+                logp = sampling_logprobs(logits, self.temperature, self.top_p, self.top_k)
+                token = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)
+                steps.append((token, logp.gather(-1, token[:, None]).squeeze(-1), alive.clone()))
+                versions.append(version)
+                if self.keep_sampling_mask:
+                    kept.append(self._kept_ids(logp))
+                stopped = alive & torch.isin(token, stop)
+                finished |= stopped
+                alive &= ~stopped
+                if self.stop_strings:
+                    alive &= ~self._at_stop_string(steps)
+                if not bool(alive.any()) or should_stop():  # one host sync per token step
+                    break
+                token = torch.where(alive, token, torch.full_like(token, self.pad_id))
+                mask = torch.cat([mask, alive[:, None].long()], dim=1)
+                positions = positions[:, -1:] + 1
+                logits, version = self._forward(
+                    input_ids=token[:, None],
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=cache,
+                )
+        outs = self._completions(steps, versions, kept, finished)
+        if calls is not None:
+            for out, rows in zip(outs, self._routes(calls, prompts, outs), strict=True):
+                out.routes = rows
+        return outs
+
+    @contextlib.contextmanager
+    def _recording(self):
+        """keep_routing: per forward pass, each MoE layer's ``[tokens, k]`` expert ids
+        (None without keep_routing). pipeline/routing.py's ``capture``, except that the
+        ids stay on the model's device until :meth:`_routes` (one transfer per generate,
+        not a host sync per layer per token)."""
+        if self.route_layout is None:
+            yield None
+            return
+        routers = routing.moe_routers(self.model)
+        calls: list[list[torch.Tensor]] = []
+
+        def hook(module, _inputs, output):
+            if module is routers[0]:
+                calls.append([])
+            calls[-1].append(output[2].detach().to(torch.int16))
+
+        handles = [r.register_forward_hook(hook) for r in routers]
+        try:
+            yield calls
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _routes(self, calls, prompts, outs) -> list[np.ndarray]:
+        """Per sequence, its routes ``[len(prompt) + len(tokens) - 1, layers, k]``: the
+        prefill's rows right of the left padding, then the first ``len(tokens) - 1``
+        decode steps' (its later steps, if any, fed padding or a token it does not keep)."""
+        batch, width = len(prompts), max(len(p) for p in prompts)
+        # every pass's ids as [batch, seq, layers, k], the passes end to end: column
+        # width + s is decode step s; one transfer to the host
+        ids = torch.cat(
+            [torch.stack(c, dim=1).view(batch, -1, len(c), c[0].shape[-1]) for c in calls], 1
+        )
+        ids = np.sort(ids.cpu().numpy(), axis=-1).astype(self.route_layout.dtype)
+        routes = []
+        for i, (p, out) in enumerate(zip(prompts, outs, strict=True)):
+            fed = max(len(out.tokens) - 1, 0)  # the last token is never fed forward
+            routes.append(ids[i, width - len(p) : width + fed])
+        return routes
 
     def _at_stop_string(self, steps) -> torch.Tensor:
         """Per row, whether the text of its last sampled ids holds a stop string (only the
