@@ -410,4 +410,5 @@ def from_config(cfg: Any, model_path: str, tokenizer, seed: int) -> VLLMEngine:
         transfer_timeout_s=cfg.trainer.transfer_timeout_s,
         lora=cfg.model.get("lora"),
         lora_seed=cfg.run.seed,  # the trainer's adapter init; ``seed`` is this pool's
+        keep_routing=bool(cfg.sampling.get("keep_routing", False)),
     )
