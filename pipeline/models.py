@@ -214,10 +214,11 @@ def _build_tiny(out: Path, seed: int = 0, **shape) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _build_tiny_moe(out: Path, family: str = "qwen3_moe", seed: int = 0) -> None:
+def _build_tiny_moe(out: Path, family: str = "qwen3_moe", seed: int = 0, **shape) -> None:
     """A tiny random mixture-of-experts model (8 experts, top-2, two sparse layers) with
     the tiny tokenizer, head size 32 (vLLM's CPU attention refuses 16): ``qwen3_moe``
-    (Qwen3-MoE: top-k weights renormalized) or ``olmoe`` (OLMoE: not renormalized)."""
+    (Qwen3-MoE: top-k weights renormalized) or ``olmoe`` (OLMoE: not renormalized);
+    ``shape``: config fields that differ (e.g. ``initializer_range``)."""
     from transformers import (
         OlmoeConfig,
         OlmoeForCausalLM,
@@ -239,6 +240,7 @@ def _build_tiny_moe(out: Path, family: str = "qwen3_moe", seed: int = 0) -> None
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        **shape,
     )
     if family == "qwen3_moe":
         config = Qwen3MoeConfig(
