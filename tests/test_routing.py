@@ -370,7 +370,7 @@ def test_zero3_on_two_ranks_replays_routes_as_the_torch_backend(olmoe_dir, tmp_p
     own (zero_optimization.leaf_module), not OLMoE's, so this one shows the backend's."""
     moe_dir = olmoe_dir
     pytest.importorskip("deepspeed")
-    from tests.test_deepspeed import STEPS, assert_weights_match, run_ranks
+    from tests.deepspeed_builders import STEPS, assert_weights_match, run_ranks
 
     ref_w, ds_w = tmp_path / "torch.safetensors", tmp_path / "ds.safetensors"
     ref = run_ranks(
