@@ -284,3 +284,76 @@ def replay(model: torch.nn.Module, routes: torch.Tensor, valid: torch.Tensor) ->
         yield replayer
     finally:
         replayer.close()
+
+
+# --- DeepSpeed AutoEP's router (trainer.expert_parallel) ---------------------------------
+#
+# Under trainer.expert_parallel, DeepSpeed AutoEP replaces every MoE block with an
+# ``AutoEPMoELayer`` whose router is a ``TokenChoiceTopKRouter`` (``layer.router``, also
+# reachable as ``layer.gate``): ``forward(x [tokens, hidden], expert_bias)`` returns
+# ``(top_scores [tokens, k] float32, selected_experts [tokens, k], tokens_per_expert
+# [experts] int32)``; the layer sends each token to the ranks of ``selected_experts`` and
+# weights their outputs by ``top_scores``. So Keep Routing under AutoEP is a router
+# forward with ``selected_experts`` given: the scores from the live gate at those ids.
+
+AUTOEP_ROUTER_CLASS = "TokenChoiceTopKRouter"
+
+
+def autoep_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """AutoEP's routers in layer order (empty without trainer.expert_parallel)."""
+    return [m for m in model.modules() if type(m).__name__ == AUTOEP_ROUTER_CLASS]
+
+
+def autoep_forced_route(router: torch.nn.Module, x: torch.Tensor, ids: torch.Tensor) -> tuple:
+    """``router(x)`` with the experts ``ids`` [tokens, k] forced: the router's own output
+    triple, the weights recomputed from its live gate at those ids (so the gate still
+    gets its gradient). Follows DeepSpeed 0.19.8's ``TokenChoiceTopKRouter.forward``;
+    group-limited routing (DeepSeek) only restricts the choice, which ``ids`` replaces."""
+    if ids.shape != (x.shape[0], router.top_k):
+        raise ValueError(
+            f"forced routes of shape {tuple(ids.shape)}: the router sees {x.shape[0]} tokens "
+            f"and picks {router.top_k} experts each"
+        )
+    ids = ids.to(x.device, torch.int64)
+    if int(ids.min()) < 0 or int(ids.max()) >= router.num_experts:
+        raise ValueError(f"forced expert ids outside 0..{router.num_experts - 1}")
+    logits = router.gate(x).to(torch.float32)
+    if router.score_func == "softmax":
+        scores = torch.softmax(logits, dim=1)
+    elif router.score_func == "sigmoid":
+        scores = torch.sigmoid(logits)
+    else:
+        raise NotImplementedError(f"AutoEP router score_func {router.score_func!r}")
+    top = scores.gather(1, ids)
+    if router.route_norm:
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    top = top * router.route_scale
+    counts = torch.zeros(router.num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(
+        0, ids.reshape(-1), torch.ones(ids.numel(), dtype=torch.int32, device=x.device)
+    )
+    return top, ids, counts
+
+
+@contextlib.contextmanager
+def force_autoep_routes(model: torch.nn.Module, routes: list[torch.Tensor]) -> Iterator[None]:
+    """Inside the block, each AutoEP router (layer order) routes its forward's tokens to
+    ``routes[layer]`` ([tokens, k], tokens flattened batch-major as the router sees them;
+    this rank's tokens only). One forward per entry: a second forward needs new routes."""
+    routers = autoep_routers(model)
+    if len(routes) != len(routers):
+        raise ValueError(f"{len(routes)} layers of routes for {len(routers)} AutoEP routers")
+
+    def forced(router, ids):
+        def forward(x, expert_bias=None):
+            return autoep_forced_route(router, x, ids)
+
+        return forward
+
+    for router, ids in zip(routers, routes, strict=True):
+        router.forward = forced(router, ids)
+    try:
+        yield
+    finally:
+        for router in routers:
+            del router.forward

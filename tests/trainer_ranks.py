@@ -16,6 +16,7 @@ ZeRO-3 leaf modules).
 ``--nan-at K``: step K runs with every logit NaN (a forward hook), and OUT says
 whether each step was ``applied`` and whether step K left the weights
 ``unchanged_at_nan`` (every rank's own copy compared).
+``--expert-parallel N``: ``trainer.expert_parallel`` (DeepSpeed AutoEP, ZeRO-3).
 """
 
 from __future__ import annotations
@@ -151,10 +152,12 @@ def main() -> None:
     ap.add_argument("--hang", action="store_true")
     ap.add_argument("--nan-at", type=int, default=-1)
     ap.add_argument("--routes", action="store_true")
+    ap.add_argument("--expert-parallel", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", 1))
     cfg = config(args.backend, args.stage, world, args.dtype)
+    cfg.trainer.expert_parallel = args.expert_parallel
     ranks = init_ranks(world, "cpu", 60.0, need_dist=args.backend == "deepspeed")
     resume = layout.latest(args.ckpt) if args.resume else None
     backend = make_backend(cfg, ranks, args.model_dir, resume)

@@ -45,6 +45,9 @@ class TrainerConfig:
     torch_threads: int = 1
     world_size: int = 1  # ranks (processes) of the trainer; rank 0 reads, publishes, reports
     zero_stage: int = 0  # backend=deepspeed: ZeRO stage 0-3
+    # backend=deepspeed, zero_stage=3, a MoE model: expert-parallel size of DeepSpeed AutoEP
+    # (each rank holds experts/N of every MoE layer's experts); 1: off. trainer/README.md
+    expert_parallel: int = 1
     device: str = "cpu"  # cpu, cuda (cuda:<local rank> per rank), cuda:N (one rank)
     # float32 | bfloat16 (fp32 master weights and optimizer, bf16 compute); empty: model.dtype
     dtype: str = ""
@@ -91,6 +94,28 @@ def validate_trainer(cfg: Any) -> None:
     if t.backend == "torch" and t.zero_stage:
         raise ValueError(
             "trainer.zero_stage is a DeepSpeed setting; use trainer.backend=deepspeed with it"
+        )
+    validate_expert_parallel(t)
+
+
+def validate_expert_parallel(t: Any) -> None:
+    """``trainer.expert_parallel``: DeepSpeed AutoEP needs ZeRO-3 and whole groups of ranks
+    (the model's side - a supported MoE, experts divisible - is checked when it loads)."""
+    ep = t.expert_parallel
+    if ep < 1:
+        raise ValueError(f"trainer.expert_parallel={ep} must be >= 1 (1: off)")
+    if ep == 1:
+        return
+    if t.backend != "deepspeed" or t.zero_stage != 3:
+        raise ValueError(
+            f"trainer.expert_parallel={ep} is DeepSpeed AutoEP, which this trainer runs under "
+            f"ZeRO-3 only (trainer.backend={t.backend}, trainer.zero_stage={t.zero_stage}): set "
+            "trainer.backend=deepspeed trainer.zero_stage=3, or trainer.expert_parallel=1"
+        )
+    if t.world_size % ep:
+        raise ValueError(
+            f"trainer.expert_parallel={ep} must divide trainer.world_size={t.world_size} "
+            "(each group of that many ranks shares out the experts)"
         )
 
 

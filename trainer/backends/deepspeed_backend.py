@@ -13,10 +13,16 @@ same folder) plus an HF copy of the gathered weights for people and tools.
 With ``model.lora``: the engine wraps the peft model, the optimizer holds the
 adapter only, the DeepSpeed checkpoint leaves the frozen base out, and the HF
 copy is a peft adapter folder with the base model's identity (pipeline/lora.py).
+
+With ``trainer.expert_parallel`` N > 1 (ZeRO-3): DeepSpeed AutoEP replaces each MoE
+block with an ``AutoEPMoELayer`` whose rank holds experts/N of the experts and sends
+tokens to their experts' ranks (all-to-all; gloo on the CPU). ``full_parameters``
+gathers the experts back from the expert group under the HF names (see ``autoep_*``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -63,6 +69,109 @@ def ds_config(t, dtype: str) -> dict:
     }
 
 
+# --- expert parallelism (DeepSpeed AutoEP) ---------------------------------------------
+
+AUTOEP_PRESETS = {"qwen3_moe": "qwen3_moe"}  # HF model_type -> AutoEP preset, HF names checked
+
+
+def autoep_config(t, hf_config) -> dict | None:
+    """The ``expert_parallel`` section for ``trainer.expert_parallel`` (None when 1), or
+    ValueError saying why this model cannot take it."""
+    ep = t.expert_parallel
+    if ep == 1:
+        return None
+    kind = getattr(hf_config, "model_type", "?")
+    if kind not in AUTOEP_PRESETS:
+        raise ValueError(
+            f"trainer.expert_parallel={ep}: the model is {kind!r}; this trainer runs DeepSpeed "
+            f"AutoEP for {sorted(AUTOEP_PRESETS)} (the models whose expert weights it maps "
+            "back to HF names for publishing); set trainer.expert_parallel=1"
+        )
+    experts = int(getattr(hf_config, "num_experts", 0))
+    if experts % ep:
+        raise ValueError(
+            f"trainer.expert_parallel={ep} must divide the model's {experts} experts per layer"
+        )
+    return {
+        "enabled": True,
+        "autoep_size": ep,
+        "preset_model": AUTOEP_PRESETS[kind],
+    }
+
+
+@contextlib.contextmanager
+def autoep_transformers_registry():
+    """Let DeepSpeed 0.19.8's AutoEP read transformers 5's output-capture registry.
+
+    AutoEP re-points HF's ``router_logits`` recorders at its router and calls
+    ``_CAN_RECORD_REGISTRY.get(key, default)`` / ``registry[key] = ...`` with class-name
+    strings; transformers 5.24's ``_CanRecordRegistry.get`` takes a model only (TypeError:
+    "get() takes 2 positional arguments but 3 were given") and its ``__setitem__`` keys on
+    the value's class. For the length of ``deepspeed.initialize`` the registry also
+    accepts string keys as a plain dict; model lookups are unchanged."""
+    from transformers.utils import output_capturing
+
+    registry = output_capturing._CAN_RECORD_REGISTRY
+    original = type(registry)
+
+    class StringKeys(original):
+        def get(self, key, default=None):
+            return dict.get(self, key, default) if isinstance(key, str) else original.get(self, key)
+
+        def __setitem__(self, key, value):
+            if isinstance(key, str):
+                dict.__setitem__(self, key, value)
+            else:
+                original.__setitem__(self, key, value)
+
+    registry.__class__ = StringKeys
+    try:
+        yield
+    finally:
+        registry.__class__ = original
+
+
+def autoep_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The ``AutoEPMoELayer`` modules AutoEP put in place of the MoE blocks, in order."""
+    return [m for m in module.modules() if getattr(m, "_is_autoep_layer", False)]
+
+
+def autoep_full_parameters(engine, is_main: bool, dtype: torch.dtype) -> dict | None:
+    """Every parameter under its HF name (all ranks call it; rank 0 gets the dict).
+
+    ZeRO-3 shards non-expert parameters over the ranks and each expert parameter over its
+    expert-data group; AutoEP holds experts ``[r * E/N, (r + 1) * E/N)`` on expert rank r
+    as ``w1`` (gate), ``w3`` (up), ``w2`` (down). Gathered and concatenated over the expert
+    group they are HF's ``gate_up_proj = cat(w1, w3)`` and ``down_proj = w2``; the router is
+    HF's ``gate``. (DeepSpeed's own consolidated export refuses AutoEP under ZeRO-3.)"""
+    import deepspeed
+    import torch.distributed as dist
+
+    owner = {}
+    for layer in autoep_layers(engine.module):
+        for p in layer.experts.parameters():
+            owner[id(p)] = layer
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, p in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([p]):
+            t = p.detach().to(dtype).clone()
+        layer = owner.get(id(p))
+        if layer is not None:  # this rank's experts -> all of them, in expert-rank order
+            parts = [torch.empty_like(t) for _ in range(layer.ep_size)]
+            dist.all_gather(parts, t.contiguous(), group=layer.ep_group)
+            prefix, w = name.rsplit(".", 1)
+            experts.setdefault(prefix, {})[w] = torch.cat(parts)
+        elif is_main:
+            out[name.replace(".router.gate.weight", ".gate.weight")] = t
+    if not is_main:
+        return None
+    for prefix, w in experts.items():
+        out[f"{prefix}.gate_up_proj"] = torch.cat([w["w1"], w["w3"]], dim=1)
+        out[f"{prefix}.down_proj"] = w["w2"]
+    return out
+
+
 class DeepSpeedBackend(OptimizerLR):
     def __init__(self, cfg, ranks: Ranks, model_path: str, resume_from: str | None):
         t = cfg.trainer
@@ -87,9 +196,20 @@ class DeepSpeedBackend(OptimizerLR):
             deepspeed.utils.set_z3_leaf_modules(model, routing.moe_blocks(model))
         trainable = lora.trainable_parameters(model)  # every parameter without model.lora
         optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=ds_config(t, pool_dtype(cfg, "trainer"))
-        )
+        config = ds_config(t, pool_dtype(cfg, "trainer"))
+        expert_parallel = autoep_config(t, model.config)
+        if expert_parallel and self.lora:
+            raise ValueError(
+                "trainer.expert_parallel with model.lora is not supported (AutoEP replaces the "
+                "expert modules the adapter would wrap); set one of them off"
+            )
+        self.autoep = expert_parallel is not None
+        if self.autoep:
+            config["expert_parallel"] = expert_parallel
+        with autoep_transformers_registry() if self.autoep else contextlib.nullcontext():
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(
+                model=model, optimizer=optimizer, config=config
+            )
         self.hf_config = model.config
         if resume_from:
             path, _ = self.engine.load_checkpoint(
@@ -144,6 +264,8 @@ class DeepSpeedBackend(OptimizerLR):
         """Every rank calls this; under ZeRO-3 it gathers the partitioned parameters."""
         if self.lora:
             return self._adapter(self.dtype)
+        if self.autoep:
+            return autoep_full_parameters(self.engine, self.ranks.is_main, self.dtype)
         names = [n for n, _ in self.engine.module.named_parameters()]
         if self.stage == 3:
             sd = self.engine._zero3_consolidated_16bit_state_dict()
