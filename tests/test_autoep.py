@@ -63,6 +63,13 @@ def test_expert_parallel_settings_are_checked(kw, message):
     )
 
 
+def test_keep_routing_is_refused_with_expert_parallel_until_the_step_replays_there():
+    cfg = trainer_cfg(backend="deepspeed", zero_stage=3, expert_parallel=2, world_size=2)
+    cfg.sampling.keep_routing = True
+    with pytest.raises(ValueError, match="keep_routing=true with trainer.expert_parallel=2"):
+        validate_trainer(cfg)
+
+
 def test_autoep_refuses_models_it_cannot_map(tiny_moe):
     from transformers import AutoConfig
 

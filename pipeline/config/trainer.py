@@ -96,6 +96,15 @@ def validate_trainer(cfg: Any) -> None:
             "trainer.zero_stage is a DeepSpeed setting; use trainer.backend=deepspeed with it"
         )
     validate_expert_parallel(t)
+    sampling = cfg.get("sampling") if hasattr(cfg, "get") else None
+    if t.expert_parallel > 1 and sampling is not None and sampling.get("keep_routing"):
+        raise ValueError(
+            f"sampling.keep_routing=true with trainer.expert_parallel={t.expert_parallel}: "
+            "the training step replays routes through transformers' routers, which AutoEP "
+            "replaces (its own router takes forced routes, pipeline/routing.py "
+            "force_autoep_routes, but the step does not call it yet); use "
+            "trainer.expert_parallel=1 with keep_routing, or keep_routing=false"
+        )
 
 
 def validate_expert_parallel(t: Any) -> None:
