@@ -29,7 +29,7 @@ from pipeline.config import Config
 from pipeline.config.trainer import validate_trainer
 from pipeline.models import materialize_model
 from pipeline.redis_server import free_port
-from tests.test_deepspeed import ROOT, STEPS, assert_weights_match, run_ranks
+from tests.deepspeed_builders import ROOT, STEPS, assert_weights_match, run_ranks
 
 deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is installed by `make setup`")
 
