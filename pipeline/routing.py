@@ -323,7 +323,10 @@ def autoep_forced_route(router: torch.nn.Module, x: torch.Tensor, ids: torch.Ten
     elif router.score_func == "sigmoid":
         scores = torch.sigmoid(logits)
     else:
-        raise NotImplementedError(f"AutoEP router score_func {router.score_func!r}")
+        raise ValueError(
+            f"AutoEP router score_func {router.score_func!r}: forced routes are built for "
+            "'softmax' and 'sigmoid' routers only; use sampling.keep_routing=false with it"
+        )
     top = scores.gather(1, ids)
     if router.route_norm:
         top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
