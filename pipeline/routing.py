@@ -95,12 +95,14 @@ def layout_of(model: torch.nn.Module) -> RouteLayout:
 
 
 @contextlib.contextmanager
-def capture(model: torch.nn.Module) -> Iterator[list[list[torch.Tensor]]]:
+def capture(model: torch.nn.Module, on_device: bool = False) -> Iterator[list[list[torch.Tensor]]]:
     """Record the top-k ids every router picks during the forwards inside the block.
 
     Yields a list with one list per forward call; each holds one ``[tokens, k]`` tensor
-    per MoE layer (tokens flattened batch-major, as the router sees them). Use
-    :func:`stack_forward` to turn one forward's record into ``[batch, seq, layers, k]``.
+    per MoE layer (tokens flattened batch-major, as the router sees them): int64 on the
+    host, or with ``on_device`` int32 where the router ran (no host sync per layer per
+    forward: the hf engine moves them once per generate). Use :func:`stack_forward` to
+    turn one forward's record into ``[batch, seq, layers, k]``.
     """
     routers = moe_routers(model)
     calls: list[list[torch.Tensor]] = []
@@ -109,7 +111,8 @@ def capture(model: torch.nn.Module) -> Iterator[list[list[torch.Tensor]]]:
     def hook(module, _inputs, output):
         if module is first:
             calls.append([])
-        calls[-1].append(output[2].detach().to("cpu", torch.int64))
+        ids = output[2].detach()
+        calls[-1].append(ids.to(torch.int32) if on_device else ids.to("cpu", torch.int64))
 
     handles = [r.register_forward_hook(hook) for r in routers]
     try:

@@ -236,26 +236,13 @@ class HFEngine(Engine):
     @contextlib.contextmanager
     def _recording(self):
         """keep_routing: per forward pass, each MoE layer's ``[tokens, k]`` expert ids
-        (None without keep_routing). pipeline/routing.py's ``capture``, except that the
-        ids stay on the model's device until :meth:`_routes` (one transfer per generate,
-        not a host sync per layer per token)."""
+        (None without keep_routing), kept on the model's device until :meth:`_routes`
+        (pipeline/routing.py ``capture``: one transfer per generate)."""
         if self.route_layout is None:
             yield None
             return
-        routers = routing.moe_routers(self.model)
-        calls: list[list[torch.Tensor]] = []
-
-        def hook(module, _inputs, output):
-            if module is routers[0]:
-                calls.append([])
-            calls[-1].append(output[2].detach().to(torch.int16))
-
-        handles = [r.register_forward_hook(hook) for r in routers]
-        try:
+        with routing.capture(self.model, on_device=True) as calls:
             yield calls
-        finally:
-            for h in handles:
-                h.remove()
 
     def _routes(self, calls, prompts, outs) -> list[np.ndarray]:
         """Per sequence, its routes ``[len(prompt) + len(tokens) - 1, layers, k]``: the

@@ -113,12 +113,6 @@ def install_routes(worker: Any) -> tuple[Any, Any, dict]:
     cfg = worker.vllm_config
     model = worker.get_model()
     runners = moe_runners(model)
-    if not runners:
-        raise ValueError(
-            "sampling.keep_routing is on but this vLLM model has no mixture-of-experts "
-            "layer with a router vLLM can capture from: set sampling.keep_routing=false "
-            "or serve a MoE model"
-        )
     experts = int(cfg.model_config.get_num_experts())
     k = int(cfg.model_config.get_num_experts_per_tok())
     info = {

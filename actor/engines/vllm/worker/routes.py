@@ -45,13 +45,21 @@ from actor.engines.vllm.worker.steps import external_id
 
 
 def moe_runners(model: torch.nn.Module) -> list[Any]:
-    """The model's MoE layers whose router takes a capture function, in layer order."""
-    return [
+    """The model's MoE layers whose router takes a capture function, in layer order;
+    ValueError naming the way out when it has none (keep_routing on a dense model)."""
+    runners = [
         m
         for m in model.modules()
         if hasattr(m, "layer_id")
         and callable(getattr(getattr(m, "router", None), "set_capture_fn", None))
     ]
+    if not runners:
+        raise ValueError(
+            "sampling.keep_routing is on but this vLLM model has no mixture-of-experts "
+            "layer with a router vLLM can capture from: set sampling.keep_routing=false "
+            "or serve a MoE model"
+        )
+    return runners
 
 
 class RequestRows:
@@ -100,12 +108,6 @@ class StepRoutes:
         self, model: torch.nn.Module, max_tokens: int, experts: int, keep_finished: int = 4096
     ):
         runners = moe_runners(model)
-        if not runners:
-            raise ValueError(
-                "sampling.keep_routing is on but this vLLM model has no mixture-of-experts "
-                "layer with a router vLLM can capture from: set sampling.keep_routing=false "
-                "or serve a MoE model"
-            )
         self.layers = len(runners)
         self.k = int(getattr(runners[0], "top_k", 0) or runners[0].router.top_k)
         self.experts = int(experts)
