@@ -150,7 +150,7 @@ def start_pool(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop_handler(stop, starting))
     client = guard(_connect(cfg, redis_url(cfg, role)), stop)
-    durability = Durability.from_config(cfg, stop)  # sentinel mode: WAIT behind work writes
+    durability = Durability.from_config(cfg, stop)  # sentinel, cluster: WAIT behind work writes
     attach(client, durability)
     names = Names.of(cfg)
     check_permissions(client, names, role, redis_url(cfg, role))  # NOPERM: exit 4 now

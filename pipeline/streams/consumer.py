@@ -256,7 +256,7 @@ class Consumer:
         self.dead_lettered += 1
 
     def ack(self, ids: list[str]) -> None:
-        if ids:  # with WAIT behind it in sentinel mode (durable.py)
+        if ids:  # with WAIT behind it in sentinel and cluster mode (durable.py)
             durable.xack(self.client, self.stream, self.group, ids)
             self._handed.difference_update(ids)
 

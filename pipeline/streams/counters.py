@@ -7,7 +7,7 @@ retry re-sends it).
 groups a preprocessor dropped or dead-lettered: :func:`retire_groups`) are updated by
 Lua scripts that remember the last update applied, so a re-send changes nothing; the
 actors' back-pressure reads the difference. Every run of a script writes, a repeat included,
-so in sentinel mode the WAIT behind it (durable.py) covers the first attempt.
+so in sentinel and cluster mode the WAIT behind it (durable.py) covers the first attempt.
 """
 
 from __future__ import annotations

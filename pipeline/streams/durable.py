@@ -84,7 +84,7 @@ class Lua:
     (after a restart, or the first time). Unlike redis-py's ``register_script`` it never
     sends SCRIPT LOAD, which deploy/redis/users.acl does not grant the pools (+eval and
     +evalsha only: SCRIPT also flushes and kills). A call goes through the client's
-    :class:`Durability` (WAIT behind it in sentinel mode); every script a durable write
+    :class:`Durability` (WAIT behind it in sentinel and cluster mode); every script a durable write
     runs must write something each time it runs, a repeat included (see the module)."""
 
     def __init__(self, source: str):
@@ -135,7 +135,7 @@ class Durability:
     @classmethod
     def from_config(cls, cfg: Any, stop: Any = None) -> Durability:
         """From the run's config: ``redis.min_replicas_acked`` (config.min_replicas_acked:
-        1 in sentinel mode unless set, 0 in single mode), ``redis.wait_timeout_ms``, and
+        1 in sentinel and cluster mode unless set, 0 in single mode), ``redis.wait_timeout_ms``, and
         ``redis.reconnect_s`` as the time a write keeps trying."""
         from pipeline.config import min_replicas_acked
 
@@ -294,7 +294,7 @@ def publish_once(
 ) -> tuple[str, bool]:
     """XADD ``entry`` to ``stream`` unless ``token`` was published there already:
     (entry id, True) for a new entry, (the first entry's id, False) for a re-send. In
-    sentinel mode it returns once WAIT saw enough replicas (else NotReplicated)."""
+    sentinel and cluster mode it returns once WAIT saw enough replicas (else NotReplicated)."""
     if not token or token.startswith("~"):
         raise ValueError(f"publish token {token!r} must be non-empty and not start with '~'")
     args: list[Any] = [token, cap]
@@ -318,7 +318,7 @@ def publish(
     ``token`` (work entries: a group's or a batch's id): XADD-once
     (:func:`publish_once`): a re-send of the same token, a retry after
     a lost reply included, returns the first entry's id and adds no copy; in sentinel
-    mode it returns once enough replicas have the entry (else NotReplicated).
+    and cluster mode it returns once enough replicas have the entry (else NotReplicated).
     ``maxlen`` caps streams whose old entries nobody needs (weight announcements:
     a receiver only acts on the newest); work streams are trimmed by consumption.
     """
@@ -335,7 +335,7 @@ def publish(
 
 
 def xack(client: redis.Redis, stream: str, group: str, ids: list[str]) -> int:
-    """XACK ``ids``; in sentinel mode with a fence (``<stream>:once`` field ``~acked``
+    """XACK ``ids``; in sentinel and cluster mode with a fence (``<stream>:once`` field ``~acked``
     set to the last id: a repeated XACK changes nothing, the fence still writes) and
     WAIT behind it, in one pipeline."""
     durability = policy_of(client)
@@ -351,7 +351,7 @@ def xack(client: redis.Redis, stream: str, group: str, ids: list[str]) -> int:
 
 def xadd(client: redis.Redis, stream: str, entry: dict[str, Any], maxlen: int | None = None) -> str:
     """A plain XADD (a new entry each time: for entries whose copy is harmless, the
-    dead letters), with WAIT behind it in sentinel mode."""
+    dead letters), with WAIT behind it in sentinel and cluster mode."""
     durability = policy_of(client)
     approximate = maxlen is not None
     if not durability.replicas:
@@ -367,7 +367,7 @@ def xadd(client: redis.Redis, stream: str, entry: dict[str, Any], maxlen: int | 
 
 
 def set_value(client: redis.Redis, key: str, value: Any) -> None:
-    """SET ``key``, with WAIT behind it in sentinel mode (the trainer's version)."""
+    """SET ``key``, with WAIT behind it in sentinel and cluster mode (the trainer's version)."""
     durability = policy_of(client)
     if not durability.replicas:
         client.set(key, value)

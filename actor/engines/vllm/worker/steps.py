@@ -1,8 +1,10 @@
 """Per-request weight versions of the engine steps that sampled each token.
 
-The worker extension (actor/engines/vllm/worker/extension.py) records, under the per-forward-pass
-lock, the live version for every request a step samples for; the engine fetches
-them with ``nonstop_poll`` when a request is collected (actor/engines/vllm/client.py).
+Under the per-forward-pass lock, the locked ``execute_model``
+(actor/engines/vllm/worker/locked.py, ``LockedWeights.wrap``) records here the live
+version for every request a step samples for; the engine fetches them through the worker
+extension's ``nonstop_poll`` (actor/engines/vllm/worker/extension.py) when a request is
+collected (actor/engines/vllm/requests.py).
 """
 
 from __future__ import annotations
