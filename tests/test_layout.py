@@ -4,6 +4,9 @@
   pools (actor/, preprocessor/, trainer/) import only the base, the run-level tools sit
   above; import-linter's contracts in pyproject.toml say it and ``lint-imports`` checks
   them (``make lint`` runs it too), and every pipeline module is placed on one floor.
+- The docs name the same floors: README.md's floor table and Layout rows and
+  pipeline/README.md's diagram and tables list each module on the floor the contracts put
+  it on, and no other module there.
 - The tests' own layout: a test module never imports another test module. Shared fakes and
   builders live in modules that hold no test (tests/*_builders.py, tests/weight_peers.py,
   tests/vllm_fake.py, tests/vllm_real.py, ...) and shared fixtures in tests/conftest.py, so a
@@ -13,6 +16,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import tomllib
@@ -72,6 +76,142 @@ def test_every_pipeline_module_sits_on_one_floor():
         "to both contracts' forbidden_modules"
     )
     assert (base | above) - found == set(), f"named but gone: {sorted((base | above) - found)}"
+
+
+# ---- the docs name the same floors as the contracts -----------------------------------
+# README.md's floor table and its Layout rows, pipeline/README.md's diagram and its two
+# tables: written by hand, checked here against pyproject.toml (what lint-imports enforces)
+
+MODULE_FILE = re.compile(r"`(\w+)(?:\.py|/)`")  # `name.py` or `name/`, a whole code span
+
+
+def table_rows(text: str, header: str) -> list[list[str]]:
+    """The cells of each row of the Markdown table whose header line starts with
+    ``header`` (the separator row left out)."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith(header)), None)
+    assert start is not None, f"no table headed {header!r}"
+    rows = []
+    for line in lines[start + 1 :]:
+        if not line.startswith("|"):
+            break
+        if not line.startswith("|---"):
+            rows.append([c.strip() for c in line.strip().strip("|").split(" | ")])
+    return rows
+
+
+def outside_parentheses(cell: str) -> set[str]:
+    """``pipeline.<name>`` for each `name.py` or `name/` of ``cell`` outside parentheses
+    (inside them: a package's own files, which are not modules of pipeline/ itself);
+    parentheses inside code spans do not count."""
+    found, depth = set(), 0
+    for part in re.split(r"(`[^`]*`)", cell):
+        if part.startswith("`") and part.endswith("`") and len(part) > 1:
+            m = MODULE_FILE.fullmatch(part)
+            if m and depth == 0:
+                found.add(f"pipeline.{m.group(1)}")
+        else:
+            depth += part.count("(") - part.count(")")
+    return found
+
+
+def readme_floors() -> list[tuple[str, str, set[str]]]:
+    """(where, floor, modules) of README.md's floor table (``| floor | imports | modules
+    |``) and of the two ``pipeline/`` rows of its Layout table."""
+    text = (ROOT / "README.md").read_text()
+    out = [
+        (f"README.md floor table, {row[0]}", row[0], set(re.findall(r"`([\w.]+)`", row[2])))
+        for row in table_rows(text, "| floor | imports | modules |")
+    ]
+    for row in table_rows(text, "| path | what |"):
+        if row[0] in ("`pipeline/` (base)", "`pipeline/` (run-level)"):
+            floor = "base" if "base" in row[0] else "run-level"
+            out.append((f"README.md Layout, {floor}", floor, outside_parentheses(row[1])))
+    return out
+
+
+def pipeline_readme_floors() -> list[tuple[str, str, set[str]]]:
+    """(where, floor, modules) of pipeline/README.md: the floors diagram at its top (labels
+    ``run-level tools``, ``pools``, ``base``, continued on indented lines; parenthesised
+    notes skipped), every base module named in the "Base modules by concern" table's file
+    column, and the module each row of the "Run-level tools" table opens with."""
+    text = (ROOT / "pipeline" / "README.md").read_text()
+    block = next(b for b in text.split("```")[1::2] if "\nrun-level tools" in "\n" + b)
+    labels = {"run-level tools": "run-level", "pools": "pools", "base": "base"}
+    floors: dict[str, set[str]] = {}
+    floor = None
+    for line in block.splitlines():
+        for label, name in labels.items():
+            if line.startswith(label):
+                floor, line = name, line[len(label) :]
+        if floor is not None:
+            names = re.findall(r"(\w+)(?:\.py|/)", re.sub(r"\(.*?\)", "", line))
+            prefix = "" if floor == "pools" else "pipeline."
+            floors.setdefault(floor, set()).update(prefix + n for n in names)
+    out = [(f"pipeline/README.md diagram, {f}", f, names) for f, names in floors.items()]
+    base_files = " ".join(
+        row[1] for row in table_rows(section(text, "Base modules by concern"), "| concern |")
+    )
+    # its file column also names a package's own files (config/'s eval.py): base ones only
+    mentioned = {f"pipeline.{n}" for n in re.findall(r"`(\w+)(?:\.py|/)", base_files)}
+    out.append(("pipeline/README.md base modules table", "base (mentioned)", mentioned))
+    tools = table_rows(section(text, "Run-level tools (above the pools)"), "| file |")
+    opening = {f"pipeline.{m.group(1)}" for row in tools if (m := MODULE_FILE.match(row[0]))}
+    out.append(("pipeline/README.md run-level tools table", "run-level", opening))
+    return out
+
+
+def test_the_docs_list_the_floors_of_the_contracts():
+    """Every module a contract places on a floor is listed on that floor by README.md (its
+    floor table and Layout rows) and pipeline/README.md (its diagram and its tables of
+    base modules and run-level tools), and nothing is listed on a floor the contracts do
+    not put it on, nor names a module that is not there."""
+    by_name = contracts()
+    want = {
+        "base": set(by_name[BASE_CONTRACT]["source_modules"]),
+        "pools": set(POOLS),
+        "run-level": set(by_name[BASE_CONTRACT]["forbidden_modules"]) - set(POOLS),
+    }
+    listed = readme_floors() + pipeline_readme_floors()
+    assert len(listed) == 10, f"a floor list was not found: {[w for w, _, _ in listed]}"
+    problems = []
+    for where, floor, names in listed:
+        if floor == "base (mentioned)":  # one way only: the base modules among its names
+            floor, names = "base", names & want["base"]
+        if want[floor] - names:
+            problems.append(f"{where}: lacks {sorted(want[floor] - names)}")
+        if names - want[floor]:
+            problems.append(
+                f"{where}: lists {sorted(names - want[floor])}, which pyproject.toml's "
+                f"contracts do not put on the {floor} floor"
+            )
+        gone = sorted(n for n in names if not exists(n))
+        if gone:
+            problems.append(f"{where}: lists {gone}, which are not modules of this checkout")
+    assert not problems, (
+        "the docs' floor lists disagree with pyproject.toml's [tool.importlinter] contracts "
+        "(what lint-imports enforces): fix the docs, or move the module between the "
+        "contracts' lists:\n" + "\n".join(problems)
+    )
+
+
+def section(text: str, title: str) -> str:
+    head = f"\n## {title}\n"
+    assert head in text, f"no '## {title}' section"
+    return text.split(head, 1)[1].split("\n## ", 1)[0]
+
+
+def exists(module: str) -> bool:
+    path = ROOT.joinpath(*module.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def test_the_floor_lists_are_read_as_written():
+    """The parsers: names inside parentheses are a package's own files, code spans'
+    parentheses do not count, the diagram's labels and continuation lines are followed."""
+    cell = "`a.py` (x; `b.py` (`C`), `c/`), `d/` (`Shards.of(cfg, ...)`), `e.py`; `f.py`"
+    assert outside_parentheses(cell) == {"pipeline.a", "pipeline.d", "pipeline.e", "pipeline.f"}
+    assert MODULE_FILE.fullmatch("`inspect/`") and not MODULE_FILE.fullmatch("`a/b.py`")
 
 
 def is_test_module(dotted: str) -> bool:
