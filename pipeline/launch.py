@@ -39,6 +39,7 @@ from pipeline.config import (
     redis_tls,
     refuse_shard_urls,
     register,
+    resolve_eager,
     resolve_engine,
     validate,
 )
@@ -159,9 +160,9 @@ def _interrupt(signum, _frame) -> None:
 
 
 def run(cfg) -> int:
-    chosen = resolve_engine(cfg)
-    if chosen:
-        print(chosen)
+    for chosen in (resolve_engine(cfg), resolve_eager(cfg)):  # auto: what, and why
+        if chosen:
+            print(chosen)
     # a Redis of the operator's: NONSTOP_REDIS_URL wins over redis.url, as in every pool
     # (pipeline/config/env.py); it is checked as redis.url is but never saved in config.yaml
     external = os.environ.get("NONSTOP_REDIS_URL") or cfg.redis.url

@@ -106,6 +106,50 @@ def test_engine_auto_picks_vllm_only_where_a_tested_vllm_is_installed(monkeypatc
     assert cfg.actor.engine in ("hf", "vllm")
 
 
+def test_enforce_eager_auto_compiles_only_where_it_pays(monkeypatch):
+    """``actor.vllm.enforce_eager=auto`` (the default): compiled on CUDA; on the CPU build
+    eager for a run that trains on fewer tokens than compiling needs to pay back its start
+    (``+exp=math``: 20 steps x 16 samples x 32 tokens), compiled for a long one; true and
+    false stay as set; anything else is one line naming the choices. The engine, built
+    without a run (tests, benches), runs eagerly on the CPU build."""
+    from pipeline import config, vllm_versions
+    from pipeline.config.actor import CPU_COMPILE_BREAK_EVEN, eager_for
+
+    long_steps = CPU_COMPILE_BREAK_EVEN // (16 * 32) + 1
+    for platform, steps, eager in (
+        ("cpu", 20, True),
+        ("cpu", long_steps, False),
+        ("cuda", 20, False),
+    ):
+        monkeypatch.setattr(vllm_versions, "installed_vllm_platform", lambda p=platform: p)
+        cfg = compose_config(["+exp=math", "actor.engine=vllm", f"trainer.max_steps={steps}"])
+        assert cfg.actor.vllm.enforce_eager == "auto"
+        line = config.resolve_eager(cfg)
+        assert cfg.actor.vllm.enforce_eager is eager, (platform, steps, line)
+        assert line.startswith(f"actor.vllm.enforce_eager=auto -> {str(eager).lower()} (")
+        assert config.resolve_eager(cfg) is None  # resolved once: the saved config says it
+    assert "10,240 tokens" in eager_for("auto", "cpu", 20 * 16 * 32)[1]
+    for setting in (True, False):
+        assert eager_for(setting, "cpu", 10**9)[0] is setting
+    assert eager_for("auto", "cpu", None)[0] is True
+    cfg = compose_config(["actor.engine=vllm", "actor.vllm.enforce_eager=sometimes"])
+    with pytest.raises(ValueError, match=r"enforce_eager='sometimes': use true .* or auto"):
+        validate(cfg)
+
+
+def test_a_compiled_cpu_engine_keeps_an_exported_aot_setting(monkeypatch):
+    """The CPU build's compiled engine turns vLLM's AOT compile cache off (it never
+    loads there) unless the operator exported VLLM_USE_AOT_COMPILE."""
+    from actor.engines.vllm.client import reuse_cpu_compile_cache
+
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    reuse_cpu_compile_cache()
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "0"
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    reuse_cpu_compile_cache()
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "1"
+
+
 def test_the_vllm_gate_is_keyed_by_version_and_platform(monkeypatch):
     """A CUDA vLLM 0.32.0 is not "tested" because the CPU build of 0.32.0 is: refused in
     one line that says which platform was tested on which version and names the

@@ -36,6 +36,7 @@ base's pipeline/vllm_versions.py (no pool is imported here).
 from pipeline.config.actor import (
     ActorConfig,
     VLLMConfig,
+    resolve_eager,
     resolve_engine,
     validate_engine,
     validate_vllm,
@@ -128,6 +129,7 @@ __all__ = [
     "redis_url",
     "register",
     "resolve_engine",
+    "resolve_eager",
     "refuse_shard_urls",
     "run_secret",
     "tls_files",

@@ -29,7 +29,9 @@ class VLLMConfig:
     cpu_kv_cache_gib: float = 2.0
     max_num_seqs: int = 256  # sequences the scheduler runs together
     tensor_parallel_size: int = 1  # GPUs per engine (not with model.lora)
-    enforce_eager: bool = False  # true: no CUDA graphs / torch.compile (faster start)
+    # true: no CUDA graphs / torch.compile (a faster start); false: compiled; auto: eager
+    # on the CPU build unless the run is long enough to pay compiling back (resolve_eager)
+    enforce_eager: bool | str = "auto"
     enable_prefix_caching: bool = True  # salted per weight version (no stale KV reuse)
     max_model_len: int = 2048  # prompt + completion tokens
     lock_timeout_s: float = 10.0  # weights.update_mode=lock: longest wait for the lock
@@ -76,10 +78,73 @@ def resolve_engine(cfg: Any) -> str | None:
     return f"actor.engine=auto -> {cfg.actor.engine} ({why})"
 
 
+# Generated tokens after which a compiled engine on the CPU build has paid for its longer
+# start (extra start / generation time saved per token), measured with SmolLM2-135M by
+# ``python -m pipeline.bench vllm_start``: bench/results/vllm-start-cpu-2026-11-28.json
+CPU_COMPILE_BREAK_EVEN = 100_000
+EAGER_SOURCE = "bench/results/vllm-start-cpu-2026-11-28.json"
+
+
+def run_tokens(cfg: Any) -> int:
+    """The most tokens a run trains on: ``trainer.max_steps`` x ``samples_per_step`` x the
+    longest sample (an episode's ``task.episode.max_tokens``, else
+    ``sampling.max_new_tokens``); the actor generates about this (more where groups with
+    no signal are dropped)."""
+    per_sample = cfg.sampling.max_new_tokens
+    if _get(cfg, "task.kind") == "env":
+        per_sample = _get(cfg, "task.episode.max_tokens")
+    return int(cfg.trainer.max_steps) * int(cfg.trainer.samples_per_step) * int(per_sample)
+
+
+def eager_for(setting: bool | str, platform: str, tokens: int | None) -> tuple[bool, str]:
+    """``actor.vllm.enforce_eager`` for an engine on ``platform`` (vllm_versions.CPU or
+    CUDA) in a run that generates about ``tokens`` (None: not known): whether to run
+    eagerly, and why. ``auto`` compiles on CUDA (CUDA graphs); on the CPU build it
+    compiles only for a run long enough to pay compiling back
+    (:data:`CPU_COMPILE_BREAK_EVEN`), so a short run does not pay for a long start."""
+    if isinstance(setting, bool):
+        return setting, "set"
+    if setting != "auto":
+        raise ValueError(
+            f"actor.vllm.enforce_eager={setting!r}: use true (eager: no torch.compile, no "
+            "CUDA graphs), false (compiled) or auto (compiled on CUDA; on the CPU build "
+            "eager unless the run is long)"
+        )
+    if platform != vllm_versions.CPU:
+        return False, "compiled on CUDA (CUDA graphs)"
+    if tokens is not None and tokens >= CPU_COMPILE_BREAK_EVEN:
+        return False, (
+            f"the run trains on {tokens:,} tokens, past the ~{CPU_COMPILE_BREAK_EVEN:,} "
+            f"after which compiling pays back its longer start on the CPU build ({EAGER_SOURCE})"
+        )
+    known = (
+        f"the run trains on at most {tokens:,} tokens"
+        if tokens is not None
+        else "run length unknown"
+    )
+    return True, (
+        f"{known}: compiling on the CPU build pays back its longer start only after "
+        f"~{CPU_COMPILE_BREAK_EVEN:,} generated tokens ({EAGER_SOURCE})"
+    )
+
+
+def resolve_eager(cfg: Any) -> str | None:
+    """``actor.vllm.enforce_eager=auto`` becomes true or false for this run
+    (:func:`eager_for`), written into ``cfg`` so the saved config says what every pool
+    starts; a line saying what was chosen and why (None: nothing to resolve)."""
+    if _get(cfg, "actor.engine") != "vllm" or _get(cfg, "actor.vllm.enforce_eager") != "auto":
+        return None
+    platform = vllm_versions.installed_vllm_platform()
+    eager, why = eager_for("auto", platform, run_tokens(cfg))
+    cfg.actor.vllm.enforce_eager = eager
+    return f"actor.vllm.enforce_eager=auto -> {str(eager).lower()} ({why})"
+
+
 def validate_actor(cfg: Any) -> None:
     """The ``actor`` section (``actor.engine=auto`` is resolved first:
     :func:`resolve_engine`), and ``actor.vllm`` when the engine is vllm."""
     resolve_engine(cfg)
+    resolve_eager(cfg)
     check_choice(cfg, "actor.engine", ACTOR_ENGINES)
     check_positive(cfg, "actor.num_actors", "actor.max_queue_groups")
     if cfg.actor.max_lag < 0:
@@ -109,6 +174,7 @@ def validate_vllm(cfg: Any) -> None:
     for key in ("in_flight", "max_num_seqs", "max_model_len", "lock_timeout_s", "rpc_timeout_s"):
         if v[key] <= 0:
             raise ValueError(f"actor.vllm.{key}={v[key]} must be > 0")
+    eager_for(v.enforce_eager, "", None)  # true, false or auto, else one line naming them
     if not isinstance(v.allow_untested_version, bool):
         raise ValueError(
             f"actor.vllm.allow_untested_version={v.allow_untested_version!r} must be true or false"

