@@ -72,6 +72,20 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class Journaled:
+    """What the episode journal holds of an episode (actor/journal.py): the deltas
+    written (the next one's ``seq``), and the ids (of those the episode still holds),
+    sampled ids, turn offsets and tool outcomes they cover: the next delta starts
+    after them."""
+
+    deltas: int = 0
+    ids: int = 0
+    sampled: int = 0
+    offsets: int = 0
+    outcomes: int = 0
+
+
+@dataclass
 class Episode:
     """One episode as it grows: every id after the prompt and what the loss needs."""
 
@@ -93,6 +107,7 @@ class Episode:
     key: tuple[str, int] | None = None  # (group id, index) in the journal (actor/journal.py)
     resumed: bool = False  # taken over from the journal: its written turns kept
     restarted: bool = False  # taken over, begun again from reset (env not resumable)
+    journaled: Journaled = field(default_factory=Journaled)  # what the journal holds of it
 
     def add_turn(self, out: Completion, n: int) -> None:
         self.offsets.append(len(self.ids))
@@ -112,7 +127,15 @@ class Episode:
         """Take back the last observation (no turn followed it: an episode ends sampled)."""
         if self.observed and self.mask[-1] == 0:
             del self.ids[-self.observed :], self.mask[-self.observed :]
+            # a written observation: the next delta keeps the ids before it
+            self.journaled.ids = min(self.journaled.ids, len(self.ids))
         self.observed = 0
+
+    def mark_journaled(self, deltas: int) -> None:
+        """The journal holds ``deltas`` deltas of this episode, covering all of it."""
+        self.journaled = Journaled(
+            deltas, len(self.ids), len(self.logprobs), len(self.offsets), len(self.outcomes)
+        )
 
     def to_sample(self, index: int) -> Sample:
         mask_ids, mask_counts = pack_mask(self.kept)
@@ -255,8 +278,9 @@ class EpisodeRunner:
     def take_over(self) -> OpenGroup | None:
         """A group another actor left in the journal (actor/journal.py), resumed from its
         last written turns: episodes of a resumable environment go on from there
-        (``restore``), the others, and an episode with no turn written, restart from
-        ``reset``; None when there is none (or no journal)."""
+        (``restore``), the others, an episode with no turn written and one whose deltas
+        the journal refused (a gap, a delta that does not fit: logged there), restart
+        from ``reset`` (their deltas deleted); None when there is none (or no journal)."""
         from actor.journal import restore_episode
 
         taken = self.journal.take_over() if self.journal is not None else None
@@ -275,6 +299,8 @@ class EpisodeRunner:
                     self._restore(ep, problem, st.env_state)
                 continue
             ep.restarted = True
+            # its deltas go (refused, or an environment that cannot resume): it writes anew
+            self.journal.forget(opened.group_id, taken.fields.get(k, []))
             try:
                 (again,) = self.openings([problem], [ep], 1)
             except Exception as e:  # the group cannot be published whole: it goes
@@ -304,13 +330,15 @@ class EpisodeRunner:
             ep.done = ep.infra = True
 
     def written(self, ep: Episode) -> None:
-        """Episode ``ep`` finished a turn (or ended): write it to the journal."""
+        """Episode ``ep`` finished a turn (or ended): write what it added since its last
+        write to the journal (a delta: actor/journal.py)."""
         if self.journal is None or ep.key is None:
             return
-        from actor.journal import episode_state, pack_env_state
+        from actor.journal import episode_delta, pack_env_state
 
         gid, k = ep.key
-        self.journal.write(gid, k, episode_state(ep, k, pack_env_state(ep.env)))
+        if self.journal.write(gid, episode_delta(ep, k, pack_env_state(ep.env))):
+            ep.mark_journaled(ep.journaled.deltas + 1)
 
     def run(self, problems: list, group_size: int, should_stop=lambda: False, on_turn=None):
         """G episodes per problem, to their ends; per problem (prompt ids, episodes).

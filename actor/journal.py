@@ -1,6 +1,7 @@
 """Episodes durable in Redis (``task.kind=env``): each finished turn is written as the
-episode goes, and the groups of an actor that died are taken over from their last
-finished turn by another actor, or by itself restarted.
+episode goes, as a delta (what the turn added, never the episode again), and the groups
+of an actor that died are taken over from their last finished turn by another actor, or
+by itself restarted.
 
 ::
 
@@ -9,12 +10,22 @@ finished turn by another actor, or by itself restarted.
     writes  <run>:episodes:claims (its lease on each group it runs, renewed every
             lease/3 seconds by a thread of its own); <run>:episodes:<group id>: field
             ``open`` (EpisodeOpen: the problem, the shared prompt) when the group opens,
-            field ``<k>`` (EpisodeState: episode k's ids, mask, log-probs, versions,
-            offsets, outcomes, reward, tool budget spent and, for a resumable
-            environment, its ``state()``) after each of episode k's finished turns;
-            both deleted once the group is published
+            field ``<k>:<n>`` (EpisodeDelta, pipeline/messages.py) at episode k's n-th
+            write, one per finished turn (and one when an episode ends without a turn):
+            the ids the turn added (its sampled ids, then the boundary and observation
+            ids that follow them), their mask, the sampled ids' log-probs, versions and
+            sampling masks, the turn's offset and outcome, the reward and tool budget
+            spent as of that turn and, for a resumable environment, its ``state()``
+            (written whole each time: it is the environment's own, its size the
+            environment's business); all of it deleted once the group is published
     blocks  on nothing but the Redis calls (Lua scripts: atomic, and under the actor's
             ACL, deploy/redis/users.acl)
+
+So an episode of T equal turns writes T deltas of one turn's size each: O(T) bytes, not
+the O(T^2) of writing its whole state after every turn (tests/test_episode_durable.py
+measures it). An observation taken back after it was written (a turn that sampled
+nothing ends the episode on its last sampled id) is not rewritten either: the next
+delta's ``start`` says how many of the ids written before it the episode keeps.
 
 The claim is the actors' claim pattern (actor/room.py's sync claims: ``owner expires``
 in a hash, checked in Lua): a group is owned by ``<actor name>/<incarnation>``; its
@@ -22,10 +33,23 @@ lease is ``task.episode.takeover_s``. An actor asks :meth:`Journal.take_over` be
 it opens a new group: a group whose lease ran out (its actor died, or hangs), or one
 owned by an earlier incarnation of this same actor name (a restarted actor takes its
 own groups back at once), becomes this actor's, and it goes on from the written
-turns: the ids, log-probs and versions already written are kept exactly, so the
-published episode starts with the prefix that was written. A resumable environment is
-rebuilt with ``restore(problem, state)``; any other restarts its episode from
-``reset`` (``episodes_restarted``), as does an episode that had no finished turn.
+turns: each episode is assembled from its deltas ``0..n-1`` in order
+(:func:`assemble`), and the ids, log-probs and versions already written are kept
+exactly, so the published episode starts with the prefix that was written. A resumable
+environment is rebuilt with ``restore(problem, state)``; any other restarts its
+episode from ``reset`` (``episodes_restarted``), as does an episode that had no
+finished turn, and its deltas are deleted (:meth:`Journal.forget`: it writes anew from
+delta 0).
+
+What cannot be taken over is refused with the reason, logged, like any wire message
+(pipeline/messages.py ``BadEntry``): a group whose ``open`` field is missing, does not
+decode or is of another schema (another build's journal), or that holds a field other
+than ``open`` and ``<k>:<n>`` of its episodes, is dropped (its claim and hash deleted);
+an episode whose deltas leave a gap (a delta missing in ``0..n-1``), do not decode, or
+do not fit (lengths that disagree, a delta that takes back sampled ids or starts past
+the ids before it, one after the delta that ended the episode) restarts from ``reset``
+(counted in ``episodes_restarted``) while the group's other episodes resume: the group
+is still published, nothing of it lost.
 
 A write is fenced: it lands only while this incarnation still owns the group (a slow
 actor whose group was taken over writes nothing more and is told so). Publishing is
@@ -36,6 +60,7 @@ old one woke up) is one entry in ``rollouts`` and is counted once.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 import uuid
@@ -46,8 +71,8 @@ import numpy as np
 from pipeline.messages import (
     SCHEMA_VERSION,
     BadEntry,
+    EpisodeDelta,
     EpisodeOpen,
-    EpisodeState,
     decode,
     encode,
     pack_f32,
@@ -71,12 +96,22 @@ redis.call('HSET', KEYS[2], 'open', ARGV[4])
 return 1
 """)
 
-# KEYS: claims, the group's hash. ARGV: group id, owner, expires, field, EpisodeState.
+# KEYS: claims, the group's hash. ARGV: group id, owner, expires, field, EpisodeDelta.
 # 0: this owner no longer holds the group (nothing written)
 _WRITE = Lua("""
 local c = redis.call('HGET', KEYS[1], ARGV[1])
 if not c or string.sub(c, 1, #ARGV[2] + 1) ~= ARGV[2] .. ' ' then return 0 end
 redis.call('HSET', KEYS[2], ARGV[4], ARGV[5])
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ' ' .. ARGV[3])
+return 1
+""")
+
+# KEYS: claims, the group's hash. ARGV: group id, owner, expires, fields... Deletes the
+# fields (an episode's deltas); 0: this owner no longer holds the group (nothing deleted)
+_FORGET = Lua("""
+local c = redis.call('HGET', KEYS[1], ARGV[1])
+if not c or string.sub(c, 1, #ARGV[2] + 1) ~= ARGV[2] .. ' ' then return 0 end
+for i = 4, #ARGV do redis.call('HDEL', KEYS[2], ARGV[i]) end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ' ' .. ARGV[3])
 return 1
 """)
@@ -119,22 +154,61 @@ end
 return false
 """)
 
+_FIELD = re.compile(r"(\d+):(\d+)", re.ASCII)  # <episode>:<write>
 
-def episode_state(ep, index: int, env_state: bytes) -> EpisodeState:
-    """What the journal holds of episode ``ep`` (actor/episodes.py Episode)."""
-    mask_ids, mask_counts = pack_mask(ep.kept)
-    return EpisodeState(
+
+def field_name(index: int, seq: int) -> str:
+    """The group hash's field of episode ``index``'s delta ``seq``."""
+    return f"{index}:{seq}"
+
+
+class EpisodeState(msgspec.Struct, kw_only=True):
+    """Episode ``index`` of a group as its deltas ``0..deltas-1`` assemble it
+    (:func:`assemble`; never written whole): every id after the prompt, its mask, the
+    sampled ids' log-probs, versions and sampling masks, where each turn starts, the
+    tool outcomes so far, and its last delta's counters and environment state."""
+
+    index: int
+    deltas: int  # the deltas it holds (the next write's ``seq``)
+    turns: int
+    ids: bytes  # int32
+    mask: bytes  # uint8 per id
+    logprobs: bytes  # float32 per sampled id
+    versions: bytes  # int32 RLE pairs per sampled id
+    mask_ids: bytes = b""
+    mask_counts: bytes = b""
+    offsets: bytes = b""  # int32
+    outcomes: list[str] = msgspec.field(default_factory=list)
+    reward: float = 0.0
+    done: bool = False
+    finished: bool = False
+    infra: bool = False
+    exact: bool = True
+    observed: int = 0
+    tool_calls: int = 0
+    tool_s: float = 0.0
+    env_state: bytes = b""
+
+
+def episode_delta(ep, index: int, env_state: bytes) -> EpisodeDelta:
+    """What episode ``ep`` (actor/episodes.py Episode) added since its last write
+    (``ep.journaled``): the next delta of episode ``index``."""
+    w = ep.journaled
+    mask_ids, mask_counts = pack_mask(ep.kept[w.sampled :])
+    return EpisodeDelta(
         schema=SCHEMA_VERSION,
         index=index,
+        seq=w.deltas,
         turns=len(ep.offsets),
-        ids=pack_i32(ep.ids),
-        mask=pack_u8(ep.mask),
-        logprobs=pack_f32(ep.logprobs),
-        versions=rle_encode(ep.versions),
+        start=w.ids,
+        ids=pack_i32(ep.ids[w.ids :]),
+        mask=pack_u8(ep.mask[w.ids :]),
+        logprobs=pack_f32(ep.logprobs[w.sampled :]),
+        versions=rle_encode(ep.versions[w.sampled :]),
         mask_ids=mask_ids,
         mask_counts=mask_counts,
-        offsets=pack_i32(ep.offsets),
-        outcomes=list(ep.outcomes),
+        offsets=pack_i32(ep.offsets[w.offsets :]),
+        outcomes=list(ep.outcomes[w.outcomes :]),
         reward=float(ep.reward),
         done=ep.done,
         finished=ep.finished,
@@ -144,6 +218,109 @@ def episode_state(ep, index: int, env_state: bytes) -> EpisodeState:
         tool_calls=ep.tools.calls,
         tool_s=ep.tools.seconds,
         env_state=env_state,
+    )
+
+
+class _Assembly:
+    """An episode as its deltas so far build it (:func:`assemble`)."""
+
+    def __init__(self):
+        self.ids, self.mask, self.logprobs, self.versions = (bytearray() for _ in range(4))
+        self.mask_ids, self.mask_counts = bytearray(), bytearray()
+        self.offsets: list[int] = []
+        self.outcomes: list[str] = []
+        self.sampled = 0
+        self.last: EpisodeDelta | None = None
+
+    def add(self, d: EpisodeDelta) -> None:
+        """Apply delta ``d``; BadEntry (the reason) when it does not fit."""
+        if self.last is not None and self.last.done:
+            raise BadEntry("it follows the delta that ended the episode")
+        held = len(self.mask)
+        if not 0 <= d.start <= held:
+            raise BadEntry(f"it starts after id {d.start}; the deltas before it hold {held}")
+        if 1 in self.mask[d.start :]:
+            raise BadEntry(f"it takes back sampled ids (it keeps {d.start} of {held} ids)")
+        new = bytes(d.mask)
+        n_ids, n_sampled = len(unpack_i32(d.ids)), new.count(1)
+        if n_ids != len(new) or new.count(0) + n_sampled != len(new):
+            raise BadEntry(f"it has {n_ids} ids and {len(new)} mask values (0 or 1 each)")
+        n_logprobs, n_versions = len(unpack_f32(d.logprobs)), rle_decode(d.versions).size
+        if n_logprobs != n_sampled or n_versions != n_sampled:
+            raise BadEntry(
+                f"it has {n_logprobs} log-probs and {n_versions} versions for {n_sampled} "
+                "sampled ids"
+            )
+        if d.mask_ids or d.mask_counts:
+            unpack_mask(d.mask_ids, d.mask_counts, n_sampled)
+        added = unpack_i32(d.offsets).tolist()
+        del self.mask[d.start :], self.ids[4 * d.start :]
+        self.mask += new
+        self.ids += d.ids
+        for o in added:
+            after = not self.offsets or o > self.offsets[-1]
+            if not (d.start <= o < len(self.mask) and self.mask[o] == 1 and after):
+                raise BadEntry(f"its turn offset {o} is not where one of its turns starts")
+            self.offsets.append(o)
+        if len(self.offsets) != d.turns:
+            raise BadEntry(f"it says {d.turns} turns; the deltas hold {len(self.offsets)}")
+        self.logprobs += d.logprobs
+        self.versions += d.versions
+        self.mask_ids += d.mask_ids
+        self.mask_counts += d.mask_counts
+        self.outcomes += d.outcomes
+        self.sampled += n_sampled
+        self.last = d
+
+
+def assemble(index: int, writes: dict[int, bytes]) -> EpisodeState:
+    """Episode ``index`` from its deltas (``seq`` -> the payload as written), applied
+    in order; BadEntry with the reason when they leave a gap, do not decode or do not
+    fit."""
+    seqs = sorted(writes)
+    if not seqs:
+        raise BadEntry(f"episode {index} has no delta")
+    if seqs != list(range(len(seqs))):
+        missing = next(n for n in range(len(seqs)) if n not in writes)
+        raise BadEntry(
+            f"episode {index} has deltas {seqs}: delta {missing} is missing (a gap in its turns)"
+        )
+    a = _Assembly()
+    for n in seqs:
+        try:
+            d = decode(writes[n], EpisodeDelta)
+            if (d.index, d.seq) != (index, n):
+                raise BadEntry(f"it holds episode {d.index}'s delta {d.seq}")
+            a.add(d)
+        except BadEntry as e:
+            raise BadEntry(f"episode {index}'s delta {n}: {e}") from None
+    if a.mask_counts:
+        try:
+            unpack_mask(bytes(a.mask_ids), bytes(a.mask_counts), a.sampled)
+        except BadEntry as e:
+            raise BadEntry(f"episode {index}'s sampling masks: {e}") from None
+    last = a.last
+    return EpisodeState(
+        index=index,
+        deltas=len(seqs),
+        turns=len(a.offsets),
+        ids=bytes(a.ids),
+        mask=bytes(a.mask),
+        logprobs=bytes(a.logprobs),
+        versions=rle_encode(rle_decode(bytes(a.versions))),
+        mask_ids=bytes(a.mask_ids),
+        mask_counts=bytes(a.mask_counts),
+        offsets=pack_i32(a.offsets),
+        outcomes=a.outcomes,
+        reward=last.reward,
+        done=last.done,
+        finished=last.finished,
+        infra=last.infra,
+        exact=last.exact,
+        observed=last.observed,
+        tool_calls=last.tool_calls,
+        tool_s=last.tool_s,
+        env_state=last.env_state,
     )
 
 
@@ -166,6 +343,7 @@ def restore_episode(ep, st: EpisodeState) -> None:
             f"journal of episode {st.index}: {len(ep.ids)} ids, {len(ep.mask)} mask values, "
             f"{len(ep.logprobs)} log-probs and {len(ep.versions)} versions for {n} sampled ids"
         )
+    ep.mark_journaled(st.deltas)  # its next write is delta ``st.deltas``, after these
 
 
 def pack_env_state(env) -> bytes:
@@ -180,10 +358,45 @@ def unpack_env_state(data: bytes):
 
 
 class Taken(msgspec.Struct):
-    """A group taken over: how it was opened, and episode k's last written state."""
+    """A group taken over: how it was opened, each episode assembled from its deltas,
+    the episodes whose deltas were refused (index -> the reason: they restart), and the
+    fields each episode's deltas are in (those of an episode that restarts are deleted:
+    :meth:`Journal.forget`)."""
 
     opened: EpisodeOpen
     states: dict[int, EpisodeState]
+    refused: dict[int, str] = msgspec.field(default_factory=dict)
+    fields: dict[int, list[str]] = msgspec.field(default_factory=dict)
+
+
+def read_group(fields: dict) -> Taken:
+    """A group's hash as HGETALL gives it: its opening and its episodes, each assembled
+    from its deltas or refused with the reason. BadEntry when the group itself cannot
+    be read: no ``open`` field, one that does not decode or is of another schema, or a
+    field other than ``<k>:<n>`` of one of its episodes."""
+    fields = {k.decode() if isinstance(k, bytes) else k: v for k, v in fields.items()}
+    if "open" not in fields:
+        raise BadEntry("no 'open' field (the group's opening was never written)")
+    opened = decode(fields.pop("open"), EpisodeOpen)
+    writes: dict[int, dict[int, bytes]] = {}
+    names: dict[int, list[str]] = {}
+    for name, data in sorted(fields.items()):
+        m = _FIELD.fullmatch(name)
+        if m is None or int(m[1]) >= opened.group_size:
+            raise BadEntry(
+                f"field {name!r} is not <episode>:<delta> of one of its {opened.group_size} "
+                "episodes"
+            )
+        k = int(m[1])
+        writes.setdefault(k, {})[int(m[2])] = data
+        names.setdefault(k, []).append(name)
+    states, refused = {}, {}
+    for k in sorted(writes):
+        try:
+            states[k] = assemble(k, writes[k])
+        except BadEntry as e:
+            refused[k] = str(e)
+    return Taken(opened, states, refused, names)
 
 
 class Journal:
@@ -220,11 +433,23 @@ class Journal:
         args = [group_id, self.owner, self._expires(), encode(opened)]
         _OPEN(self.client, [self.claims, self.key(group_id)], args)
 
-    def write(self, group_id: str, index: int, state: EpisodeState) -> bool:
-        """Write episode ``index``'s state; False (and nothing written) when another
-        actor took the group over."""
-        args = [group_id, self.owner, self._expires(), str(index), encode(state)]
+    def write(self, group_id: str, delta: EpisodeDelta) -> bool:
+        """Write episode ``delta.index``'s delta ``delta.seq`` (field ``<k>:<n>``); False
+        (and nothing written) when another actor took the group over."""
+        field = field_name(delta.index, delta.seq)
+        args = [group_id, self.owner, self._expires(), field, encode(delta)]
         if _WRITE(self.client, [self.claims, self.key(group_id)], args):
+            return True
+        self._taken_away([group_id])
+        return False
+
+    def forget(self, group_id: str, fields: list[str]) -> bool:
+        """Delete ``fields`` (the deltas of an episode that restarts: it writes anew
+        from delta 0); False (nothing deleted) when another actor took the group over."""
+        if not fields:
+            return True
+        args = [group_id, self.owner, self._expires(), *fields]
+        if _FORGET(self.client, [self.claims, self.key(group_id)], args):
             return True
         self._taken_away([group_id])
         return False
@@ -244,12 +469,8 @@ class Journal:
             if gid is None:
                 return None
             gid = gid.decode() if isinstance(gid, bytes) else gid
-            fields = self.client.hgetall(self.key(gid))
             try:
-                if b"open" not in fields:
-                    raise BadEntry("no 'open' field (the group's opening was never written)")
-                opened = decode(fields.pop(b"open"), EpisodeOpen)
-                states = {int(k): decode(v, EpisodeState) for k, v in fields.items()}
+                taken = read_group(self.client.hgetall(self.key(gid)))
             except (BadEntry, ValueError) as e:
                 # nothing to go on from: the claim and whatever is left go, logged
                 log.error("episode group %s cannot be taken over: %s; dropped", gid, e)
@@ -257,13 +478,21 @@ class Journal:
                 continue
             with self._lock:
                 self.held.add(gid)
+            for k, why in sorted(taken.refused.items()):
+                log.error(
+                    "episode group %s: episode %d cannot be resumed: %s; it restarts from reset",
+                    gid,
+                    k,
+                    why,
+                )
             log.warning(
-                "taking over episode group %s (opened by %s; %d episodes written)",
+                "taking over episode group %s (opened by %s; %d episodes written, %d refused)",
                 gid,
-                opened.actor,
-                len(states),
+                taken.opened.actor,
+                len(taken.states),
+                len(taken.refused),
             )
-            return Taken(opened, states)
+            return taken
 
     def close(self) -> None:
         self._stop.set()

@@ -50,7 +50,9 @@ from pipeline.tasks import Problem
 # 2: a Sample is an episode (loss_mask, turn_offsets, tool outcomes)
 # 3: Keep Routing (Sample.routes / routes_exact, RolloutGroup and TrainBatch route_layout,
 #    RolloutGroup.prompt_routes)
-SCHEMA_VERSION = 3
+# 4: the episode journal holds per-write deltas (EpisodeDelta, field <k>:<n>), not each
+#    episode's whole state (EpisodeState, field <k>)
+SCHEMA_VERSION = 4
 MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
 
 
@@ -594,12 +596,15 @@ class TrainBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 # ---------------------------------------------------------------- actor -> actor
 # The episode journal (task.kind=env; actor/journal.py): not a stream entry but one
 # Redis hash per open group of episodes, <run>:episodes:<group id>, field ``open`` an
-# EpisodeOpen, field ``<k>`` the EpisodeState of episode k after its last finished
-# turn, rewritten after each turn. Written by the actor that owns the group (its
+# EpisodeOpen, field ``<k>:<n>`` the EpisodeDelta that episode k's n-th write added
+# (one per finished turn: what the turn added, never the whole episode again, so an
+# episode of T turns writes O(T) bytes). Written by the actor that owns the group (its
 # lease in <run>:episodes:claims), read by the actor that takes the group over when
-# that one died (actor/journal.py), deleted once the group is published. Not a wire
-# message between pools of different roles: it carries SCHEMA_VERSION like the others
-# and a journal of another schema is refused (its group restarts, counted).
+# that one died (actor/journal.py assembles each episode from its deltas 0..n-1, in
+# order), deleted once the group is published. Not a wire message between pools of
+# different roles: it carries SCHEMA_VERSION like the others; a group whose ``open``
+# is of another schema is refused (dropped, logged), an episode whose deltas do not
+# decode, leave a gap or do not fit restarts from ``reset`` (logged, counted).
 
 
 class EpisodeOpen(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -613,23 +618,30 @@ class EpisodeOpen(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     group_size: int
 
 
-class EpisodeState(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Episode ``index`` of a group after its last finished turn (actor/episodes.py
-    Episode): every id after the prompt, its mask, the sampled ids' log-probs, versions
-    and sampling masks, where each turn starts, the tool outcomes so far, and the
-    environment's state when it declares itself ``resumable`` (empty otherwise)."""
+class EpisodeDelta(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What write ``seq`` of episode ``index`` added (actor/episodes.py Episode; one
+    write per finished turn, and one more when an episode ends without a turn): the
+    ids after the first ``start`` of those the earlier deltas hold (``start`` is below
+    their count only when an observation, mask 0, was taken back), their mask, the
+    log-probs, versions and sampling masks of the sampled ones among them, the turn
+    offsets and tool outcomes added; then the episode's counters as of this write
+    (reward, flags, tool budget spent), and the environment's ``state()`` when it
+    declares itself ``resumable`` (empty otherwise): the environment's own, written
+    whole each time (its size is the environment's business, not the episode's)."""
 
     schema: int
-    index: int
-    turns: int  # turns taken (the next one's index)
-    ids: bytes  # int32
-    mask: bytes  # uint8 per id
-    logprobs: bytes  # float32 per sampled id
-    versions: bytes  # int32 RLE pairs per sampled id
+    index: int  # the episode in its group
+    seq: int  # this write's place in the episode's writes (0, 1, ...): field <index>:<seq>
+    turns: int  # turns taken once applied (the offsets the deltas 0..seq hold)
+    start: int = 0  # ids of the earlier deltas kept; ``ids`` follow them
+    ids: bytes = b""  # int32
+    mask: bytes = b""  # uint8 per id of ``ids``
+    logprobs: bytes = b""  # float32 per sampled id of ``ids``
+    versions: bytes = b""  # int32 RLE pairs per sampled id of ``ids``
     mask_ids: bytes = b""
     mask_counts: bytes = b""
-    offsets: bytes = b""  # int32
-    outcomes: list[str] = msgspec.field(default_factory=list)
+    offsets: bytes = b""  # int32: the turn offsets added (where a turn's sampled ids start)
+    outcomes: list[str] = msgspec.field(default_factory=list)  # the tool outcomes added
     reward: float = 0.0
     done: bool = False
     finished: bool = False
@@ -696,7 +708,7 @@ class StatsEvent(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {
     cls: msgspec.msgpack.Decoder(cls)
-    for cls in (RolloutGroup, TrainBatch, WeightAnnouncement, StatsEvent, EpisodeOpen, EpisodeState)
+    for cls in (RolloutGroup, TrainBatch, WeightAnnouncement, StatsEvent, EpisodeOpen, EpisodeDelta)
 }
 
 

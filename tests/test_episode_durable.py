@@ -10,20 +10,37 @@ and an environment that raises ends its episode as an infra failure, never the a
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 
+import msgspec
 import numpy as np
 import pytest
 
 from actor.engines.hf import HFEngine
 from actor.episodes import EpisodeRunner, episode_counts, publish_episodes
-from actor.journal import Journal
+from actor.journal import EpisodeState, Journal, episode_delta, read_group
 from pipeline.accounting import account, in_flight, problems
-from pipeline.messages import EpisodeState, RolloutGroup, decode, rle_decode, unpack_f32
+from pipeline.messages import (
+    SCHEMA_VERSION,
+    BadEntry,
+    EpisodeDelta,
+    EpisodeOpen,
+    RolloutGroup,
+    decode,
+    encode,
+    pack_f32,
+    pack_i32,
+    pack_u8,
+    rle_decode,
+    rle_encode,
+    unpack_f32,
+    unpack_i32,
+)
 from pipeline.models import load_model
 from pipeline.streams import Names
 from pipeline.telemetry import Window, read_jsonl
@@ -35,13 +52,12 @@ NAMES = Names("nonstop", "tiny")  # +exp=tiny's run
 
 
 def _journal(client, names: Names) -> dict[str, dict[int, EpisodeState]]:
-    """Every open group in the journal: group id -> episode index -> written state."""
+    """Every open group in the journal: group id -> episode index -> its state as the
+    journal's deltas assemble it (actor/journal.py read_group, as a take-over reads it)."""
     out = {}
     for gid in client.hgetall(names.episode_claims):
         fields = client.hgetall(names.episode(gid.decode()))
-        out[gid.decode()] = {
-            int(k): decode(v, EpisodeState) for k, v in fields.items() if k != b"open"
-        }
+        out[gid.decode()] = read_group(fields).states if fields else {}
     return out
 
 
@@ -253,8 +269,13 @@ def test_a_group_is_taken_over_only_after_its_lease_ran_out_and_the_old_owner_is
     grp = other.take_over()
     assert grp is not None and all(ep.resumed for ep in grp.episodes)
     ep = first.journal  # actor-0 wakes up: its writes no longer land
-    state = _journal(rclient, Names("test", "journal"))[grp.group_id][0]
-    assert not ep.write(grp.group_id, 0, state) and grp.group_id in ep.lost
+    key = Names("test", "journal").episode(grp.group_id)
+    before = rclient.hgetall(key)
+    assert not ep.write(grp.group_id, episode_delta(grp.episodes[0], 0, b"")) and (
+        grp.group_id in ep.lost
+    )
+    assert not ep.forget(grp.group_id, [b.decode() for b in before if b != b"open"])
+    assert rclient.hgetall(key) == before
     other.close()
     first.close()
 
@@ -340,6 +361,228 @@ def test_a_journal_of_another_schema_is_refused_with_the_reason(rclient, caplog)
     assert not rclient.exists(names.episode("actor-9:old"))
 
 
+def _turn_delta(k: int, seq: int, **change) -> EpisodeDelta:
+    """Episode ``k``'s delta ``seq`` of equal turns: 2 sampled ids (at version ``seq``),
+    then 3 observation ids; ``change``: fields replaced."""
+    start = 5 * seq
+    fields = dict(
+        schema=SCHEMA_VERSION,
+        index=k,
+        seq=seq,
+        turns=seq + 1,
+        start=start,
+        ids=pack_i32([70 + seq, 71 + seq, 1, 2, 3]),
+        mask=pack_u8([1, 1, 0, 0, 0]),
+        logprobs=pack_f32([-0.5, -0.25]),
+        versions=rle_encode([seq, seq]),
+        offsets=pack_i32([start]),
+        outcomes=["ok"],
+        tool_calls=seq + 1,
+    )
+    return EpisodeDelta(**{**fields, **change})
+
+
+def _group_fields(turns: int, **change) -> dict[bytes, bytes]:
+    """A group of 2 episodes as HGETALL gives it, ``turns`` deltas each; ``change``:
+    "<k>:<n>" -> the fields replaced in that delta (None: the delta deleted)."""
+    from pipeline.tasks import Problem
+
+    opened = EpisodeOpen(
+        schema=SCHEMA_VERSION,
+        group_id="actor-0:g",
+        actor="actor-0",
+        problem=Problem(id="p", question="q", answer="1"),
+        prompt_ids=pack_i32([1, 2]),
+        group_size=2,
+    )
+    fields = {b"open": encode(opened)}
+    for k in range(2):
+        for n in range(turns):
+            what = change.get(f"{k}:{n}", {})
+            if what is not None:
+                fields[f"{k}:{n}".encode()] = encode(_turn_delta(k, n, **what))
+    return fields
+
+
+def test_the_journal_assembles_an_episode_from_its_deltas_in_order():
+    taken = read_group(_group_fields(3))
+    assert taken.refused == {} and taken.fields == {
+        0: ["0:0", "0:1", "0:2"],
+        1: ["1:0", "1:1", "1:2"],
+    }
+    st = taken.states[1]
+    assert (st.index, st.deltas, st.turns, st.tool_calls, st.outcomes) == (1, 3, 3, 3, ["ok"] * 3)
+    assert unpack_i32(st.ids).tolist() == [70, 71, 1, 2, 3, 71, 72, 1, 2, 3, 72, 73, 1, 2, 3]
+    assert np.frombuffer(st.mask, np.uint8).tolist() == [1, 1, 0, 0, 0] * 3
+    assert unpack_f32(st.logprobs).tolist() == [-0.5, -0.25] * 3
+    assert rle_decode(st.versions).tolist() == [0, 0, 1, 1, 2, 2]
+    assert unpack_i32(st.offsets).tolist() == [0, 5, 10]
+    # an observation taken back (a last turn that sampled nothing): the next delta keeps
+    # the ids before it and ends the episode
+    end = dict(start=12, ids=b"", mask=b"", logprobs=b"", versions=b"", offsets=b"", turns=3)
+    fields = _group_fields(4, **{"0:3": {**end, "outcomes": [], "done": True}})
+    st = read_group(fields).states[0]
+    assert st.done and st.deltas == 4 and len(st.mask) == 12 and st.turns == 3
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"0:1": None}, "episode 0 has deltas [0, 2]: delta 1 is missing (a gap in its turns)"),
+        ({"0:1": {"schema": 3}}, "episode 0's delta 1: schema version 3, this build reads"),
+        ({"0:1": {"extra": 1}}, "episode 0's delta 1: not a valid EpisodeDelta"),
+        ({"0:1": {"index": 1}}, "episode 0's delta 1: it holds episode 1's delta 1"),
+        ({"0:1": {"start": 7}}, "delta 1: it starts after id 7; the deltas before it hold 5"),
+        ({"0:1": {"start": 1}}, "delta 1: it takes back sampled ids (it keeps 1 of 5 ids)"),
+        ({"0:1": {"mask": pack_u8([1, 1, 0, 0])}}, "delta 1: it has 5 ids and 4 mask values"),
+        (
+            {"0:1": {"logprobs": pack_f32([-0.5])}},
+            "delta 1: it has 1 log-probs and 2 versions for 2 sampled ids",
+        ),
+        ({"0:1": {"turns": 5}}, "delta 1: it says 5 turns; the deltas hold 2"),
+        ({"0:1": {"offsets": pack_i32([7])}}, "delta 1: its turn offset 7 is not where"),
+        ({"0:0": {"done": True}}, "delta 1: it follows the delta that ended the episode"),
+    ],
+)
+def test_an_episode_whose_deltas_leave_a_gap_or_do_not_fit_is_refused_with_the_reason(
+    change, reason
+):
+    """The episode is refused (it will restart), the group's other episode assembles."""
+    if "extra" in (change.get("0:1") or {}):  # a field this build does not know
+        fields = _group_fields(3)
+        raw = msgspec.msgpack.decode(fields[b"0:1"])
+        fields[b"0:1"] = msgspec.msgpack.encode({**raw, "extra": 1})
+    else:
+        fields = _group_fields(3, **change)
+    taken = read_group(fields)
+    assert sorted(taken.states) == [1] and sorted(taken.refused) == [0]
+    assert reason in taken.refused[0], taken.refused[0]
+    assert taken.fields[0] == [f.decode() for f in sorted(fields) if f.startswith(b"0:")]
+
+
+@pytest.mark.parametrize(
+    ("field", "reason"),
+    [
+        (b"2:0", "field '2:0' is not <episode>:<delta> of one of its 2 episodes"),
+        (b"0", "field '0' is not <episode>:<delta>"),  # an older build's whole state
+    ],
+)
+def test_a_group_with_a_field_of_no_episode_of_it_is_refused_with_the_reason(field, reason):
+    fields = _group_fields(1)
+    fields[field] = fields[b"0:0"]
+    with pytest.raises(BadEntry, match=re.escape(reason)):
+        read_group(fields)
+
+
+def _scripted_runner(rclient, names: Names, turns: int, group_size: int, script):
+    from tests.episode_builders import ScriptedEngine, smollm2_tokenizer
+
+    cfg = env_config("tests.episode_builders:DurableEnv", max_turns=turns, max_tokens=4096)
+    cfg.task.env_args = {"turns": turns}
+    cfg.task.group_size = group_size
+    cfg.task.episode.max_tool_calls = turns
+    runner = EpisodeRunner(cfg, ScriptedEngine(script), smollm2_tokenizer(), DurableEnv, seed=0)
+    runner.journal = Journal(rclient, names, "actor-0", 30.0)
+    return runner
+
+
+def test_an_episode_writes_what_each_turn_added_not_its_whole_state_again(rclient):
+    """20 equal turns of one episode through the journal (scripted engine, DurableEnv):
+    turn t's write is the size of turn 1's, whatever t (the episode writes O(T) bytes,
+    not the O(T^2) of rewriting its whole state each turn); each lands as field 0:t, and
+    the deltas assemble to the episode exactly."""
+    names, turns = Names("test", "linear"), 20
+    runner = _scripted_runner(rclient, names, turns, 1, [[72, 73, 74, 75]])
+    sizes: list[int] = []
+    write = runner.journal.write
+
+    def measured(group_id, *args):  # the payload each turn writes, as sent
+        sizes.append(len(encode(args[-1])))
+        return write(group_id, *args)
+
+    runner.journal.write = measured
+    grp = runner.open_group(runner.tasks.sample(), 1, "actor-0:long")
+    key = names.episode("actor-0:long")
+    assert runner.drive([grp]) == [grp]
+    runner.close()
+    (ep,) = grp.episodes
+    assert len(ep.offsets) == turns and len(sizes) == turns
+    # equal turns (4 sampled ids, the same observation) write equal deltas: a few bytes
+    # apart at most (msgpack's integers grow from 1 to 3 bytes past 127)
+    assert max(sizes[:-1]) - min(sizes[:-1]) <= 8, sizes
+    assert sizes[turns - 2] <= sizes[1] + 8 and sum(sizes) <= turns * (sizes[0] + 8), sizes
+    landed = [rclient.hstrlen(key, f"0:{t}") for t in range(turns)]
+    assert landed == sizes
+    st = read_group(rclient.hgetall(key)).states[0]
+    assert st.deltas == turns and unpack_i32(st.ids).tolist() == ep.ids
+    assert np.frombuffer(st.mask, np.uint8).tolist() == ep.mask
+    assert unpack_f32(st.logprobs).tolist() == ep.logprobs
+    assert rle_decode(st.versions).tolist() == ep.versions
+    assert unpack_i32(st.offsets).tolist() == ep.offsets and st.done
+
+
+def test_a_missing_middle_turn_is_refused_with_the_reason_and_its_episode_restarts(
+    rclient, tmp_path, caplog
+):
+    """Turns 0-2 of a group of 3 episodes written, the actor stopped; episode 0's delta
+    1 deleted (a gap), episode 1's delta 2 made not to fit. The actor restarted refuses
+    both with the reason (logged), restarts them from reset (their deltas deleted,
+    counted in ``episodes_restarted``), resumes episode 2 from its deltas and publishes
+    the group whole: nothing lost, by the account."""
+    from actor.episodes import opened_as, publish_open_group
+
+    names, metrics = Names("test", "gap"), str(tmp_path / "metrics.jsonl")
+    pool = actor_pool(env_config(), rclient, names, metrics)
+    first = _scripted_runner(rclient, names, 5, 3, [[72, 73, 74]])
+    grp = first.open_group(first.tasks.sample(), 3, "actor-0:gap")
+    opened_as(pool, grp)
+
+    def in_turn_3() -> bool:
+        return all(len(ep.offsets) >= 3 for ep in grp.episodes)
+
+    assert first.drive([grp], should_stop=in_turn_3) is None
+    first.close()
+    key = names.episode("actor-0:gap")
+    written = read_group(rclient.hgetall(key)).states
+    assert [st.deltas for st in written.values()] == [3, 3, 3]
+    rclient.hdel(key, "0:1")  # a missing middle turn
+    bad = decode(rclient.hget(key, "1:2"), EpisodeDelta)
+    rclient.hset(key, "1:2", encode(msgspec.structs.replace(bad, logprobs=bad.logprobs[:-4])))
+    again = _scripted_runner(rclient, names, 5, 3, [[72, 73, 74]])
+    with caplog.at_level("ERROR", logger="actor"):
+        taken = again.take_over()
+    assert taken is not None and taken.group_id == "actor-0:gap"
+    assert (
+        "episode group actor-0:gap: episode 0 cannot be resumed: episode 0 has deltas [0, 2]: "
+        "delta 1 is missing (a gap in its turns); it restarts from reset"
+    ) in caplog.text
+    assert (
+        "episode 1 cannot be resumed: episode 1's delta 2: it has 2 log-probs and 3 versions "
+        "for 3 sampled ids" in caplog.text
+    )
+    assert [(ep.restarted, ep.resumed) for ep in taken.episodes] == [
+        (True, False),
+        (True, False),
+        (False, True),
+    ]
+    assert sorted(rclient.hgetall(key)) == [b"2:0", b"2:1", b"2:2", b"open"]  # refused: gone
+    opened_as(pool, taken)
+    assert again.drive([taken]) == [taken]
+    publish_open_group(pool, again, taken, Window(10))
+    again.close()
+    (group,) = _published(rclient, names)
+    group.check()
+    assert group.group_id == "actor-0:gap" and [s.turns() for s in group.samples] == [5, 5, 5]
+    _prefix_kept(written[2], group.samples[2])
+    status = pool.status.key
+    assert int(rclient.hget(status, "episodes_restarted")) == 2
+    assert int(rclient.hget(status, "episodes_resumed")) == 1
+    terms = account(read_jsonl(metrics), in_flight(rclient, names), [], 3)
+    assert terms["episode_groups_lost"] == 0 and terms["episode_groups_published"] == 1, terms
+    assert terms["episode_groups_taken_over"] == 1 and terms["episodes_restarted"] == 2
+    assert rclient.hgetall(names.episode_claims) == {} and not rclient.exists(key)
+
+
 def test_the_streaming_loop_writes_turns_and_takes_over_a_stopped_actors_groups(rclient, tmp_path):
     """actor/episode_stream.py (the vllm loop's code, on the scripted streaming engine):
     stopped while groups are open (their first turns written, tools slow), its groups
@@ -420,8 +663,7 @@ def test_an_environment_whose_restore_raises_ends_the_taken_over_episodes_as_inf
 
 def test_the_journal_runs_as_the_shipped_acls_actor_user(tmp_path):
     """deploy/redis/users.acl's actor user may run every journal script (open, write,
-    renew, take over, done); its operator reads the open groups for the account."""
-    from pipeline.messages import SCHEMA_VERSION
+    renew, take over, forget, done); its operator reads the open groups for the account."""
     from pipeline.streams import connect
     from pipeline.tasks import Problem
     from tests.redis_builders import acl_server
@@ -432,10 +674,9 @@ def test_the_journal_runs_as_the_shipped_acls_actor_user(tmp_path):
         actor = connect(urls["actor"])
         first = Journal(actor, names, "actor-0", 0.3)
         first.open("actor-0:g", Problem(id="p", question="q", answer="1"), [1, 2], 2)
-        state = EpisodeState(
-            schema=SCHEMA_VERSION, index=0, turns=1, ids=b"", mask=b"", logprobs=b"", versions=b""
+        assert first.write("actor-0:g", _turn_delta(0, 0)) and first.write(
+            "actor-0:g", _turn_delta(1, 0)
         )
-        assert first.write("actor-0:g", 0, state)
         time.sleep(0.3)  # a renewal round
         assert in_flight(connect(urls["operator"]), names)["episode_groups"] == ["actor-0:g"]
         first.close()
@@ -443,7 +684,9 @@ def test_the_journal_runs_as_the_shipped_acls_actor_user(tmp_path):
         other = Journal(actor, names, "actor-1", 30.0)
         taken = other.take_over()
         assert taken is not None and taken.opened.group_id == "actor-0:g"
-        assert taken.states[0].turns == 1
+        assert taken.states[0].turns == 1 and taken.fields == {0: ["0:0"], 1: ["1:0"]}
+        assert other.forget("actor-0:g", taken.fields[1])  # episode 1 restarts
+        assert sorted(actor.hgetall(names.episode("actor-0:g"))) == [b"0:0", b"open"]
         other.done("actor-0:g")
         other.close()
         assert actor.hgetall(names.episode_claims) == {}

@@ -24,7 +24,14 @@ from redis.exceptions import RedisClusterException
 
 from actor.journal import Journal
 from pipeline.config import Config, min_replicas_acked, validate
-from pipeline.messages import SCHEMA_VERSION, EpisodeState
+from pipeline.messages import (
+    SCHEMA_VERSION,
+    EpisodeDelta,
+    pack_f32,
+    pack_i32,
+    pack_u8,
+    rle_encode,
+)
 from pipeline.redis_cluster import LocalCluster, bus_port
 from pipeline.redis_server import EmbeddedRedis, free_port
 from pipeline.streams import (
@@ -177,7 +184,7 @@ def test_every_script_runs_in_one_slot(cluster, cclient, monkeypatch):
     script is run, and the cluster stores what they wrote. A script given keys of two
     slots is refused: the check can fail."""
     scripts = _every_script()
-    assert len(scripts) == 11, scripts
+    assert len(scripts) == 12, scripts
     calls: dict[str, list[list[str]]] = {name: [] for name in scripts}
     original = Lua.__call__
 
@@ -217,20 +224,32 @@ def test_every_script_runs_in_one_slot(cluster, cclient, monkeypatch):
     cclient.hset(NAMES.rendezvous, "old", "x")
     set_rendezvous(cclient, NAMES, {"epoch": "e", "port": 1})
     assert cclient.hgetall(NAMES.rendezvous) == {b"epoch": b"e", b"port": b"1"}
-    # the episode journal (actor/journal.py): a group opened, a turn written, the lease
-    # renewed, the group taken over by another actor once it ran out, then done
+    # the episode journal (actor/journal.py): a group opened, a turn of each episode
+    # written (a delta each), the lease renewed, the group taken over by another actor
+    # once it ran out, one episode's deltas forgotten (it restarts), then done
     first = Journal(cclient, NAMES, "actor-0", 0.3)
     first.open("actor-0:g", Problem(id="p", question="q", answer="1"), [1, 2], 2)
-    state = EpisodeState(
-        schema=SCHEMA_VERSION, index=0, turns=1, ids=b"", mask=b"", logprobs=b"", versions=b""
-    )
-    assert first.write("actor-0:g", 0, state)
+    for k in range(2):  # one turn of each episode: 2 sampled ids, 1 observation id
+        delta = EpisodeDelta(
+            schema=SCHEMA_VERSION,
+            index=k,
+            seq=0,
+            turns=1,
+            ids=pack_i32([5, 6, 7]),
+            mask=pack_u8([1, 1, 0]),
+            logprobs=pack_f32([-0.5, -0.5]),
+            versions=rle_encode([0, 0]),
+            offsets=pack_i32([0]),
+        )
+        assert first.write("actor-0:g", delta)
     assert wait_until(lambda: calls["actor.journal._RENEW"], 5)  # a renewal round
     first.close()
     time.sleep(0.4)  # its lease runs out
     other = Journal(cclient, NAMES, "actor-1", 30.0)
     taken = other.take_over()
-    assert taken is not None and taken.states[0].turns == 1
+    assert taken is not None and taken.states[0].turns == 1 and taken.refused == {}
+    assert other.forget("actor-0:g", taken.fields[1])  # episode 1 restarts: its deltas go
+    assert sorted(cclient.hgetall(NAMES.episode("actor-0:g"))) == [b"0:0", b"open"]
     other.done("actor-0:g")
     other.close()
     assert cclient.hgetall(NAMES.episode_claims) == {}

@@ -12,12 +12,13 @@ One instance per episode (``task.kind=env task.env=module:Class``, settings in
     await env.close()
 
 Resumable environments (``resumable = True``) let an episode outlive its actor: after
-each finished turn the actor writes the episode and ``env.state()`` (plain data) to
-Redis (actor/journal.py); an actor that takes the episode over builds a new instance
-and calls ``await env.restore(problem, state)`` instead of ``reset``, then goes on
-with the next turn. A class that says ``resumable = True`` must define both (load_env
-refuses it otherwise). An environment that is not resumable restarts the episode
-from ``reset`` when it is taken over (counted: ``episodes_restarted``).
+each finished turn the actor writes what the turn added and ``env.state()`` (plain
+data, whole each time) to Redis (actor/journal.py); an actor that takes the episode
+over builds a new instance and calls ``await env.restore(problem, state)`` instead of
+``reset``, then goes on with the next turn. A class that says ``resumable = True``
+must define both (load_env refuses it otherwise). An environment that is not
+resumable restarts the episode from ``reset`` when it is taken over (counted:
+``episodes_restarted``).
 
 ``step`` is gym's ``step(action)`` with the action being the model's turn: the
 environment parses its tool calls from the turn's text (read only: the actor keeps
