@@ -401,8 +401,9 @@ def test_the_worker_measures_the_added_gap_around_a_swap(vllm_engine):
 
 @pytest.fixture(scope="module")
 def compiled_engine(vllm_engine):
-    """A second engine, with torch.compile (``enforce_eager=false``, the actor's default:
-    the CPU build traces the model once and compiles it AOT). Closed after its test."""
+    """A second engine, with torch.compile (``enforce_eager=false``; the actor's ``auto``
+    compiles for a long run: pipeline/config/actor.py ``eager_for``). Closed after its
+    test."""
     from tests.vllm_real import start_engine
 
     eng = start_engine(vllm_engine.model_dir, enforce_eager=False)

@@ -81,7 +81,7 @@ def resolve_engine(cfg: Any) -> str | None:
 # Generated tokens after which a compiled engine on the CPU build has paid for its longer
 # start (extra start / generation time saved per token), measured with SmolLM2-135M by
 # ``python -m pipeline.bench vllm_start``: bench/results/vllm-start-cpu-2026-11-28.json
-CPU_COMPILE_BREAK_EVEN = 100_000
+CPU_COMPILE_BREAK_EVEN = 11_500
 EAGER_SOURCE = "bench/results/vllm-start-cpu-2026-11-28.json"
 
 
