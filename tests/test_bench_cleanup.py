@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.launching import run_leftovers
+from tests.launching import marked_processes, run_leftovers
 
 pytestmark = pytest.mark.slow
 
 
-def bench(args: list[str], tmp_path: Path, **kw) -> subprocess.Popen:
-    env = dict(os.environ, TMPDIR=str(tmp_path), HF_HUB_OFFLINE="1")
+def bench(args: list[str], tmp_path: Path, env: dict | None = None, **kw) -> subprocess.Popen:
+    env = env or dict(os.environ, TMPDIR=str(tmp_path), HF_HUB_OFFLINE="1")
     return subprocess.Popen(
         [sys.executable, "-m", "pipeline.bench", *args],
         env=env,
@@ -108,3 +108,26 @@ def test_sigterm_to_the_async_bench_stops_its_run(tmp_path):
 
     wait_for(run_started, 240, proc)
     sigterm_stops_everything(proc, found[0])
+
+
+def test_sigterm_to_the_vllm_start_bench_stops_its_engine(tmp_path):
+    """SIGTERM while a fresh engine process starts: the bench, that process and the vLLM
+    processes it started are all gone, and no result file is written."""
+    pytest.importorskip("vllm")
+    mark = f"vllm-start-{os.getpid()}-{time.monotonic_ns()}"
+    env = dict(os.environ, NONSTOP_TEST_MARK=mark)
+    proc = bench(
+        ["vllm_start", "--repeats", "1", "--modes", "eager", "--model", "tiny",
+         "--out", str(tmp_path / "out.json")],
+        tmp_path, env=env | {"TMPDIR": str(tmp_path), "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    engine = lambda: [p for p in marked_processes("NONSTOP_TEST_MARK", mark) if p != proc.pid]  # noqa: E731
+    wait_for(lambda: len(engine()) >= 2, 240, proc)  # the child and vLLM's engine core
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, out
+    deadline = time.monotonic() + 30
+    while engine() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert engine() == [], f"processes of the bench outlived it:\n{out}"
+    assert not (tmp_path / "out.json").exists()

@@ -163,3 +163,36 @@ def test_scale_ceiling_run_on_real_servers(tmp_path):
     )
     md = out.with_suffix(".md").read_text()
     assert "## Ceilings" in md and "sentinel/single" in md
+
+
+def test_vllm_start_break_even_and_what_the_compile_cache_did():
+    """The vllm_start bench's verdict: the extra start over the time saved per token
+    (a compiled engine 10 s slower to start and 100 against 80 tokens/s pays back after
+    10 / (1/80 - 1/100) = 4,000 tokens; one no faster never does), and vLLM's log lines
+    about its compile cache read back as what happened."""
+    from pipeline.bench.vllm_start import compile_cache
+    from pipeline.bench.vllm_start import summarize as start_summary
+
+    def run(mode, start, tps):
+        return {"mode": mode, "start_s": start, "tokens": 1000, "gen_s": 1000 / tps,
+                "init_engine_s": None, "compile_cache": "-"}  # fmt: skip
+
+    runs = [run("eager", 20.0, 80.0), run("eager", 22.0, 79.0), run("eager", 21.0, 81.0)]
+    runs += [run("compile", 31.0, 100.0), run("compile", 30.0, 101.0), run("compile", 32.0, 99.0)]
+    rows, verdict = start_summary(runs)
+    assert [r["mode"] for r in rows] == ["eager", "compile"]
+    assert rows[0]["start_s_median"] == 21.0 and rows[1]["tokens_per_s_median"] == 100.0
+    assert verdict["extra_start_s"] == pytest.approx(10.0)
+    assert verdict["break_even_tokens"] == pytest.approx(10.0 / (1 / 80 - 1 / 100))
+    _, never = start_summary([run("eager", 20.0, 80.0), run("compile", 30.0, 80.0)])
+    assert never["break_even_tokens"] is None
+    failed = (
+        "WARNING [decorators.py:333] [backbone] Compiling model again due to a load failure "
+        "from /c/model, reason: 'function' object has no attribute 'finalize_loading'\n"
+        "INFO [decorators.py:743] [backbone] saved AOT compiled function to /c/model\n"
+    )
+    assert compile_cache(failed) == (
+        "load failed: 'function' object has no attribute 'finalize_loading'; saved"
+    )
+    assert compile_cache("INFO Directly load AOT compilation from path /c/model") == "loaded"
+    assert compile_cache("nothing about a cache") == "no AOT cache line"
