@@ -661,6 +661,29 @@ def test_a_redis_task_stops_a_replica_that_refuses_its_first_sigterm(tmp_path):
             proc.wait()
 
 
+def test_a_task_without_a_node_stops_at_once():
+    """A sentinel-only task (redis-ha.sh: the third node runs a sentinel and no server)
+    passes an empty node pid to nonstop_stop_servers: it returns at once. It read
+    /proc//stat (that is /proc/stat, always there) as a running server, waited the whole
+    NONSTOP_REDIS_STOP_S (60 s) and then killed nothing: every sentinel-mode Slurm job
+    took a minute to stop."""
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        started = time.monotonic()
+        stop = f"source {DEPLOY}/slurm/common.sh; nonstop_stop_servers '' {sleeper.pid}"
+        subprocess.run(
+            ["bash", "-c", stop],
+            env=dict(os.environ, NONSTOP_REDIS_STOP_S="20"),
+            timeout=60,
+            check=True,
+        )
+        assert time.monotonic() - started < 5
+        assert sleeper.wait(timeout=5) == -signal.SIGTERM  # the real pid was stopped
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
 def _pings(client) -> bool:
     try:
         return client.ping()

@@ -256,6 +256,9 @@ nonstop_stop_servers() {
   while :; do
     live=
     for pid in "$@"; do  # running: not gone, not a zombie (exited, not yet reaped)
+      # no server of this kind on this task ("": a sentinel-only task's node); an empty
+      # pid read /proc//stat, which is /proc/stat, and kept the stop waiting its 60 s
+      [ -n "$pid" ] || continue
       { read -r stat <"/proc/$pid/stat"; } 2>/dev/null || continue
       stat=${stat##*) }
       [ "${stat%% *}" = Z ] || live="$live $pid"
