@@ -46,20 +46,21 @@ delta 0).
 What cannot be taken over is refused with the reason, logged, like any wire message
 (pipeline/messages.py ``BadEntry``). A group whose ``open`` field is missing, does not
 decode or is of another schema (another build's journal), or that holds a field other
-than ``open`` and ``<k>:<n>`` of its episodes, is dead-lettered (:meth:`Journal.dead_letter`):
-one Lua script, fenced by the taker's claim, copies the hash's raw fields into the run's
-dead-letter stream (an entry like every pool's dead letters: ``source`` the hash's key,
-``role`` actor, ``reason``, ``group``, and ``journal:<field>`` per field, or past 3000
-fields all of them msgpack in ``data``), XADD-once on the group id, then deletes the
-hash and the claim: an actor that dies on the way leaves either all of it in the
-journal (the next taker dead-letters it) or none of it, and a second taker (the first
-stalled past its lease) dead-letters nothing more. The actor records it (an
-``episode_group`` record, action ``dead_lettered``, with the reason; counted in
-``episode_groups_dead_lettered``) and takes the next group; the account
-(pipeline/accounting.py) finds it dead-lettered, not lost, from that record or from the
-dead letter, whichever survived. An episode whose deltas leave a gap (a delta missing in ``0..n-1``), do not decode, or
-do not fit (lengths that disagree, a delta that takes back sampled ids or starts past
-the ids before it, one after the delta that ended the episode) restarts from ``reset``
+than ``open`` and ``<k>:<n>`` of its episodes, is dead-lettered
+(:meth:`Journal.dead_letter`): one Lua script, fenced by the taker's claim, copies the
+hash's raw fields into the run's dead-letter stream (an entry like every pool's dead
+letters: ``source`` the hash's key, ``role`` actor, ``reason``, ``group``, and
+``journal:<field>`` per field, or past 3000 fields all of them msgpack in ``data``),
+XADD-once on the group id, and deletes the hash and the claim. The script is atomic: an
+actor that dies around it leaves either the journal whole (the next taker dead-letters
+it) or the dead letter, never neither; a second taker (the first stalled past its
+lease) dead-letters nothing more. The actor records it (an ``episode_group`` record,
+action ``dead_lettered``, with the reason; counted in ``episode_groups_dead_lettered``)
+and takes the next group; the account (pipeline/accounting.py) finds it dead-lettered,
+not lost, from that record or from the dead letter, whichever survived. An episode
+whose deltas leave a gap (a delta missing in ``0..n-1``), do not decode, or do not fit
+(lengths that disagree, a delta that takes back sampled ids or starts past the ids
+before it, one after the delta that ended the episode) restarts from ``reset``
 (counted in ``episodes_restarted``) while the group's other episodes resume: the group
 is still published, nothing of it lost.
 

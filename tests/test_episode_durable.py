@@ -447,10 +447,10 @@ def test_a_group_refused_whole_at_take_over_is_dead_lettered_and_counted_not_los
     assert account(bare, flight, [], 2)["episode_groups_lost_ids"] == [bad]
 
 
-def test_a_refused_group_two_actors_take_over_is_dead_lettered_once(rclient, monkeypatch):
+def test_a_refused_group_two_actors_take_over_is_dead_lettered_once(rclient, monkeypatch, caplog):
     """Actor A claims a refused group and reads it, then stalls past its lease; actor B
     takes it over and dead-letters it; A, awake, dead-letters nothing (it no longer
-    holds the group). A group of that id found again (its journal written anew) is
+    holds the group: fenced). A group of that id found again (its journal written anew) is
     not dead-lettered a second time (XADD-once on the group id); its journal still goes."""
     import actor.journal as journal_mod
 
@@ -469,8 +469,10 @@ def test_a_refused_group_two_actors_take_over_is_dead_lettered_once(rclient, mon
         return real(fields)
 
     monkeypatch.setattr(journal_mod, "read_group", a_stalls)
-    assert a.take_over() is None
+    with caplog.at_level("WARNING", logger="actor"):
+        assert a.take_over() is None
     monkeypatch.setattr(journal_mod, "read_group", real)
+    assert f"episode group {gid} was taken over by another actor meanwhile" in caplog.text
     assert [who for who, *_ in told] == ["b"] and rclient.xlen(names.dead) == 1
     assert not rclient.exists(names.episode(gid)) and rclient.hgetall(names.episode_claims) == {}
     _refused_journal(rclient, names, gid, "corrupt")  # the same group's journal again
