@@ -549,6 +549,16 @@ def opened_as(pool, grp: OpenGroup) -> None:
         pool.status.incr("episode_groups_taken_over")
 
 
+def dead_lettered_as(pool, group_id: str, reason: str) -> None:
+    """The actor's record of a group it took over and dead-lettered (actor/journal.py
+    ``Journal.dead_letter``: refused whole, its journal in ``<run>:dead``), counted in
+    the status hash (``episode_groups_dead_lettered``, ``dead_lettered``); the account
+    (pipeline/accounting.py) finds it dead-lettered, not lost."""
+    pool.record(event="episode_group", group=group_id, action="dead_lettered", reason=reason)
+    pool.status.incr("episode_groups_dead_lettered")
+    pool.status.incr("dead_lettered")
+
+
 def publish_open_group(pool, runner: EpisodeRunner, grp: OpenGroup, rewards) -> None:
     """XADD a group whose episodes all ended (once, on its journal's group id), count
     it, and remove it from the journal."""

@@ -17,7 +17,9 @@ by itself restarted.
             sampling masks, the turn's offset and outcome, the reward and tool budget
             spent as of that turn and, for a resumable environment, its ``state()``
             (written whole each time: it is the environment's own, its size the
-            environment's business); all of it deleted once the group is published
+            environment's business); all of it deleted once the group is published;
+            <run>:dead (and its XADD-once keys <run>:dead:once*): a group refused whole
+            at take-over, its raw fields and the reason
     blocks  on nothing but the Redis calls (Lua scripts: atomic, and under the actor's
             ACL, deploy/redis/users.acl)
 
@@ -42,12 +44,23 @@ finished turn, and its deltas are deleted (:meth:`Journal.forget`: it writes ane
 delta 0).
 
 What cannot be taken over is refused with the reason, logged, like any wire message
-(pipeline/messages.py ``BadEntry``): a group whose ``open`` field is missing, does not
+(pipeline/messages.py ``BadEntry``). A group whose ``open`` field is missing, does not
 decode or is of another schema (another build's journal), or that holds a field other
-than ``open`` and ``<k>:<n>`` of its episodes, is dropped (its claim and hash deleted);
-an episode whose deltas leave a gap (a delta missing in ``0..n-1``), do not decode, or
-do not fit (lengths that disagree, a delta that takes back sampled ids or starts past
-the ids before it, one after the delta that ended the episode) restarts from ``reset``
+than ``open`` and ``<k>:<n>`` of its episodes, is dead-lettered
+(:meth:`Journal.dead_letter`): one Lua script, fenced by the taker's claim, copies the
+hash's raw fields into the run's dead-letter stream (an entry like every pool's dead
+letters: ``source`` the hash's key, ``role`` actor, ``reason``, ``group``, and
+``journal:<field>`` per field, or past 3000 fields all of them msgpack in ``data``),
+XADD-once on the group id, and deletes the hash and the claim. The script is atomic: an
+actor that dies around it leaves either the journal whole (the next taker dead-letters
+it) or the dead letter, never neither; a second taker (the first stalled past its
+lease) dead-letters nothing more. The actor records it (an ``episode_group`` record,
+action ``dead_lettered``, with the reason; counted in ``episode_groups_dead_lettered``)
+and takes the next group; the account (pipeline/accounting.py) finds it dead-lettered,
+not lost, from that record or from the dead letter, whichever survived. An episode
+whose deltas leave a gap (a delta missing in ``0..n-1``), do not decode, or do not fit
+(lengths that disagree, a delta that takes back sampled ids or starts past the ids
+before it, one after the delta that ended the episode) restarts from ``reset``
 (counted in ``episodes_restarted``) while the group's other episodes resume: the group
 is still published, nothing of it lost.
 
@@ -86,6 +99,7 @@ from pipeline.messages import (
     unpack_mask,
 )
 from pipeline.streams import Lua
+from pipeline.streams.durable import ONCE_CAP, once_keys
 
 log = logging.getLogger("actor")
 
@@ -123,6 +137,55 @@ if not c or string.sub(c, 1, #ARGV[2] + 1) ~= ARGV[2] .. ' ' then return 0 end
 redis.call('DEL', KEYS[2])
 redis.call('HDEL', KEYS[1], ARGV[1])
 return 1
+""")
+
+# KEYS: claims, the group's hash, the dead-letter stream, its once hash, its once list.
+# ARGV: group id, owner, token, once cap, dead maxlen, then the entry's plain fields as
+# name/value pairs. A group refused at take-over: its hash's raw fields copied into the
+# dead-letter stream (XADD-once on the token), then the hash and the claim deleted, in
+# one step. {entry id, 1}: dead-lettered now; {entry id, 0}: it was already (the hash
+# and claim deleted all the same); 0: this owner no longer holds the group (nothing done)
+_DEAD_LETTER = Lua("""
+local c = redis.call('HGET', KEYS[1], ARGV[1])
+if not c or string.sub(c, 1, #ARGV[2] + 1) ~= ARGV[2] .. ' ' then return 0 end
+local id = redis.call('HGET', KEYS[4], ARGV[3])
+local new = 0
+if id then
+  redis.call('HSET', KEYS[4], ARGV[3], id)
+else
+  local entry = {}
+  for i = 6, #ARGV do table.insert(entry, ARGV[i]) end
+  local all = redis.call('HGETALL', KEYS[2])
+  if #all <= 6000 then  -- 3000 fields: unpack's limit is 8000 values
+    for i = 1, #all, 2 do
+      table.insert(entry, 'journal:' .. all[i])
+      table.insert(entry, all[i + 1])
+    end
+    table.insert(entry, 'data')
+    table.insert(entry, '')
+  else  -- more fields than one XADD's arguments may hold: all of them, msgpack, in data
+    local function u32(n)
+      return string.char(math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256,
+                         math.floor(n / 256) % 256, n % 256)
+    end
+    local packed = {string.char(0xdd) .. u32(#all)}  -- an array of bin32 (cmsgpack: str)
+    for i = 1, #all do table.insert(packed, string.char(0xc6) .. u32(#all[i]) .. all[i]) end
+    table.insert(entry, 'journal')
+    table.insert(entry, 'msgpack [name, value, ...] of ' .. (#all / 2) .. ' fields in data')
+    table.insert(entry, 'data')
+    table.insert(entry, table.concat(packed))
+  end
+  id = redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', unpack(entry))
+  redis.call('HSET', KEYS[4], ARGV[3], id)
+  redis.call('RPUSH', KEYS[5], ARGV[3])
+  if redis.call('LLEN', KEYS[5]) > tonumber(ARGV[4]) then
+    redis.call('HDEL', KEYS[4], redis.call('LPOP', KEYS[5]))
+  end
+  new = 1
+end
+redis.call('DEL', KEYS[2])
+redis.call('HDEL', KEYS[1], ARGV[1])
+return {id, new}
 """)
 
 # KEYS: claims. ARGV: owner, expires, group ids... The ids no longer this owner's.
@@ -402,8 +465,19 @@ def read_group(fields: dict) -> Taken:
 class Journal:
     """One actor's side of the episode journal (module doc)."""
 
-    def __init__(self, client, names, actor: str, lease_s: float):
+    def __init__(
+        self,
+        client,
+        names,
+        actor: str,
+        lease_s: float,
+        dead_maxlen: int = 10000,
+        on_dead_letter=None,
+    ):
         self.client, self.names, self.actor, self.lease_s = client, names, actor, lease_s
+        self.dead_maxlen = dead_maxlen  # redis.dead_letter_maxlen
+        # told (group id, reason) of each group this actor dead-lettered (:meth:`dead_letter`)
+        self.on_dead_letter = on_dead_letter
         self.owner = f"{actor}/{uuid.uuid4().hex[:8]}"  # this incarnation
         self.claims = names.episode_claims
         self.held: set[str] = set()  # group ids this incarnation runs
@@ -472,9 +546,8 @@ class Journal:
             try:
                 taken = read_group(self.client.hgetall(self.key(gid)))
             except (BadEntry, ValueError) as e:
-                # nothing to go on from: the claim and whatever is left go, logged
-                log.error("episode group %s cannot be taken over: %s; dropped", gid, e)
-                _DONE(self.client, [self.claims, self.key(gid)], [gid, self.owner])
+                # nothing to go on from: dead-lettered whole, with the reason; next group
+                self.dead_letter(gid, str(e))
                 continue
             with self._lock:
                 self.held.add(gid)
@@ -493,6 +566,51 @@ class Journal:
                 len(taken.refused),
             )
             return taken
+
+    def dead_letter(self, group_id: str, reason: str) -> bool:
+        """A group this incarnation took over and cannot go on from (``reason``): its
+        hash's raw fields copied into ``<run>:dead`` (role ``actor``, source the hash's
+        key, ``journal:<field>`` per field, XADD-once on the group id), then the hash
+        and the claim deleted, in one script; ``on_dead_letter(group id, reason)`` is
+        told (the actor's record and counters). True when this call dead-lettered it;
+        False when the group is no longer this incarnation's (another actor took it over
+        meanwhile: nothing done) or was dead-lettered already (not again)."""
+        log.error(
+            "episode group %s cannot be taken over: %s; dead-lettered (%s)",
+            group_id,
+            reason,
+            self.names.dead,
+        )
+        key = self.key(group_id)
+        entry = {
+            "source": key,
+            "id": "",
+            "consumer": self.actor,
+            "role": "actor",
+            "reason": f"episode group cannot be taken over: {reason}",
+            "group": group_id,
+        }
+        once, order = once_keys(self.names.dead)
+        args: list = [group_id, self.owner, f"episodes:{group_id}", ONCE_CAP, self.dead_maxlen]
+        for name, value in entry.items():
+            args += [name, value]
+        reply = _DEAD_LETTER(
+            self.client,
+            [self.claims, key, self.names.dead, once, order],
+            args,
+            f"dead-lettering episode group {group_id}",
+        )
+        with self._lock:
+            self.held.discard(group_id)
+        if not reply:
+            log.warning("episode group %s was taken over by another actor meanwhile", group_id)
+            return False
+        if not int(reply[1]):
+            log.warning("episode group %s was dead-lettered already", group_id)
+            return False
+        if self.on_dead_letter is not None:
+            self.on_dead_letter(group_id, reason)
+        return True
 
     def close(self) -> None:
         self._stop.set()

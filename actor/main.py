@@ -30,7 +30,7 @@ import zlib
 from actor.batch import batch_groups
 from actor.engines import Engine, make_engine
 from actor.episode_stream import stream_episodes
-from actor.episodes import EpisodeRunner
+from actor.episodes import EpisodeRunner, dead_lettered_as
 from actor.journal import Journal
 from actor.stream import stream_groups
 from pipeline.config import run_secret
@@ -69,7 +69,14 @@ def build_task(pool: Pool, engine: Engine):
         env_cls = load_env(t.env)
         runner = EpisodeRunner(pool.cfg, engine, engine.tokenizer, env_cls, pool_seed(pool, t.seed))
         # each finished turn written to Redis; groups a dead actor left taken over
-        runner.journal = Journal(pool.client, pool.names, pool.name, t.episode.takeover_s)
+        runner.journal = Journal(
+            pool.client,
+            pool.names,
+            pool.name,
+            t.episode.takeover_s,
+            dead_maxlen=pool.cfg.redis.dead_letter_maxlen,
+            on_dead_letter=lambda gid, why: dead_lettered_as(pool, gid, why),
+        )
         runner.on_env_error = lambda what: count_env_error(pool, what)
         return runner
     return make_task(t.kind, t.difficulty, t.path, pool_seed(pool, t.seed))

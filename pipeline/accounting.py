@@ -150,21 +150,30 @@ def in_flight(
     }
 
 
-def episode_account(records: list[dict], flight: dict[str, list]) -> dict[str, Any]:
+def episode_account(
+    records: list[dict], flight: dict[str, list], dead: list[dict[str, Any]] = ()
+) -> dict[str, Any]:
     """task.kind=env: every group of episodes an actor opened (its ``episode_group``
     records) was published (a ``group`` record), dropped (its first turn failed in the
-    engine), or is still open in the episode journal (``flight["episode_groups"]``,
-    read from Redis: without it nothing is said); else it is lost. A group published
-    more than once (an actor that took it over and the one that woke up) is one entry
-    (XADD-once on its id); its ``group`` records beyond the first are ``republished``.
-    Episodes resumed / restarted by a takeover are summed from the records."""
+    engine), dead-lettered (refused whole when taken over: actor/journal.py, found by
+    its ``dead_lettered`` record or by its entry in the dead-letter stream, ``dead``,
+    whichever survived; its reason in ``episode_groups_dead_lettered_reasons``), or is
+    still open in the episode journal (``flight["episode_groups"]``, read from Redis:
+    without it nothing is said); else it is lost. A group published more than once (an
+    actor that took it over and the one that woke up) is one entry (XADD-once on its
+    id); its ``group`` records beyond the first are ``republished``. Episodes resumed /
+    restarted by a takeover are summed from the records."""
     opened, dropped, taken = set(), set(), set()
+    refused = {g: d["reason"] for d in dead for g in d.get("episode_groups", [])}
     resumed = restarted = 0
     for r in records:
         if r.get("event") != "episode_group":
             continue
         if r["action"] == "dropped":
             dropped.add(r["group"])
+            continue
+        if r["action"] == "dead_lettered":
+            refused.setdefault(r["group"], r.get("reason", ""))
             continue
         opened.add(r["group"])
         if r["action"] == "taken_over":
@@ -179,13 +188,17 @@ def episode_account(records: list[dict], flight: dict[str, list]) -> dict[str, A
         "episode_groups_taken_over": len(taken),
         "episode_groups_published": len(opened & set(pub)),
         "episode_groups_dropped": len(opened & dropped),
+        "episode_groups_dead_lettered": len(opened & set(refused)),
+        "episode_groups_dead_lettered_reasons": {
+            g: refused[g] for g in sorted(opened & set(refused))
+        },
         "episode_groups_republished": sum(n - 1 for g, n in pub.items() if g in opened and n > 1),
         "episodes_resumed": resumed,
         "episodes_restarted": restarted,
     }
     if "episode_groups" in flight:
         open_now = set(flight["episode_groups"])
-        lost = sorted(opened - set(pub) - dropped - open_now)
+        lost = sorted(opened - set(pub) - dropped - set(refused) - open_now)
         out["episode_groups_open_at_end"] = len(opened & open_now - set(pub))
         out["episode_groups_lost_ids"] = lost
         out["episode_groups_lost"] = len(lost)
@@ -202,16 +215,27 @@ def dead_letters(client: redis.Redis, names: Names) -> list[dict[str, Any]]:
     """Every dead-letter entry: its source stream, the consumer that wrote it and
     its ``role`` (preprocessor or trainer; actor for a group it could not publish),
     reason, and the groups (rollouts) or samples (batches) its payload names; ``groups``
-    falls back to the entry's plain ``group`` field when the payload does not decode."""
+    falls back to the entry's plain ``group`` field when the payload does not decode.
+    An episode group the journal refused at take-over (source ``<run>:episodes:<id>``,
+    actor/journal.py) was never published: its id is in ``episode_groups`` instead."""
     out = []
+    episodes = names.episode("")  # the journal's keys start so
     for entry_id, f in client.xrange(names.dead):
-        text = {k.decode(): v.decode(errors="replace") for k, v in f.items() if k != b"data"}
+        text = {
+            k.decode(): v.decode(errors="replace")
+            for k, v in f.items()
+            if k != b"data" and not k.startswith(b"journal:")  # a refused journal's raw fields
+        }
         item = {"id": entry_id.decode(), "source": text.get("source", ""), "reason": ""}
         item["reason"] = text.get("reason", "")
         item["consumer"] = text.get("consumer", "")
         # an actor's own dead letter (a group too big to publish) names its role
         item["role"] = text.get("role") or _role_of(item["source"])
-        item["groups"], item["samples"] = [], []
+        item["groups"], item["samples"], item["episode_groups"] = [], [], []
+        if item["source"].startswith(episodes):
+            item["episode_groups"] = [text.get("group", "")]
+            out.append(item)
+            continue
         data = f.get(b"data", b"")
         try:
             if item["source"].endswith(":batches"):
@@ -326,7 +350,7 @@ def account(
     duplicated = sorted(s for s, n in trained.items() if n > 1)
     reasons = Counter(d["reason"].split(":")[0] for d in dead)
     return {
-        **episode_account(records, flight),
+        **episode_account(records, flight, dead),
         "groups_produced": len(sizes),
         "groups_trained": terms["trained"],
         "groups_stale": terms["stale"],

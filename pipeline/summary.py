@@ -124,7 +124,7 @@ def reward_errors(statuses: dict[str, dict[str, str]]) -> tuple[int, dict[str, i
 
 EPISODE_COUNTERS = ("episodes", "turns", "multi_turn", "tool_calls", "infra_failures")
 EPISODE_COUNTERS += ("episodes_spanning", "episodes_resumed", "episodes_restarted")
-EPISODE_COUNTERS += ("episode_groups_taken_over", "env_errors")
+EPISODE_COUNTERS += ("episode_groups_taken_over", "episode_groups_dead_lettered", "env_errors")
 
 
 def episode_counters(statuses: dict[str, dict[str, str]]) -> dict[str, int]:

@@ -42,7 +42,8 @@ class Summary:
     reward_error_reasons: dict[str, int] = field(default_factory=dict)
     # task.kind=env: the actors' episode counters summed (episodes, turns, multi_turn,
     # tool_calls, tool.<outcome>, infra_failures, episodes_spanning, episodes_resumed,
-    # episodes_restarted, episode_groups_taken_over, env_errors); empty otherwise
+    # episodes_restarted, episode_groups_taken_over, episode_groups_dead_lettered,
+    # env_errors); empty otherwise
     episodes: dict[str, int] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
     # where every produced group ended (pipeline/accounting.py)
@@ -186,7 +187,13 @@ def _episode_rows(e: dict) -> list[tuple[str, str]]:
             "episodes taken over",
             f"{e.get('episode_groups_taken_over', 0)} groups: "
             f"{e.get('episodes_resumed', 0)} episodes resumed, "
-            f"{e.get('episodes_restarted', 0)} restarted",
+            f"{e.get('episodes_restarted', 0)} restarted"
+            # refused whole when taken over: in the dead letters (actor/journal.py)
+            + (
+                f"; {e['episode_groups_dead_lettered']} groups dead-lettered"
+                if e.get("episode_groups_dead_lettered")
+                else ""
+            ),
         ),
         ("environment errors", str(e.get("env_errors", 0))),
     ]

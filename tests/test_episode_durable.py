@@ -337,7 +337,7 @@ def test_the_hf_engine_stops_a_row_at_the_id_that_completes_a_stop_string(tiny):
 
 def test_a_journal_of_another_schema_is_refused_with_the_reason(rclient, caplog):
     """A group an older build left in the journal: not taken over (its layout is not
-    this build's), logged with the reason, its claim and entry removed."""
+    this build's), logged with the reason, dead-lettered, its claim and entry removed."""
     from pipeline.messages import EpisodeOpen, encode, pack_i32
     from pipeline.tasks import Problem
 
@@ -359,6 +359,145 @@ def test_a_journal_of_another_schema_is_refused_with_the_reason(rclient, caplog)
     assert "actor-9:old cannot be taken over: schema version 1" in caplog.text
     assert rclient.hgetall(names.episode_claims) == {}
     assert not rclient.exists(names.episode("actor-9:old"))
+    ((_, dead),) = rclient.xrange(names.dead)  # kept, with the reason, for the operator
+    assert dead[b"journal:open"] == encode(old) and b"schema version 1" in dead[b"reason"]
+
+
+def _refused_journal(rclient, names: Names, gid: str, how: str) -> dict[bytes, bytes]:
+    """A group of 2 episodes (one turn each) left in the journal by a dead actor (lease
+    long gone, its ``opened`` record written), its ``open`` field made unreadable:
+    ``corrupt`` (bytes that do not decode) or ``schema`` (another build's); its fields
+    as written."""
+    fields = _group_fields(1)
+    if how == "corrupt":
+        fields[b"open"] = b"\x93garbage"
+    else:
+        raw = msgspec.msgpack.decode(fields[b"open"])
+        fields[b"open"] = msgspec.msgpack.encode({**raw, "schema": 1, "group_id": gid})
+    rclient.hset(names.episode_claims, gid, "actor-9/dead 0")
+    rclient.hset(names.episode(gid), mapping=fields)
+    return fields
+
+
+REFUSED = {
+    "corrupt": "not a valid EpisodeOpen",
+    "schema": "schema version 1",
+}
+
+
+@pytest.mark.parametrize("how", sorted(REFUSED))
+def test_a_group_refused_whole_at_take_over_is_dead_lettered_and_counted_not_lost(
+    rclient, tmp_path, caplog, how
+):
+    """A group whose ``open`` field does not decode, or is another schema's: the actor
+    taking it over dead-letters it (``<run>:dead``: role actor, the reason, every raw
+    field of its journal), deletes its journal and goes on to the next group; the
+    account counts it dead-lettered with the reason, not lost (from the actor's record,
+    and from the dead letter alone when the actor died before writing its record)."""
+    from actor.episodes import dead_lettered_as
+    from pipeline.accounting import dead_letters
+
+    names, metrics = Names("test", "refused"), str(tmp_path / "metrics.jsonl")
+    pool = actor_pool(env_config(), rclient, names, metrics, name="actor-1")
+    bad = "actor-9:bad"
+    fields = _refused_journal(rclient, names, bad, how)
+    good = _group_fields(1)  # another group the dead actor left: readable
+    rclient.hset(names.episode_claims, "actor-0:g", "actor-0/dead 0")
+    rclient.hset(names.episode("actor-0:g"), mapping=good)
+    for gid in (bad, "actor-0:g"):  # the dead actors' own records of opening them
+        pool.record(event="episode_group", group=gid, action="opened", resumed=0, restarted=0)
+    journal = Journal(
+        rclient, names, "actor-1", 30.0, on_dead_letter=lambda g, w: dead_lettered_as(pool, g, w)
+    )
+    taken = []
+    with caplog.at_level("ERROR", logger="actor"):
+        while (t := journal.take_over()) is not None:
+            taken.append(t.opened.group_id)
+    journal.close()
+    assert taken == ["actor-0:g"]  # the actor went on
+    assert f"episode group {bad} cannot be taken over: " in caplog.text
+    assert REFUSED[how] in caplog.text and "dead-lettered" in caplog.text
+    # the journal's hash and claim are gone; its raw fields are in the dead letters
+    assert not rclient.exists(names.episode(bad))
+    assert sorted(rclient.hgetall(names.episode_claims)) == [b"actor-0:g"]
+    ((_, entry),) = rclient.xrange(names.dead)
+    assert entry[b"source"] == names.episode(bad).encode() and entry[b"group"] == bad.encode()
+    assert entry[b"role"] == b"actor" and entry[b"consumer"] == b"actor-1"
+    assert REFUSED[how] in entry[b"reason"].decode()
+    copied = {k.removeprefix(b"journal:"): v for k, v in entry.items() if k.startswith(b"journal:")}
+    assert copied == fields
+    status = pool.status.key
+    assert int(rclient.hget(status, "episode_groups_dead_lettered")) == 1
+    # the account: dead-lettered with its reason, none lost (actor-0:g still open)
+    records = read_jsonl(metrics)
+    assert [r["action"] for r in records if r.get("group") == bad] == ["opened", "dead_lettered"]
+    flight = in_flight(rclient, names)
+    for recs, dead in (
+        (records, dead_letters(rclient, names)),
+        (records, []),  # the dead-letter stream trimmed: the actor's record says it
+        ([r for r in records if r.get("action") != "dead_lettered"], dead_letters(rclient, names)),
+    ):
+        terms = account(recs, flight, dead, 2)
+        assert terms["episode_groups_lost"] == 0 and terms["episode_groups_dead_lettered"] == 1
+        assert REFUSED[how] in terms["episode_groups_dead_lettered_reasons"][bad]
+        assert terms["episode_groups_open_at_end"] == 1 and problems(terms) == []
+        assert terms["phantom_ids"] == [] and terms["groups_dead_lettered"] == 0
+    # without the fix the same group would be lost by the account
+    bare = [r for r in records if r.get("action") != "dead_lettered"]
+    assert account(bare, flight, [], 2)["episode_groups_lost_ids"] == [bad]
+
+
+def test_a_refused_group_two_actors_take_over_is_dead_lettered_once(rclient, monkeypatch, caplog):
+    """Actor A claims a refused group and reads it, then stalls past its lease; actor B
+    takes it over and dead-letters it; A, awake, dead-letters nothing (it no longer
+    holds the group: fenced). A group of that id found again (its journal written anew) is
+    not dead-lettered a second time (XADD-once on the group id); its journal still goes."""
+    import actor.journal as journal_mod
+
+    names, gid = Names("test", "twice"), "actor-9:bad"
+    _refused_journal(rclient, names, gid, "corrupt")
+    told: list[tuple[str, str]] = []
+    a = Journal(rclient, names, "actor-a", 30.0, on_dead_letter=lambda *x: told.append(("a", *x)))
+    b = Journal(rclient, names, "actor-b", 30.0, on_dead_letter=lambda *x: told.append(("b", *x)))
+    real, stalled = journal_mod.read_group, []
+
+    def a_stalls(fields):  # A read the group; its lease runs out; B takes it over
+        if not stalled:
+            stalled.append(1)
+            rclient.hset(names.episode_claims, gid, f"{a.owner} 0")
+            assert b.take_over() is None
+        return real(fields)
+
+    monkeypatch.setattr(journal_mod, "read_group", a_stalls)
+    with caplog.at_level("WARNING", logger="actor"):
+        assert a.take_over() is None
+    monkeypatch.setattr(journal_mod, "read_group", real)
+    assert f"episode group {gid} was taken over by another actor meanwhile" in caplog.text
+    assert [who for who, *_ in told] == ["b"] and rclient.xlen(names.dead) == 1
+    assert not rclient.exists(names.episode(gid)) and rclient.hgetall(names.episode_claims) == {}
+    _refused_journal(rclient, names, gid, "corrupt")  # the same group's journal again
+    assert a.take_over() is None
+    a.close()
+    b.close()
+    assert len(told) == 1 and rclient.xlen(names.dead) == 1
+    assert not rclient.exists(names.episode(gid)) and rclient.hgetall(names.episode_claims) == {}
+
+
+def test_a_refused_group_of_more_fields_than_an_entry_holds_is_dead_lettered_packed(rclient):
+    """Past 3000 fields (what one XADD's arguments may hold in a script) the journal's
+    fields go into the dead letter's ``data``, msgpack [name, value, ...], all of them."""
+    names, gid = Names("test", "wide"), "actor-9:wide"
+    fields = _refused_journal(rclient, names, gid, "corrupt")
+    extra = {f"x{i}".encode(): b"v%d" % i for i in range(3500)}
+    rclient.hset(names.episode(gid), mapping=extra)
+    journal = Journal(rclient, names, "actor-1", 30.0)
+    assert journal.take_over() is None
+    journal.close()
+    ((_, entry),) = rclient.xrange(names.dead)
+    assert entry[b"journal"] == b"msgpack [name, value, ...] of 3503 fields in data"
+    flat = msgspec.msgpack.decode(entry[b"data"])
+    assert dict(zip(flat[::2], flat[1::2], strict=True)) == {**fields, **extra}
+    assert not rclient.exists(names.episode(gid))
 
 
 def _turn_delta(k: int, seq: int, **change) -> EpisodeDelta:
@@ -681,9 +820,16 @@ def test_the_journal_runs_as_the_shipped_acls_actor_user(tmp_path):
         assert in_flight(connect(urls["operator"]), names)["episode_groups"] == ["actor-0:g"]
         first.close()
         time.sleep(0.4)  # its lease runs out
+        # a group another build left, refused at take-over: dead-lettered as the actor
+        actor.hset(names.episode_claims, "actor-9:old", "actor-9/dead 0")
+        actor.hset(names.episode("actor-9:old"), "open", b"\x93garbage")
         other = Journal(actor, names, "actor-1", 30.0)
         taken = other.take_over()
         assert taken is not None and taken.opened.group_id == "actor-0:g"
+        assert other.take_over() is None  # the refused group: dead-lettered, not taken
+        ((_, dead),) = connect(urls["operator"]).xrange(names.dead)
+        assert dead[b"group"] == b"actor-9:old" and dead[b"journal:open"] == b"\x93garbage"
+        assert not actor.exists(names.episode("actor-9:old"))
         assert taken.states[0].turns == 1 and taken.fields == {0: ["0:0"], 1: ["1:0"]}
         assert other.forget("actor-0:g", taken.fields[1])  # episode 1 restarts
         assert sorted(actor.hgetall(names.episode("actor-0:g"))) == [b"0:0", b"open"]

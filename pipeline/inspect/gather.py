@@ -72,6 +72,11 @@ _IDENTITY |= {"last_publish_error"}
 REWARD_ERROR_PREFIX = "reward_errors."  # an actor's per-reason reward-error counters
 
 
+def _raw(field: str) -> bool:
+    """A dead letter's binary field: the payload, or a refused episode journal's field."""
+    return field == "data" or field.startswith("journal:")
+
+
 def _s(value: Any) -> Any:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
 
@@ -252,7 +257,7 @@ def snapshot(
     extra = shard_snapshot(shards or [], now)
     dead = streams["dead"]
     recent_dead = [
-        {_s(k): _s(v) for k, v in fields.items() if _s(k) != "data"} | {"id": _s(eid)}
+        {_s(k): _s(v) for k, v in fields.items() if not _raw(_s(k))} | {"id": _s(eid)}
         for eid, fields in (client.xrevrange(dead["key"], count=3) if dead["exists"] else [])
     ]
     return {
