@@ -295,18 +295,34 @@ def test_a_publish_whose_reply_is_lost_is_resent_without_a_copy(pair, replicas):
         direct.close()
 
 
-def test_an_actor_without_its_once_keys_is_refused_at_start_up(tmp_path):
-    """XADD-once runs a script whose keys are the stream and its once keys: a user
-    missing them is named at start-up (check_permissions), not with NOPERM mid-run."""
+@pytest.mark.parametrize(
+    "drop,key",
+    [
+        (" %RW~nonstop:*:rollouts:once*", "rollouts_once"),  # XADD-once's keys
+        (" %RW~nonstop:*:dead:once*", "dead_once"),  # a refused journal, dead-lettered once
+        (" %RW~nonstop:*:retired_recent", "retired_recent"),  # a group too big to publish
+    ],
+)
+def test_an_actor_without_a_scripts_keys_is_refused_at_start_up(tmp_path, drop, key):
+    """XADD-once, the journal's dead letter and the retiring of a group too big to
+    publish run scripts whose keys the actor must write: a user missing one is named at
+    start-up (check_permissions), not with NOPERM mid-run. The shipped ACL passes."""
     from pipeline.streams import RedisUnavailable, check_permissions
     from tests.redis_builders import acl_server
 
-    urls = acl_server(tmp_path, drop=" %RW~nonstop:*:rollouts:once*")
+    urls = acl_server(tmp_path, drop=drop)
     try:
         names = Names("nonstop", "probe")
         with pytest.raises(RedisUnavailable) as info:
             check_permissions(connect(urls["actor"]), names, "actor", urls["actor"])
-        assert "EVALSHA" in str(info.value) and names.rollouts_once in str(info.value)
+        assert "EVALSHA" in str(info.value) and getattr(names, key) in str(info.value)
+    finally:
+        urls["proc"].terminate()
+        urls["proc"].wait()
+    (tmp_path / "shipped").mkdir()
+    urls = acl_server(tmp_path / "shipped")
+    try:
+        check_permissions(connect(urls["actor"]), names, "actor", urls["actor"])
     finally:
         urls["proc"].terminate()
         urls["proc"].wait()

@@ -182,6 +182,10 @@ ROLE_PROBES = {
         ("EVALSHA", "rollouts_once"),  # its once keys, as a script's keys (RW)
         ("EVALSHA", "samples_produced"),
         ("EVALSHA", "episode_claims"),  # the episode journal (actor/journal.py)
+        ("EVALSHA", "dead"),  # a group the journal refuses whole, dead-lettered once
+        ("EVALSHA", "dead_once"),
+        ("EVALSHA", "samples_retired"),  # a group too big to publish (publish.py)
+        ("EVALSHA", "retired_recent"),
     ),
     "preprocessor": (
         ("XADD", "batches"),

@@ -93,6 +93,10 @@ class Names:
     def dead(self) -> str:  # entries a consumer could not use, with the reason
         return self.stream("dead")
 
+    @property
+    def dead_once(self) -> str:  # hash: XADD-once token -> dead entry (a refused journal)
+        return once_keys(self.dead)[0]
+
     # ---- keys
     @property
     def run_marker(self) -> str:  # hash set once per run; its absence means data lost
