@@ -136,7 +136,10 @@ def takes_logits_to_keep(model) -> bool:
     """Whether the causal LM under ``model`` (a DeepSpeed engine's ``module``, a peft
     model's base) takes ``logits_to_keep`` (every transformers causal LM of the
     families we map does; a remote-code model may not)."""
+    return "logits_to_keep" in inspect.signature(type(inner_model(model)).forward).parameters
+
+
+def inner_model(model):
+    """The transformers model under a DeepSpeed engine (``module``) or a peft model."""
     inner = getattr(model, "module", model)
-    if hasattr(inner, "get_base_model"):
-        inner = inner.get_base_model()
-    return "logits_to_keep" in inspect.signature(type(inner).forward).parameters
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner

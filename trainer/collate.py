@@ -1,4 +1,7 @@
-"""Batch entries to tensors: one TrainBatch becomes one padded micro-batch.
+"""Batch entries to tensors: one TrainBatch becomes one micro-batch, in two layouts: padded
+rows (the loss's [rows, width] tensors, and the forward of a batch with MoE routes) and,
+without routes, the packed rows the forward runs on (pipeline/packing.py: a row per
+distinct prompt, the prompt once and then its completions).
 
 Everything is assembled in numpy (one concatenation per field, no Python loop
 over tensor elements) and moved to the trainer's device once. A batch reaches
@@ -15,6 +18,7 @@ import numpy as np
 import torch
 
 from pipeline.messages import TrainBatch, unpack_f32, unpack_i32
+from pipeline.packing import Packed, pack
 from pipeline.routing import RouteLayout
 
 
@@ -42,6 +46,8 @@ class MicroBatch:
     routes: torch.Tensor | None = None
     routes_valid: torch.Tensor | None = None
     versions: torch.Tensor | None = None
+    # the forward's layout without routes (pipeline/packing.py); None: the padded rows
+    packed: Packed | None = None
 
 
 def _scatter(values: list[np.ndarray], comp: np.ndarray) -> np.ndarray:
@@ -104,6 +110,8 @@ def collate(batch: TrainBatch, pad_id: int, device: torch.device) -> MicroBatch:
         routes=put(routes[0]) if routes else None,
         routes_valid=put(routes[1]) if routes else None,
         versions=put(routes[2]) if routes else None,
+        # routes are replayed per padded position: a batch with them runs padded
+        packed=None if routes else pack(prompts, completions, comp, device),
     )
 
 

@@ -14,6 +14,7 @@ import torch
 
 from pipeline.logprobs import completion_logprobs
 from pipeline.messages import TrainBatch
+from pipeline.packing import packed_logprobs, packs
 from pipeline.routing import Replayer
 from trainer.collate import MicroBatch, collate
 from trainer.loss import STAT_NAMES, k3_sum, policy_loss
@@ -55,7 +56,20 @@ def constant_divisor(cfg) -> int:
 
 def token_logprobs(model, mb: MicroBatch, autocast_dtype: torch.dtype | None) -> torch.Tensor:
     """[rows, width] log p(ids[t] | ids[:t]) under the sampling transform; 0 outside
-    completions; on the micro-batch's device, differentiable."""
+    completions; on the micro-batch's device, differentiable. Computed on the packed
+    layout (pipeline/packing.py) where the batch has one and the model's attention takes
+    its mask, else on the padded rows."""
+    if mb.packed is not None and packs(model):
+        return packed_logprobs(
+            model,
+            mb.packed,
+            tuple(mb.comp.shape),
+            mb.temperature,
+            mb.top_p,
+            mb.top_k,
+            mb.masks,
+            autocast_dtype,
+        )
     return completion_logprobs(
         model,
         mb.ids,

@@ -1,11 +1,11 @@
 """The ``deepspeed`` backend: a DeepSpeed engine with ZeRO stage 0-3.
 
-On the CPU it runs over gloo with the client ``torch.optim.AdamW`` (DeepSpeed's
-own Adam would need a compiler) and with the shared-memory comm op switched
-off (it would g++-build for a minute or two). bf16 keeps fp32 master weights
-inside the engine. Gradient accumulation is unmanaged: every ``backward`` adds
-to the gradients and ``step`` is the boundary, however many micro-batches a
-step has. DeepSpeed averages gradients over ranks, so each rank's loss is
+On the CPU it runs over gloo with the client ``torch.optim.AdamW``, fused
+(``base.adamw``; DeepSpeed's own Adam would need a compiler) and with the
+shared-memory comm op switched off (it would g++-build for a minute or two). bf16
+keeps fp32 master weights inside the engine. Gradient accumulation is unmanaged:
+every ``backward`` adds to the gradients and ``step`` is the boundary, however many
+micro-batches a step has. DeepSpeed averages gradients over ranks, so each rank's loss is
 multiplied by the world size to keep the token-mean over all ranks.
 
 Checkpoints: ``engine.save_checkpoint`` (every rank writes its shards into the
@@ -31,7 +31,7 @@ import torch
 from pipeline import lora, routing
 from pipeline.config import pool_dtype
 from pipeline.models import DTYPES, load_model
-from trainer.backends.base import OptimizerLR, all_ranks_finite
+from trainer.backends.base import OptimizerLR, adamw, all_ranks_finite
 from trainer.ranks import Ranks
 
 TAG = "deepspeed"
@@ -195,7 +195,7 @@ class DeepSpeedBackend(OptimizerLR):
             # (DeepSpeed 0.19 does so itself for Mixtral and Qwen-MoE blocks, not OLMoE's)
             deepspeed.utils.set_z3_leaf_modules(model, routing.moe_blocks(model))
         trainable = lora.trainable_parameters(model)  # every parameter without model.lora
-        optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay)
+        optimizer = adamw(trainable, t)  # fused: under ZeRO it steps one flat partition
         config = ds_config(t, pool_dtype(cfg, "trainer"))
         expert_parallel = autoep_config(t, model.config)
         if expert_parallel and self.lora:
