@@ -103,7 +103,7 @@ def test_packed_logprobs_and_gradients_equal_the_padded_ones(tiny, attention, to
     lengths = [7 + int(c_len[:3].sum()), 3 + int(c_len[3:6].sum()), 5 + int(c_len[6])]
     assert tuple(pk.ids.shape) == (3, max(lengths)) and pk.ids.numel() < mb.ids.numel()
     assert len(pk.predict) == mb.tokens == int(mb.comp.sum())
-    weights = torch.randn(mb.comp.shape)
+    weights = torch.randn(mb.comp.shape, generator=torch.Generator().manual_seed(0))
 
     def run(packed: bool):
         model.zero_grad()
@@ -123,8 +123,11 @@ def test_packed_logprobs_and_gradients_equal_the_padded_ones(tiny, attention, to
         lp_padded, grads_padded = run(False)
     assert torch.isfinite(lp_padded[mb.comp]).all() and (lp_padded[~mb.comp] == 0).all()
     torch.testing.assert_close(lp_packed, lp_padded, rtol=0, atol=1e-5)
+    # float32 sums in another order (other shapes): seen up to 2.1e-6 apart (rel 3e-4) on a
+    # gradient entry; a real mix-up (completions seeing each other, shifted positions)
+    # moves them by orders of magnitude more
     for a, b in zip(grads_packed, grads_padded, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
 
 
 def test_a_packed_step_trains_as_the_padded_step(tiny, monkeypatch):
