@@ -184,7 +184,7 @@ def test_every_script_runs_in_one_slot(cluster, cclient, monkeypatch):
     script is run, and the cluster stores what they wrote. A script given keys of two
     slots is refused: the check can fail."""
     scripts = _every_script()
-    assert len(scripts) == 12, scripts
+    assert len(scripts) == 13, scripts
     calls: dict[str, list[list[str]]] = {name: [] for name in scripts}
     original = Lua.__call__
 
@@ -251,6 +251,12 @@ def test_every_script_runs_in_one_slot(cluster, cclient, monkeypatch):
     assert other.forget("actor-0:g", taken.fields[1])  # episode 1 restarts: its deltas go
     assert sorted(cclient.hgetall(NAMES.episode("actor-0:g"))) == [b"0:0", b"open"]
     other.done("actor-0:g")
+    # a group a dead actor left with an unreadable ``open`` field: dead-lettered whole
+    # (its raw fields into <run>:dead, XADD-once on the group id), hash and claim gone
+    cclient.hset(NAMES.episode_claims, "actor-9:bad", "actor-9/dead 0")
+    cclient.hset(NAMES.episode("actor-9:bad"), mapping={"open": b"\x93garbage"})
+    assert other.take_over() is None
+    assert cclient.xlen(NAMES.dead) == 1 and not cclient.exists(NAMES.episode("actor-9:bad"))
     other.close()
     assert cclient.hgetall(NAMES.episode_claims) == {}
     for name, keysets in calls.items():
