@@ -262,7 +262,12 @@ def test_pipeline_trains_publishes_and_resumes_an_adapter(tmp_path):
     assert code == 0, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["outcome"] == "finished" and summary["trainer_steps"] == 2
-    assert summary["weight_updates_published"] == 2 and summary["weight_publish_failures"] == 0
+    # both versions published; a version published before the actor joined the transfer
+    # reached no actor and is counted unreceived, not failed (seen in CI: the packed steps
+    # ran both before the actor had joined; it then applied version 2)
+    published = summary["weight_updates_published"] + summary["weight_versions_unreceived"]
+    assert published == 2 and summary["newest_published_version"] == 2, summary
+    assert summary["weight_publish_failures"] == 0 and summary["weight_problems"] == []
     assert summary["weight_updates_applied"]["actor-0"] >= 1
     ckpt = run_dir / "checkpoints" / "step-000002"
     files = set(os.listdir(ckpt))
