@@ -288,7 +288,7 @@ def test_sample_without_index_is_a_bad_entry():
 
 
 @pytest.mark.parametrize("cls", ALL_CLASSES, ids=lambda c: c.__name__)
-@pytest.mark.parametrize("schema", [0, SCHEMA_VERSION + 1, -1])
+@pytest.mark.parametrize("schema", [0, SCHEMA_VERSION - 1, SCHEMA_VERSION + 1, -1])
 def test_other_schema_version_is_a_bad_entry(cls, schema):
     msg = MAKERS[cls]()
     msg.schema = schema
