@@ -56,7 +56,7 @@ from pipeline.redis_tls import TLSFiles, make_run_certs
 from pipeline.streams import DRAIN_FIELD, Names, RedisUnavailable, connect, mark_run
 from pipeline.streams.shards import Shards
 from pipeline.summary import newest_published, status_version, write_summary
-from pipeline.supervisor import Supervisor
+from pipeline.supervisor import RedisNotRestarted, Supervisor
 from pipeline.telemetry import read_statuses
 
 register()
@@ -297,6 +297,9 @@ def main(cfg) -> None:
     except (ValueError, RedisUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         code = 2
+    except RedisNotRestarted as e:  # every pool was stopped on the way out (run's finally)
+        print(f"error: {e}", file=sys.stderr)
+        code = 1
     sys.exit(code)
 
 

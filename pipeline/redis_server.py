@@ -135,7 +135,7 @@ class EmbeddedRedis:
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout_s
-        client = self.client(socket_connect_timeout=1)
+        client = self.client(socket_connect_timeout=1, socket_timeout=1)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
@@ -145,7 +145,7 @@ class EmbeddedRedis:
                 return
             except redis.exceptions.MasterDownError:
                 return  # a replica not in sync yet that serves nothing stale: it answers
-            except redis.ConnectionError:
+            except (redis.ConnectionError, redis.TimeoutError):  # not up, or not it yet
                 time.sleep(0.05)
         self.stop()
         raise TimeoutError(f"redis-server did not answer on port {self.port} in {timeout_s}s")

@@ -55,6 +55,10 @@ from pipeline.redis_server import EmbeddedRedis
 from pipeline.runtime import EXIT_DATA_LOST, EXIT_MISMATCH, EXIT_REFUSED
 from pipeline.telemetry import MetricsFile
 
+# an embedded redis that exited is started again each supervision round; this many
+# starts failing in a row (it exits at once, or does not answer within its start timeout)
+# end the run with the error and the end of its redis.log
+REDIS_START_ATTEMPTS = 5
 CPU_RECORD_S = 10.0  # seconds between the supervisor's ``cpu`` records
 
 
@@ -64,6 +68,11 @@ def tail(path: str, lines: int = 20) -> str:
             return "".join(f.readlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+class RedisNotRestarted(RuntimeError):
+    """The embedded redis exited and REDIS_START_ATTEMPTS starts in a row failed: the run
+    ends (pipeline/launch.py says this in one line, exit code 1)."""
 
 
 class Supervisor:
@@ -84,6 +93,7 @@ class Supervisor:
         self.procs: dict[str, subprocess.Popen] = {}
         self.spawned_at: dict[str, float] = {}
         self.restarts: Counter = Counter()
+        self.redis_start_failures = 0  # embedded redis starts failed in a row
         self.events = MetricsFile(os.path.join(run_dir, "metrics.jsonl"))
         self.cpu, self.cpu_recorded = CpuMeter(), time.monotonic()
         os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
@@ -238,13 +248,31 @@ class Supervisor:
         if server is None or server.proc is None or server.proc.poll() is None:
             return
         code = server.proc.returncode
-        print(
-            f"\nembedded redis exited with {code}; restarting it on port "
-            f"{server.port} from its AOF",
-            flush=True,
-        )
-        self.event("exit", "redis", code=code)
-        server.start()
+        if not self.redis_start_failures:  # its exit, said once (not after a failed start)
+            print(
+                f"\nembedded redis exited with {code}; restarting it on port "
+                f"{server.port} from its AOF",
+                flush=True,
+            )
+            self.event("exit", "redis", code=code)
+        try:
+            server.start()
+        except (RuntimeError, TimeoutError, OSError) as e:  # the port still held, a slow load
+            self.redis_start_failures += 1
+            self.event("restart_failed", "redis", error=str(e)[:500])
+            log = os.path.join(server.data_dir, "redis.log")
+            if self.redis_start_failures >= REDIS_START_ATTEMPTS:
+                raise RedisNotRestarted(
+                    f"the embedded redis did not start again after {self.redis_start_failures}"
+                    f" attempts ({e}); the last lines of {log}:\n{tail(log)}"
+                ) from None
+            print(
+                f"\nembedded redis did not start again ({e}); trying again "
+                f"({self.redis_start_failures}/{REDIS_START_ATTEMPTS})",
+                flush=True,
+            )
+            return  # the next round starts it again (its process has exited)
+        self.redis_start_failures = 0
         self.event("restart", "redis")
 
     def stop(self) -> None:

@@ -226,3 +226,68 @@ def test_a_pool_reports_progress_only_once_its_main_loop_ticks(tmp_path, rclient
         assert float(rclient.hget(status.key, "progress")) == pool.last_tick
     finally:
         pool.stop.set()
+
+
+def _hold(port: int):
+    """A listening socket on 127.0.0.1:``port``: a redis-server started on that port
+    exits at once ("Address already in use")."""
+    import socket
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past the old one's TIME_WAIT
+    s.bind(("127.0.0.1", port))
+    s.listen(1)
+    return s
+
+
+def _redis_supervisor(tmp_path):
+    from pipeline.redis_server import EmbeddedRedis
+
+    cfg = OmegaConf.structured(Config)
+    server = EmbeddedRedis(str(tmp_path / "redis"))
+    server.start()
+    server.client().set("kept", "1")
+    return Supervisor(cfg, str(tmp_path), dict(os.environ), {}, server), server
+
+
+def test_an_embedded_redis_that_cannot_start_again_is_retried_each_round(tmp_path, capsys):
+    """The redis restart after a crash fails once (its port held): the launcher says so
+    and starts it again on the next round, from its AOF, instead of ending the run."""
+    sup, server = _redis_supervisor(tmp_path)
+    try:
+        server.proc.kill()
+        server.proc.wait()
+        held = _hold(server.port)
+        sup.check_redis()
+        out = capsys.readouterr().out
+        assert "embedded redis exited with -9" in out
+        assert "did not start again" in out and "(1/5)" in out, out
+        assert server.proc.poll() is not None  # the failed start left nothing running
+        held.close()
+        sup.check_redis()
+        assert server.proc.poll() is None
+        assert server.client().get("kept") == b"1"  # from its AOF
+        assert sup.redis_start_failures == 0
+        assert "exited with" not in capsys.readouterr().out  # the exit was said once
+    finally:
+        server.stop()
+
+
+def test_an_embedded_redis_that_never_starts_again_ends_the_run_saying_why(tmp_path):
+    import pytest
+
+    from pipeline.supervisor import REDIS_START_ATTEMPTS, RedisNotRestarted
+
+    sup, server = _redis_supervisor(tmp_path)
+    try:
+        server.proc.kill()
+        server.proc.wait()
+        held = _hold(server.port)
+        for _ in range(REDIS_START_ATTEMPTS - 1):
+            sup.check_redis()
+        with pytest.raises(RedisNotRestarted, match="after 5 attempts") as e:
+            sup.check_redis()
+        assert "redis.log" in str(e.value)
+        held.close()
+    finally:
+        server.stop()

@@ -166,6 +166,21 @@ def launcher_out(run_dir: str, chars: int = 3000) -> str:
         return "(no launcher output)"
 
 
+class LauncherExited(RuntimeError):
+    """The run's launcher ended while the bench still needed it (a fault it could not
+    recover from, or a restart budget used up): its exit code and last lines say why."""
+
+
+def check_launcher_alive(proc: subprocess.Popen, run_dir: str, during: str) -> None:
+    """Raise :class:`LauncherExited` naming ``during`` (the fault being recovered from)
+    and the launcher's last lines when the run is over before the bench is done."""
+    if proc.poll() is not None:
+        raise LauncherExited(
+            f"the launcher exited with code {proc.returncode} during {during}, before the "
+            f"bench was done; the end of {run_dir}/launcher.out:\n{launcher_out(run_dir)}"
+        )
+
+
 def run_names(run_dir: str) -> Names:
     cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
     return Names.of(cfg)
@@ -344,7 +359,9 @@ def recovered(fault: dict, client, names: Names, metrics: str) -> bool:
     return int(st.get("pid", 0)) != fault["pid"] and float(st.get("progress", 0)) > t
 
 
-def apply_fault(fault: dict, run_dir: str, client, names: Names, metrics: str) -> None:
+def apply_fault(
+    fault: dict, run_dir: str, client, names: Names, metrics: str, proc: subprocess.Popen
+) -> None:
     inject(fault, run_dir, client, names)
     if fault["kind"] == "stop":  # seen stopped right away, before the watchdog kills it
         seen = wait_until(lambda: pid_state(fault["pid"]) == "stopped", timeout_s=2.0)
@@ -352,7 +369,7 @@ def apply_fault(fault: dict, run_dir: str, client, names: Names, metrics: str) -
     print(f"t={fault['at']:.0f} {fault['name']} (pid {fault['pid']})")
     fault["effective"] = fault["recovery_s"] = None
     deadline = time.time() + RECOVERY_TIMEOUT_S
-    while time.time() < deadline:
+    while time.time() < deadline and proc.poll() is None:
         if fault["effective"] is None and took_effect(fault, run_dir, client, names):
             fault["effective"] = round(time.time() - fault["at"], 2)
         if fault["effective"] is not None and recovered(fault, client, names, metrics):
@@ -592,6 +609,9 @@ def main(argv: list[str]) -> int:
     proc = launch(run_dir, args)
     try:
         return run_and_report(run_dir, args, proc, load_start)
+    except LauncherExited as e:  # the why is in its message: no traceback above it
+        print(e, file=sys.stderr, flush=True)
+        return 1
     finally:  # an error, Ctrl-C or SIGTERM (pipeline/bench/__main__.py): nothing left running
         stop_process(proc, signal.SIGINT, args.timeout_s)
 
@@ -607,8 +627,10 @@ def run_and_report(run_dir: str, args, proc: subprocess.Popen, load_start) -> in
             time.sleep(0.1)
         name = f"{target}_{SIGNALS[kind]}"
         faults.append({"name": name, "at": time.time(), "kind": kind, "target": target})
-        apply_fault(faults[-1], run_dir, client, names, metrics)
+        apply_fault(faults[-1], run_dir, client, names, metrics, proc)
+        check_launcher_alive(proc, run_dir, faults[-1]["name"])
     tail_ok = wait_steps(metrics, args.tail_steps, 300, proc)
+    check_launcher_alive(proc, run_dir, f"the {args.tail_steps} steps after the last fault")
     drained = drain(run_dir, client, names, proc)
     print(f"drain: {drained}", flush=True)
     proc.send_signal(signal.SIGINT)  # an operator's Ctrl-C ends the run; its summary follows
