@@ -42,11 +42,16 @@ setup-vllm: setup
 run: setup-vllm
 	$(PY) -m pipeline.launch $(if $(findstring +exp=,$(ARGS)),,+exp=math) $(ARGS)
 
+# TEST_WORKERS pytest-xdist workers (TEST_WORKERS=0: one process); tests/conftest.py
+# groups the tests so one module's fixtures, and one real vLLM engine, live on one worker
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadgroup
+
 test: setup-vllm
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest $(XDIST) $(ARGS)
 
 test-fast: setup-vllm
-	$(PY) -m pytest -m "not slow" $(ARGS)
+	$(PY) -m pytest $(XDIST) -m "not slow" $(ARGS)
 
 # the tests that need CUDA (marked gpu); each is skipped, with the reason, without it
 test-gpu: setup

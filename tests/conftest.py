@@ -94,6 +94,38 @@ def make_trainer(tiny, tmp_path, rclient, monkeypatch):
         t.publisher.close(timeout_s=1)
 
 
+# `make test` runs the suite on TEST_WORKERS pytest-xdist workers (Makefile) with
+# --dist loadgroup: each test runs in the group add_worker_groups gives it, and one group
+# runs on one worker, its tests in file order
+SERIAL_GROUPS = {
+    # one real vLLM engine at a time (each takes ~3 GiB and both cores while it
+    # compiles); a module with any vllm test goes here whole, its module fixtures with it
+    "vllm": lambda item: item.get_closest_marker("vllm") is not None,
+    # one single-host Slurm at a time: each starts slurmd n1..n6, and the first to stop
+    # stops the munged they share (tests/slurm_builders.py, deploy/slurm/local-cluster.sh)
+    "slurm": lambda item: "slurm" in getattr(item, "fixturenames", ()),
+    # tests/test_envs.py counts the machine's pyexec sandboxes: none of another test's
+    "pyexec": lambda item: (
+        item.module.__name__.split(".")[-1]
+        in ("test_envs", "test_episode_actor", "test_episode_durable")
+    ),
+}
+
+
+def add_worker_groups(items) -> None:
+    """An ``xdist_group`` for every test: its module (module fixtures are built once, on
+    one worker), or the SERIAL_GROUPS group its module belongs to."""
+    by_module: dict[str, str] = {}
+    for item in items:
+        module = item.module.__name__
+        for group, belongs in SERIAL_GROUPS.items():
+            if belongs(item):
+                by_module[module] = group
+        by_module.setdefault(module, module)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(by_module[item.module.__name__]))
+
+
 def pytest_collection_modifyitems(config, items):
     """Skip the ``vllm`` tests, saying why, when ``import vllm`` fails (``make setup-vllm``).
     Tests marked slow or vllm get LONG_TIMEOUT_S (pytest-timeout) unless they set their own
@@ -102,6 +134,7 @@ def pytest_collection_modifyitems(config, items):
         long = item.get_closest_marker("slow") or item.get_closest_marker("vllm")
         if long is not None and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(LONG_TIMEOUT_S))
+    add_worker_groups(items)
     marked = [item for item in items if item.get_closest_marker("vllm") is not None]
     if not marked:
         return

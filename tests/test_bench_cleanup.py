@@ -3,9 +3,11 @@ before anything starts, and SIGTERM to the bench (as from a terminal closing, `k
 systemd or Slurm) stops the launcher it started, its pools and its Redis."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -110,16 +112,20 @@ def test_sigterm_to_the_async_bench_stops_its_run(tmp_path):
     sigterm_stops_everything(proc, found[0])
 
 
-def test_sigterm_to_the_vllm_start_bench_stops_its_engine(tmp_path):
+@pytest.mark.vllm
+def test_sigterm_to_the_vllm_start_bench_stops_its_engine(tmp_path, request):
     """SIGTERM while a fresh engine process starts: the bench, that process and the vLLM
     processes it started are all gone, and no result file is written."""
-    pytest.importorskip("vllm")
     mark = f"vllm-start-{os.getpid()}-{time.monotonic_ns()}"
+    # vLLM binds its IPC sockets in TMPDIR, and a socket path holds at most 107 bytes:
+    # a short directory, not tmp_path (under a pytest-xdist worker it was 108 with the uuid)
+    short = tempfile.mkdtemp(prefix="vs-", dir="/tmp")
+    request.addfinalizer(lambda: shutil.rmtree(short, ignore_errors=True))
     env = dict(os.environ, NONSTOP_TEST_MARK=mark)
     proc = bench(
         ["vllm_start", "--repeats", "1", "--modes", "eager", "--model", "tiny",
          "--out", str(tmp_path / "out.json")],
-        tmp_path, env=env | {"TMPDIR": str(tmp_path), "HF_HUB_OFFLINE": "1"},
+        tmp_path, env=env | {"TMPDIR": short, "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     engine = lambda: [p for p in marked_processes("NONSTOP_TEST_MARK", mark) if p != proc.pid]  # noqa: E731
     wait_for(lambda: len(engine()) >= 2, 240, proc)  # the child and vLLM's engine core
