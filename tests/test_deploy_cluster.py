@@ -317,7 +317,9 @@ def _published(env: dict, job: str, run_dir: Path, out: Path, timeout: float = 1
         if url_file.exists():
             return True
         state = _job_state(env, job)[0]
-        assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"job {state}: {tail_of(out)}"
+        assert state in ("PENDING", "RUNNING", "CONFIGURING", "UNANSWERED"), (
+            f"job {state}: {tail_of(out)}"
+        )
         return False
 
     _wait(published, timeout, lambda: tail_of(out))

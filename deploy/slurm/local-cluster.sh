@@ -56,7 +56,8 @@ start_munge() {  # reuse a running munged; else start one (as the munge user) an
   [ -f /etc/munge/munge.key ] || { echo "no /etc/munge/munge.key (apt-get install munge)" >&2; return 1; }
   mkdir -p /run/munge /var/log/munge /var/lib/munge
   chown munge:munge /run/munge /var/log/munge /var/lib/munge
-  runuser -u munge -- munged --pid-file=/run/munge/munged.pid
+  # more threads than its default 2: six slurmd, slurmctld and every srun ask it at once
+  runuser -u munge -- munged --num-threads=10 --pid-file=/run/munge/munged.pid
   cp /run/munge/munged.pid "$dir/munged.pid"
   for _ in $(seq 50); do
     if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then return 0; fi
