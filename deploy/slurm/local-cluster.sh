@@ -23,6 +23,7 @@ stop() {
     kill "$(cat "$f")" 2>/dev/null || true
     rm -f "$f"
   done
+  rm -f "$(munge_base)".log "$(munge_base)".seed  # munged removes its socket and pid file
 }
 
 # COUNT consecutive free ports, below Linux's ephemeral range (32768-60999), so that a
@@ -51,19 +52,27 @@ else:
 PY
 }
 
-start_munge() {  # reuse a running munged; else start one (as the munge user) and remember it
-  if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then return 0; fi
+# a munged of this cluster's own, on its own socket (AuthInfo in slurm.conf): another
+# single-host Slurm's stop, or a system munged's, cannot take it away mid-job
+munge_base() { echo "/run/munge/local-$(echo "$dir" | md5sum | cut -c1-12)"; }
+
+start_munge() {
+  local base
+  base=$(munge_base)
   [ -f /etc/munge/munge.key ] || { echo "no /etc/munge/munge.key (apt-get install munge)" >&2; return 1; }
   mkdir -p /run/munge /var/log/munge /var/lib/munge
   chown munge:munge /run/munge /var/log/munge /var/lib/munge
   # more threads than its default 2: six slurmd, slurmctld and every srun ask it at once
-  runuser -u munge -- munged --num-threads=10 --pid-file=/run/munge/munged.pid
-  cp /run/munge/munged.pid "$dir/munged.pid"
+  runuser -u munge -- munged --num-threads=10 --socket="$base.socket" \
+    --pid-file="$base.pid" --seed-file="$base.seed" --log-file="$base.log"
+  cp "$base.pid" "$dir/munged.pid"
   for _ in $(seq 50); do
-    if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then return 0; fi
+    if munge -S "$base.socket" -n 2>/dev/null | unmunge -S "$base.socket" >/dev/null 2>&1; then
+      return 0
+    fi
     sleep 0.1
   done
-  echo "munged did not come up" >&2
+  echo "munged did not come up on $base.socket (see $base.log)" >&2
   return 1
 }
 
@@ -81,6 +90,7 @@ SlurmctldPort=$ctl_port
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+AuthInfo=socket=$(munge_base).socket
 CredType=cred/munge
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
