@@ -44,8 +44,8 @@ run: setup-vllm
 
 # TEST_WORKERS pytest-xdist workers: 0 (one process) by default, as CI runs it;
 # TEST_WORKERS=2 takes ~30 min here instead of ~45, but is not yet reliable (README, Tests).
-# tests/conftest.py groups the tests so one module's fixtures, and one real vLLM engine,
-# live on one worker
+# tests/conftest.py groups the tests: a module whole on one worker, the vllm-marked and
+# the Slurm modules one test at a time
 TEST_WORKERS ?= 0
 XDIST = -n $(TEST_WORKERS) --dist loadgroup
 

@@ -260,8 +260,8 @@ class Supervisor:
         except (RuntimeError, TimeoutError, OSError) as e:  # the port still held, a slow load
             self.redis_start_failures += 1
             self.event("restart_failed", "redis", error=str(e)[:500])
-            log = os.path.join(server.data_dir, "redis.log")
             if self.redis_start_failures >= REDIS_START_ATTEMPTS:
+                log = os.path.join(server.data_dir, "redis.log")
                 raise RedisNotRestarted(
                     f"the embedded redis did not start again after {self.redis_start_failures}"
                     f" attempts ({e}); the last lines of {log}:\n{tail(log)}"

@@ -101,8 +101,9 @@ SERIAL_GROUPS = {
     # one real vLLM engine at a time (each takes ~3 GiB and both cores while it
     # compiles); a module with any vllm test goes here whole, its module fixtures with it
     "vllm": lambda item: item.get_closest_marker("vllm") is not None,
-    # one single-host Slurm at a time: each starts slurmd n1..n6, and the first to stop
-    # stops the munged they share (tests/slurm_builders.py, deploy/slurm/local-cluster.sh)
+    # one single-host Slurm at a time: each starts slurmctld, six slurmd and a munged of
+    # its own (tests/slurm_builders.py, deploy/slurm/local-cluster.sh), and its jobs run
+    # whole pipelines
     "slurm": lambda item: "slurm" in getattr(item, "fixturenames", ()),
     # tests/test_envs.py counts the machine's pyexec sandboxes: none of another test's
     "pyexec": lambda item: (
