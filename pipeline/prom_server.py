@@ -17,7 +17,6 @@ After the run the storage stays: ``prometheus --config.file=RUN_DIR/prometheus/p
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -27,6 +26,7 @@ import time
 import urllib.request
 
 from pipeline.prom import bind
+from pipeline.redis_server import free_port
 
 BINARY = "prometheus"
 
@@ -87,11 +87,6 @@ def write_targets(path: str, targets: list[dict]) -> None:
     with open(tmp, "w") as f:
         json.dump(targets, f, indent=1)
     os.replace(tmp, path)
-
-
-def free_port(host: str) -> int:
-    with contextlib.closing(bind(host, 0)) as s:
-        return s.getsockname()[1]
 
 
 class Prometheus:

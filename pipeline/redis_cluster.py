@@ -37,7 +37,7 @@ from collections.abc import Callable
 import redis
 
 from pipeline.redis_acl import ADMIN, POOL_ROLES, per_run_users, write_node_acl
-from pipeline.redis_server import EmbeddedRedis, free_port
+from pipeline.redis_server import LOWEST_PORT, EmbeddedRedis, ephemeral_range, free_port
 from pipeline.redis_tls import TLSFiles, make_run_certs, write_private
 from pipeline.streams import RedisUnavailable
 from pipeline.streams.cluster import format_url, gap
@@ -341,9 +341,14 @@ def _ids(client: redis.Redis) -> set[str]:
 
 
 def bus_port(tries: int = 200) -> int:
-    """A free port P with P + 10000 free too (a cluster node's bus port), so P <= 55535."""
+    """A free port P with P + 10000 free too (a cluster node's bus port), so P <= 55535;
+    P + 10000 is also kept below the ephemeral range where that leaves room
+    (``free_port``), so no outgoing connection takes the bus port before the node binds
+    it."""
+    low = ephemeral_range()[0]
+    below = low - 10000 if low - 10000 - LOWEST_PORT >= 1000 else 55536
     for _ in range(tries):
-        port = free_port()
+        port = free_port(below=below)
         if port > 55535:
             continue
         try:

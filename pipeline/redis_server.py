@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import secrets
 import shutil
 import socket
@@ -30,8 +31,42 @@ log = logging.getLogger(__name__)
 APPENDFSYNC = ("always", "everysec")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+LOWEST_PORT = 10000  # free_port never picks below this (well-known and registered ports)
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The range the kernel takes a connection's local port from (Linux's
+    net.ipv4.ip_local_port_range; its default where that file is absent)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(host: str = "127.0.0.1", below: int | None = None, tries: int = 200) -> int:
+    """A port free on ``host`` now, for a server started a moment later, taken at random
+    from below the kernel's ephemeral range (and below ``below`` when given).
+
+    A port the kernel hands out for ``bind(0)`` lies in the ephemeral range, from which
+    every outgoing connection also takes its local port: between this call and the
+    server's own bind, a client connecting anywhere could take it (a redis node failed
+    to start on a port a connection of another test had taken). A port below that range
+    is only ever taken by an explicit bind. Where the range leaves too few ports below
+    it, bind(0) as before."""
+    low = min(ephemeral_range()[0], below or 65536)
+    rng = random.SystemRandom()
+    if low - LOWEST_PORT >= 1000:
+        for _ in range(tries):
+            port = rng.randrange(LOWEST_PORT, low)
+            try:
+                with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+                    s.bind((host, port))
+                return port
+            except OSError:
+                continue
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections import Counter
@@ -51,7 +50,7 @@ from collections import Counter
 from pipeline.cpu_meter import CpuMeter
 from pipeline.redis_cluster import LocalCluster
 from pipeline.redis_ha import RedisHA
-from pipeline.redis_server import EmbeddedRedis
+from pipeline.redis_server import EmbeddedRedis, free_port
 from pipeline.runtime import EXIT_DATA_LOST, EXIT_MISMATCH, EXIT_REFUSED
 from pipeline.telemetry import MetricsFile
 
@@ -118,7 +117,7 @@ class Supervisor:
     def spawn_group(self, group: str) -> None:
         """Start every member of a group, with the torch.distributed variables."""
         members = self.groups[group]
-        port = str(_free_port())
+        port = str(free_port())
         for rank, name in enumerate(members):
             self.rank_env[name] = {
                 "RANK": str(rank),
@@ -354,9 +353,3 @@ def kill_process_group(proc: subprocess.Popen) -> None:
     vLLM's engine core and workers), alive or exited, then reap it."""
     _signal_group(proc, signal.SIGKILL)
     proc.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -34,12 +34,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import redis
 
 from pipeline.listeners import listening
 from tests.launching import ROOT, launch_tiny, marked_processes, wait_for_step, wait_until
 from tests.listen_builders import CONFIGURED, _descendants, _name
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "nonstop-rl.json"
+MAX_QUEUE_GROUPS = 4  # the live run's actor.max_queue_groups
 
 
 def get(url: str, timeout: float = 3.0) -> tuple[int, str]:
@@ -140,6 +142,7 @@ def live(tmp_path_factory, wrap):
         tmp,
         run_dir,
         "trainer.max_steps=8",
+        f"actor.max_queue_groups={MAX_QUEUE_GROUPS}",
         "metrics.prometheus=true",
         "metrics.prometheus_scrape_s=1",
         "metrics.http.health_deadline_s=3",
@@ -185,6 +188,11 @@ def live(tmp_path_factory, wrap):
             facts["health_stopped"] = _poll(pre + "/health", 503, timeout=10)
             facts["stop_to_503_s"] = time.monotonic() - stopped
             time.sleep(max(0.0, 4 - (time.monotonic() - stopped)))  # long enough to miss pings
+            # and until the actor is held back: with the preprocessor stopped nothing is
+            # retired, so actor.max_queue_groups groups in flight must hold it (the
+            # back-pressure panel's data; under load the actor never got that far ahead
+            # on its own, and the panel stayed empty)
+            facts["actor_held_back"] = _held_back(run_dir, pid_of(run_dir, "actor-0"), 90)
         finally:
             facts["continued_at"] = time.time()
             os.kill(pid, signal.SIGCONT)
@@ -257,6 +265,24 @@ def _poll(url: str, want: int, timeout: float) -> tuple[int, str]:
         time.sleep(0.2)
 
 
+def _held_back(run_dir: Path, pid: int, timeout: float) -> tuple[bool, dict[str, str]]:
+    """Wait until actor-0's status hash (process ``pid``) says it is held back for its
+    backlog; whether it did within ``timeout``, and its status fields."""
+    port, auth = (run_dir / "redis" / "port").read_text(), (run_dir / "redis" / "auth").read_text()
+    client = redis.Redis.from_url(f"redis://:{auth.strip()}@127.0.0.1:{port.strip()}/0")
+    key = next(client.scan_iter(match="*:status:actor-0"))
+    deadline, fields = time.monotonic() + timeout, {}
+    while time.monotonic() < deadline:
+        fields = {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
+        mine = fields.get("pid") == str(pid) and fields.get("state") == "waiting"
+        if mine and float(fields.get("backlog", 0)) >= MAX_QUEUE_GROUPS:
+            client.close()
+            return True, fields
+        time.sleep(0.2)
+    client.close()
+    return False, fields
+
+
 def _ready(url: str) -> bool:
     try:
         return get(url + "/-/ready")[0] == 200
@@ -316,6 +342,8 @@ def test_every_dashboard_query_returns_data_on_the_live_run(live):
     dash = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"] if "vllm:" not in t["expr"]]
     assert len(exprs) >= 30
+    held, status = live["actor_held_back"]  # the back-pressure panel's data
+    assert held, f"the actor was never held back by its backlog: {status}"
     promql = live["promql"]
     empty = [e for e in exprs if not promql.query_range(e, live["start"], live["end"])]
     assert not empty, f"panels whose query returns no data: {empty}"
