@@ -291,3 +291,25 @@ def test_an_embedded_redis_that_never_starts_again_ends_the_run_saying_why(tmp_p
         held.close()
     finally:
         server.stop()
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_can_be_bound(monkeypatch):
+    """A port for a server started a moment later is never one an outgoing connection
+    may take meanwhile (pipeline/redis_server.py free_port); a cluster node's bus port
+    P + 10000 neither (pipeline/redis_cluster.py bus_port)."""
+    import socket
+
+    from pipeline import redis_server
+    from pipeline.redis_cluster import bus_port
+    from pipeline.redis_server import LOWEST_PORT, ephemeral_range, free_port
+
+    low = ephemeral_range()[0]
+    for port in [free_port() for _ in range(50)]:
+        assert LOWEST_PORT <= port < low, port
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    for port in [bus_port() for _ in range(20)]:
+        assert port >= LOWEST_PORT and port + 10000 < low, port
+    # a range that leaves no room below it: the kernel's pick, as before
+    monkeypatch.setattr(redis_server, "ephemeral_range", lambda: (10500, 60999))
+    assert free_port() >= 10500
