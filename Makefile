@@ -13,7 +13,7 @@ DEEPSPEED_SPEC ?= deepspeed==0.19.8
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 ARGS ?=
 
-.PHONY: setup setup-vllm run test test-fast test-gpu lint format bench clean slurm-setup
+.PHONY: setup setup-vllm run test test-fast test-quick test-gpu lint format bench clean slurm-setup
 
 setup: $(VENV)/.setup-done
 
@@ -54,6 +54,11 @@ test: setup-vllm
 
 test-fast: setup-vllm
 	$(PY) -m pytest $(XDIST) -m "not slow" $(ARGS)
+
+# a few minutes while developing: neither slow, nor vllm, nor e2e (tests/conftest.py marks
+# every test of a module that runs whole pipelines, Redis topologies, benches or Slurm)
+test-quick: setup
+	$(PY) -m pytest $(XDIST) -m "not slow and not vllm and not e2e" $(ARGS)
 
 # the tests that need CUDA (marked gpu); each is skipped, with the reason, without it
 test-gpu: setup

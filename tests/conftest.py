@@ -6,8 +6,10 @@ tests/vllm_real.py); a test module never imports another test module (tests/test
 
 from __future__ import annotations
 
+import re
 import shutil
 import threading
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -127,6 +129,24 @@ def add_worker_groups(items) -> None:
         item.add_marker(pytest.mark.xdist_group(by_module[item.module.__name__]))
 
 
+# a module whose source starts a whole pipeline, a Redis topology, a bench or a Slurm: its
+# tests are marked ``e2e`` (``make test-quick`` leaves them out, with ``slow`` and ``vllm``)
+WHOLE_RUNS = re.compile(
+    r"launch_tiny|run_tiny|pipeline\.launch|pipeline\.bench|fault_runs|start_local_cluster"
+    r"|RedisHA\(|LocalCluster\(|\bslurm\b"
+)
+
+
+def add_e2e_markers(items) -> None:
+    whole: dict[str, bool] = {}
+    for item in items:
+        path = str(item.path)
+        if path not in whole:
+            whole[path] = bool(WHOLE_RUNS.search(Path(path).read_text()))
+        if whole[path]:
+            item.add_marker(pytest.mark.e2e)
+
+
 def pytest_collection_modifyitems(config, items):
     """Skip the ``vllm`` tests, saying why, when ``import vllm`` fails (``make setup-vllm``).
     Tests marked slow or vllm get LONG_TIMEOUT_S (pytest-timeout) unless they set their own
@@ -136,6 +156,7 @@ def pytest_collection_modifyitems(config, items):
         if long is not None and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(LONG_TIMEOUT_S))
     add_worker_groups(items)
+    add_e2e_markers(items)
     marked = [item for item in items if item.get_closest_marker("vllm") is not None]
     if not marked:
         return
