@@ -42,11 +42,12 @@ setup-vllm: setup
 run: setup-vllm
 	$(PY) -m pipeline.launch $(if $(findstring +exp=,$(ARGS)),,+exp=math) $(ARGS)
 
-# TEST_WORKERS pytest-xdist workers: 0 (one process) by default, as CI runs it;
-# TEST_WORKERS=2 takes ~30 min here instead of ~45, but is not yet reliable (README, Tests).
+# TEST_WORKERS pytest-xdist workers: 2 by default, as CI runs it (a clean clone's .ci/run
+# here: ~29 min; in one process, TEST_WORKERS=0: ~41-45 min; 3 workers: ~28 min, the CPUs
+# already busy: README, Tests).
 # tests/conftest.py groups the tests: a module whole on one worker, the vllm-marked and
 # the Slurm modules one test at a time
-TEST_WORKERS ?= 0
+TEST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadgroup
 
 test: setup-vllm

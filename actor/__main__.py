@@ -2,7 +2,7 @@
 
 The processes vLLM starts under it (engine core, workers) end when it does, even when
 it is SIGKILLed: ``NONSTOP_DIE_WITH_PARENT=1`` in the environment they inherit
-(pipeline/orphans.py; ``NONSTOP_DIE_WITH_PARENT=0`` turns it off).
+(actor/orphans.py; ``NONSTOP_DIE_WITH_PARENT=0`` turns it off).
 
 It leaves through :func:`exit_now`: once the pool has cleaned up (its ``finally``
 closed the engine, which shuts vLLM's engine-core and worker processes down, and
@@ -19,7 +19,7 @@ import os
 import sys
 import traceback
 
-from pipeline.orphans import ENV as DIE_WITH_PARENT
+from actor.orphans import ENV as DIE_WITH_PARENT
 from pipeline.torch_logs import quiet_cpp_logs
 
 quiet_cpp_logs()  # before torch loads: no C++ backtraces on stderr

@@ -535,7 +535,7 @@ def publish_episodes(pool, runner: EpisodeRunner, rewards, prompts_n: int) -> in
 
 
 def opened_as(pool, grp: OpenGroup) -> None:
-    """The actor's record of a group it opened or took over (pipeline/accounting.py:
+    """The actor's record of a group it opened or took over (pipeline/run/accounting.py:
     every group opened is published, or still open in the journal at the end)."""
     taken = any(ep.resumed or ep.restarted for ep in grp.episodes)
     pool.record(
@@ -553,7 +553,7 @@ def dead_lettered_as(pool, group_id: str, reason: str) -> None:
     """The actor's record of a group it took over and dead-lettered (actor/journal.py
     ``Journal.dead_letter``: refused whole, its journal in ``<run>:dead``), counted in
     the status hash (``episode_groups_dead_lettered``, ``dead_lettered``); the account
-    (pipeline/accounting.py) finds it dead-lettered, not lost."""
+    (pipeline/run/accounting.py) finds it dead-lettered, not lost."""
     pool.record(event="episode_group", group=group_id, action="dead_lettered", reason=reason)
     pool.status.incr("episode_groups_dead_lettered")
     pool.status.incr("dead_lettered")

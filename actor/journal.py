@@ -56,7 +56,7 @@ actor that dies around it leaves either the journal whole (the next taker dead-l
 it) or the dead letter, never neither; a second taker (the first stalled past its
 lease) dead-letters nothing more. The actor records it (an ``episode_group`` record,
 action ``dead_lettered``, with the reason; counted in ``episode_groups_dead_lettered``)
-and takes the next group; the account (pipeline/accounting.py) finds it dead-lettered,
+and takes the next group; the account (pipeline/run/accounting.py) finds it dead-lettered,
 not lost, from that record or from the dead letter, whichever survived. An episode
 whose deltas leave a gap (a delta missing in ``0..n-1``), do not decode, or do not fit
 (lengths that disagree, a delta that takes back sampled ids or starts past the ids

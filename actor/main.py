@@ -33,13 +33,13 @@ from actor.episode_stream import stream_episodes
 from actor.episodes import EpisodeRunner, dead_lettered_as
 from actor.journal import Journal
 from actor.stream import stream_groups
+from actor.weight_receiver import WeightReceiver
 from pipeline.config import run_secret
 from pipeline.envs import load_env
 from pipeline.runtime import EXIT_MISMATCH, Pool, model_path, start_pool
 from pipeline.stopping import final
 from pipeline.tasks import RewardErrors, make_task
 from pipeline.telemetry import Window
-from pipeline.weight_receiver import WeightReceiver
 
 log = logging.getLogger("actor")
 

@@ -163,7 +163,7 @@ def send_group(pool: Pool, group: RolloutGroup, **record) -> None:
         reward=f"{np.mean(scores):.3f}",
         tokens=int(versions.size),
     )
-    # the actor's own record of what it published (pipeline/accounting.py checks the
+    # the actor's own record of what it published (pipeline/run/accounting.py checks the
     # streams and the trainer's records against it): right after the XADD's reply
     pool.record(
         event="group",

@@ -2,8 +2,8 @@
 
 Composes the Hydra config, materializes the model once, starts an embedded
 redis-server unless ``redis.url`` names one (``redis=ha``: a primary, a replica and
-three sentinels, pipeline/redis_ha.py; ``redis=cluster``: a Redis Cluster of 3 primaries
-with a replica each, pipeline/redis_cluster.py), spawns the pools as separate OS
+three sentinels, pipeline/topology/ha.py; ``redis=cluster``: a Redis Cluster of 3 primaries
+with a replica each, pipeline/topology/cluster.py), spawns the pools as separate OS
 processes (``python -m actor|preprocessor|trainer``) with per-process logs,
 shows a live progress line, and stops everything cleanly: when the trainer
 finishes, on Ctrl-C, or when a pool fails (naming it and showing its log).
@@ -12,9 +12,9 @@ Writes ``config.yaml``, ``logs/``, ``metrics.jsonl``, ``checkpoints/`` and
 
 Exit code: 0 when the trainer finished and every actor got its weights; 1 when a
 pool failed, or when the trainer finished but the weights did not reach an actor
-(pipeline/summary.py's rules; its outcome line names the actor); 130 on Ctrl-C or
+(pipeline/run/summary.py's rules; its outcome line names the actor); 130 on Ctrl-C or
 SIGTERM; 2 for bad config or an unreachable Redis. Every pool runs in a process
-group of its own, stopped whole at the end (pipeline/supervisor.py), so nothing a
+group of its own, stopped whole at the end (pipeline/run/supervisor.py), so nothing a
 pool started (vLLM's engine core and workers) outlives the run. The pools' environment
 carries ``NONSTOP_RUN_DIR`` (this run's directory), so every process of the run,
 whoever started it, can be found by it.
@@ -44,20 +44,20 @@ from pipeline.config import (
     validate,
 )
 from pipeline.config.redis import MIGRATE_SHARDS
-from pipeline.cpu_meter import cores, shares_text
 from pipeline.evaluator import wait_for_final_eval
-from pipeline.progress import Progress
-from pipeline.prom_server import Prometheus, check_metrics
-from pipeline.redis_cluster import start_local_cluster
-from pipeline.redis_ha import start_local_ha
-from pipeline.redis_server import EmbeddedRedis, check_no_eviction
-from pipeline.redis_tls import ENV as TLS_ENV
-from pipeline.redis_tls import TLSFiles, make_run_certs
+from pipeline.redisd.server import EmbeddedRedis, check_no_eviction
+from pipeline.redisd.tls import ENV as TLS_ENV
+from pipeline.redisd.tls import TLSFiles, make_run_certs
+from pipeline.run.cpu_meter import cores, shares_text
+from pipeline.run.progress import Progress
+from pipeline.run.prometheus import Prometheus, check_metrics
+from pipeline.run.summary import newest_published, status_version, write_summary
+from pipeline.run.supervisor import RedisNotRestarted, Supervisor
 from pipeline.streams import DRAIN_FIELD, Names, RedisUnavailable, connect, mark_run
 from pipeline.streams.shards import Shards
-from pipeline.summary import newest_published, status_version, write_summary
-from pipeline.supervisor import RedisNotRestarted, Supervisor
 from pipeline.telemetry import read_statuses
+from pipeline.topology.cluster import start_local_cluster
+from pipeline.topology.ha import start_local_ha
 
 register()
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")

@@ -13,7 +13,7 @@ beside a few plain, readable fields (pipeline/streams/durable.py ``publish``)::
                              <run>:stats     StatsEvent                     (no writer yet)
 
 Not Structs, so not here: an actor's request to join the weight-transfer group
-(``<run>:joins``, plain signed fields: pipeline/weight_receiver.py), the weight
+(``<run>:joins``, plain signed fields: actor/weight_receiver.py), the weight
 buckets themselves (raw tensors over the transfer process group, laid out as the
 announcement's BucketSpecs say), and the pools' status hashes (pipeline/telemetry.py).
 
@@ -655,9 +655,9 @@ class EpisodeDelta(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 # ---------------------------------------------------------------- trainer -> actor
 # Stream <run>:weights, one WeightAnnouncement per published version, written by the
-# trainer's weight publisher (pipeline/weight_publisher.py) and read (XREAD, no
+# trainer's weight publisher (trainer/weight_publisher.py) and read (XREAD, no
 # consumer group: every actor reads every entry) by each actor's weight receiver
-# (pipeline/weight_receiver.py). The buckets it describes follow over the transfer
+# (actor/weight_receiver.py). The buckets it describes follow over the transfer
 # process group, not through Redis.
 
 
@@ -688,7 +688,7 @@ class WeightAnnouncement(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
 # ---------------------------------------------------------------- control and status
 # <run>:dead holds, per refused entry, its source stream, id, consumer, the reason
 # and the entry's payload as it came (plain fields: pipeline/streams/consumer.py
-# Consumer.dead_letter); the group accounting (pipeline/accounting.py) reads it for
+# Consumer.dead_letter); the group accounting (pipeline/run/accounting.py) reads it for
 # the summary and pipeline.inspect.
 # <run>:stats is reserved for StatsEvent; no pool writes it yet (metrics go to
 # metrics.jsonl and the status hashes).

@@ -33,7 +33,7 @@ import redis
 
 from pipeline.config import load_config, redis_tls, redis_url, refuse_shard_urls
 from pipeline.prom import Endpoint, Notifier, serve
-from pipeline.redis_server import UnsafeRedis, check_no_eviction
+from pipeline.redisd.server import UnsafeRedis, check_no_eviction
 from pipeline.stopping import NOTHING_LOST, StopEvent, guard, watch
 from pipeline.streams import (
     DataLost,

@@ -18,7 +18,7 @@ Per read of up to ``read_count`` groups, batched across them::
 The scorers are ``preprocessor.scorers``, plus ``reference`` when
 ``trainer.kl_coef > 0`` (preprocessor/scorers.py). Rollouts are acknowledged
 only after their batches are written. Groups dropped for no signal are recorded
-(``no_signal`` event) for the group accounting (pipeline/accounting.py).
+(``no_signal`` event) for the group accounting (pipeline/run/accounting.py).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from pipeline.config import Config
 from pipeline.models import materialize_model
-from pipeline.redis_server import EmbeddedRedis
+from pipeline.redisd.server import EmbeddedRedis
 from pipeline.runtime import Pool
 from pipeline.streams import Names, connect
 from pipeline.telemetry import MetricsFile, PoolStatus

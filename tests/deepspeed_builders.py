@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.redis_server import free_port
+from pipeline.redisd.server import free_port
 from tests.launching import tiny_cache
 
 ROOT = Path(__file__).resolve().parent.parent

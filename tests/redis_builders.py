@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 
-from pipeline.redis_server import free_port
+from pipeline.redisd.server import free_port
 from pipeline.streams import connect
 from tests.launching import ROOT
 
@@ -71,12 +71,12 @@ def pool_start_line(url: str) -> subprocess.CompletedProcess:
 
 
 def acl_cluster(tmp_path, drop: str = "", role: str = "actor"):
-    """A 6-node redis=cluster (pipeline/redis_cluster.py LocalCluster) loading
+    """A 6-node redis=cluster (pipeline/topology/cluster.py LocalCluster) loading
     deploy/redis/users.acl on every node, ``pw-<role>`` passwords (``drop`` removed from
     ``role``'s line). Returns (the LocalCluster, redis+cluster:// URLs per role); the
     caller stops the cluster."""
-    from pipeline.redis_cluster import LocalCluster
     from pipeline.streams.cluster import format_url
+    from pipeline.topology.cluster import LocalCluster
 
     lines = (ROOT / "deploy" / "redis" / "users.acl").read_text().splitlines()
     lines = [
@@ -103,7 +103,7 @@ def tiny_run_as_role_users(tmp_path, topology: str, parse, nodes) -> tuple[set[s
 
     import redis
 
-    from pipeline.redis_acl import ADMIN
+    from pipeline.topology.acl import ADMIN
     from tests.launching import launch_tiny, wait_for_step
 
     run_dir = tmp_path / "run"

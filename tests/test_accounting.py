@@ -1,4 +1,4 @@
-"""Group accounting (pipeline/accounting.py): the actors' records of what they
+"""Group accounting (pipeline/run/accounting.py): the actors' records of what they
 published, checked against the trainer's and the preprocessors' records and the streams
 (read from a real redis-server); every discrepancy is named by id."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import json
 
-from pipeline.accounting import account, dead_letters, in_flight, problems
 from pipeline.messages import (
     SCHEMA_VERSION,
     RolloutGroup,
@@ -18,8 +17,9 @@ from pipeline.messages import (
     pack_i32,
 )
 from pipeline.messages import rle_encode as rle
+from pipeline.run.accounting import account, dead_letters, in_flight, problems
+from pipeline.run.summary import trainer_resume_position
 from pipeline.streams import Consumer, Names, ensure_group, publish
-from pipeline.summary import trainer_resume_position
 from pipeline.telemetry import MetricsFile, read_jsonl
 
 NAMES = Names("nsrl-acct", "run")

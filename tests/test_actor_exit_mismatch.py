@@ -1,7 +1,7 @@
 """An actor that can never take the trainer's weights stops at once (issue 21): a real
 actor process (tiny model, hf engine) against a real redis-server whose rendezvous says
 the trainer sends over another ``weights.transport``. The weight receiver does not retry
-(pipeline/weight_receiver.py PERMANENT); the actor exits with EXIT_MISMATCH and one line
+(actor/weight_receiver.py PERMANENT); the actor exits with EXIT_MISMATCH and one line
 naming both transports, which the launcher's supervisor does not restart."""
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 import actor.main as actor_main
 from actor import batch, stream
 from actor.engines.vllm.client import VLLMEngine
+from actor.weight_receiver import WeightReceiver
 from pipeline.config import Config
 from pipeline.messages import RolloutGroup, decode, rle_decode
 from pipeline.models import materialize_model
@@ -25,7 +26,6 @@ from pipeline.runtime import Pool
 from pipeline.streams import Names, wait_until
 from pipeline.tasks import RewardErrors, make_task, score
 from pipeline.telemetry import MetricsFile, PoolStatus, Window, read_jsonl
-from pipeline.weight_receiver import WeightReceiver
 from tests import vllm_fake
 from tests.vllm_builders import hf_model, hf_state, new_version, settings, vllm_layout
 

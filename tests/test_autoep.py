@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 from pipeline.config import Config
 from pipeline.config.trainer import validate_trainer
 from pipeline.models import materialize_model
-from pipeline.redis_server import free_port
+from pipeline.redisd.server import free_port
 from tests.deepspeed_builders import ROOT, STEPS, assert_weights_match, run_ranks
 
 deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is installed by `make setup`")

@@ -10,8 +10,9 @@ import json
 import pytest
 
 from pipeline.bench.async_ import compare, steady
-from pipeline.bench.scale import CEILING_COLUMNS, ceilings, summarize
 from pipeline.bench.scale import main as scale_main
+from pipeline.bench.scale.ceiling import CEILING_COLUMNS, ceilings
+from pipeline.bench.scale.ramp import summarize
 
 
 def _steps(times: list[float], samples: int = 8, step_s: float = 2.0) -> list[dict]:

@@ -1,4 +1,4 @@
-"""The launcher's CPU meter (pipeline/cpu_meter.py) on real processes: a pool's CPU is
+"""The launcher's CPU meter (pipeline/run/cpu_meter.py) on real processes: a pool's CPU is
 that of its whole process group (a child it started included), another group's is not
 counted, and a process that exits keeps the CPU it was last seen with."""
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from pipeline.cpu_meter import CpuMeter, read_stat, shares_text
+from pipeline.run.cpu_meter import CpuMeter, read_stat, shares_text
 from pipeline.streams import wait_until
 
 BURN = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'while True: pass'])"

@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from pipeline.redis_cluster import bus_port, cluster_info
-from pipeline.redis_server import free_port
-from pipeline.redis_tls import make_run_certs
+from pipeline.redisd.server import free_port
+from pipeline.redisd.tls import make_run_certs
 from pipeline.streams import Names, connect
 from pipeline.streams.cluster import parse as parse_cluster
 from pipeline.streams.sentinel import parse as parse_sentinel
+from pipeline.topology.cluster import bus_port, cluster_info
 from tests.deploy_builders import env_file, stop_processes, unit_file, verify_units
 from tests.slurm_builders import _job_state, sbatch, slurm_env, tail_of, wait_done
 

@@ -14,7 +14,7 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from pipeline.redis_server import EmbeddedRedis
+from pipeline.redisd.server import EmbeddedRedis
 from pipeline.streams import (
     Consumer,
     Names,

@@ -21,7 +21,7 @@ def test_pipeline_end_to_end(tmp_path):
     assert summary["trainer_steps"] == 6
     assert summary["samples_trained"] >= 6 * 8
     # under load the publisher sends only the newest of versions queued behind a send
-    # (pipeline/weight_publisher.py): every version is published or counted unreceived
+    # (trainer/weight_publisher.py): every version is published or counted unreceived
     assert summary["weight_updates_published"] + summary["weight_versions_unreceived"] == 6
     assert summary["weight_updates_published"] >= 2
     assert summary["weight_updates_applied"]["actor-0"] >= 2

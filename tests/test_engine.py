@@ -14,7 +14,7 @@ from pipeline.logprobs import completion_logprobs, pad_sequences
 from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement
 from pipeline.models import load_model, materialize_model
 from pipeline.transfer import TensorSource
-from pipeline.weights import bucket_layout, checksum, flatten
+from pipeline.transfer.buckets import bucket_layout, checksum, flatten
 
 
 def _engine(tmp_path, **kw):

@@ -38,7 +38,7 @@ from pipeline.streams import Names
 from pipeline.tasks import Problem
 from pipeline.telemetry import MetricsFile, PoolStatus, Window, read_jsonl
 from pipeline.transfer import TensorSource
-from pipeline.weights import bucket_layout, checksum, flatten
+from pipeline.transfer.buckets import bucket_layout, checksum, flatten
 from preprocessor.main import to_batches
 from tests.episode_builders import (
     EchoEnv,

@@ -24,7 +24,6 @@ import pytest
 from actor.engines.hf import HFEngine
 from actor.episodes import EpisodeRunner, episode_counts, publish_episodes
 from actor.journal import EpisodeState, Journal, episode_delta, read_group
-from pipeline.accounting import account, in_flight, problems
 from pipeline.messages import (
     SCHEMA_VERSION,
     BadEntry,
@@ -42,6 +41,7 @@ from pipeline.messages import (
     unpack_i32,
 )
 from pipeline.models import load_model
+from pipeline.run.accounting import account, in_flight, problems
 from pipeline.streams import Names
 from pipeline.telemetry import Window, read_jsonl
 from tests.config_builders import actor_config
@@ -395,7 +395,7 @@ def test_a_group_refused_whole_at_take_over_is_dead_lettered_and_counted_not_los
     account counts it dead-lettered with the reason, not lost (from the actor's record,
     and from the dead letter alone when the actor died before writing its record)."""
     from actor.episodes import dead_lettered_as
-    from pipeline.accounting import dead_letters
+    from pipeline.run.accounting import dead_letters
 
     names, metrics = Names("test", "refused"), str(tmp_path / "metrics.jsonl")
     pool = actor_pool(env_config(), rclient, names, metrics, name="actor-1")

@@ -18,11 +18,11 @@ import redis
 from omegaconf import OmegaConf
 
 from actor.room import Room
-from pipeline.accounting import account, in_flight
 from pipeline.bench.faults import DEFAULT_SCHEDULE, left_in_flight, plan
 from pipeline.config import Config, validate
 from pipeline.messages import SCHEMA_VERSION, RolloutGroup, encode
-from pipeline.redis_server import EmbeddedRedis
+from pipeline.redisd.server import EmbeddedRedis
+from pipeline.run.accounting import account, in_flight
 from pipeline.runtime import Pool
 from pipeline.streams import DRAIN_FIELD, Names, connect, count_produced, publish, wait_until
 from pipeline.telemetry import MetricsFile, PoolStatus

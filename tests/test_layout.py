@@ -82,7 +82,8 @@ def test_every_pipeline_module_sits_on_one_floor():
 # README.md's floor table and its Layout rows, pipeline/README.md's diagram and its two
 # tables: written by hand, checked here against pyproject.toml (what lint-imports enforces)
 
-MODULE_FILE = re.compile(r"`(\w+)(?:\.py|/)`")  # `name.py` or `name/`, a whole code span
+# `name.py`, `name/` or a file of package name (`name/file.py`): a whole code span
+MODULE_FILE = re.compile(r"`(\w+)(?:\.py|/|/[\w/]+\.py)`")
 
 
 def table_rows(text: str, header: str) -> list[list[str]]:
@@ -211,7 +212,8 @@ def test_the_floor_lists_are_read_as_written():
     parentheses do not count, the diagram's labels and continuation lines are followed."""
     cell = "`a.py` (x; `b.py` (`C`), `c/`), `d/` (`Shards.of(cfg, ...)`), `e.py`; `f.py`"
     assert outside_parentheses(cell) == {"pipeline.a", "pipeline.d", "pipeline.e", "pipeline.f"}
-    assert MODULE_FILE.fullmatch("`inspect/`") and not MODULE_FILE.fullmatch("`a/b.py`")
+    assert MODULE_FILE.fullmatch("`inspect/`") and not MODULE_FILE.fullmatch("`a.b`")
+    assert MODULE_FILE.fullmatch("`run/summary.py`").group(1) == "run"  # a package's file
 
 
 def is_test_module(dotted: str) -> bool:
@@ -278,3 +280,24 @@ def f():
         "tests.test_e",
         "tests.test_f.sub",
     ]
+
+
+def test_a_moved_module_fails_naming_where_it_is_now():
+    """pipeline/__init__.py MOVED: every old name is gone, its new one imports, and both an
+    import of the old name and ``python -m`` of it fail naming the new one."""
+    import importlib
+
+    import pytest
+
+    from pipeline import MOVED
+
+    for old, new in MOVED.items():
+        assert not exists(old), f"{old} is still there"
+        importlib.import_module(new)
+        with pytest.raises(ModuleNotFoundError, match=re.escape(f"moved to {new}")):
+            importlib.import_module(old)
+    for old in ("pipeline.redis_tls", "pipeline.redis_cluster_move"):  # documented commands
+        done = subprocess.run(
+            [sys.executable, "-m", old, "--help"], capture_output=True, text=True, cwd=ROOT
+        )
+        assert done.returncode != 0 and f"moved to {MOVED[old]}" in done.stderr, done.stderr

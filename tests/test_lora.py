@@ -14,19 +14,19 @@ import torch
 from omegaconf import OmegaConf
 
 from actor.engines.hf import HFEngine
+from actor.weight_receiver import WeightReceiver
 from pipeline import lora
 from pipeline.config import Config, validate
 from pipeline.messages import WeightAnnouncement, decode
 from pipeline.models import load_model, materialize_model
-from pipeline.redis_server import free_port
+from pipeline.redisd.server import free_port
 from pipeline.streams import Names, wait_until
 from pipeline.telemetry import read_jsonl
-from pipeline.weight_publisher import WeightPublisher
-from pipeline.weight_receiver import WeightReceiver
 from tests.trainer_ranks import synthetic_batches
 from trainer.backends.torch_backend import TorchBackend
 from trainer.ranks import Ranks
 from trainer.step import train_step
+from trainer.weight_publisher import WeightPublisher
 
 SECRET = "test-lora-secret"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -361,11 +361,11 @@ def base_weights_of(named: dict) -> dict[str, torch.Tensor]:
     }
 
 
-# ---------------------------------------------------------------- vLLM (actor/engines/vllm/lora.py)
+# ---------------------------------------------- vLLM (actor/engines/vllm/lora_client.py)
 
 
 def test_vllm_engine_kwargs_and_rank_rounding(models):
-    from actor.engines.vllm import lora as vllm_lora
+    from actor.engines.vllm import lora_client as vllm_lora
 
     tiny, _ = models
     assert vllm_lora.engine_kwargs(lora_cfg(tiny, rank=0).model.lora) == {}
@@ -381,9 +381,9 @@ def test_vllm_engine_kwargs_and_rank_rounding(models):
 def test_vllm_initial_adapter_is_the_trainers_version_0(models, tmp_path):
     from peft import PeftModel
 
-    from actor.engines.vllm import lora as vllm_lora
-    from actor.engines.vllm.worker import lora as worker_lora
-    from pipeline.weights import bucket_layout, flatten
+    from actor.engines.vllm import lora_client as vllm_lora
+    from actor.engines.vllm.worker import adapter_swap as worker_lora
+    from pipeline.transfer.buckets import bucket_layout, flatten
 
     tiny, _ = models
     cfg = lora_cfg(tiny)
@@ -409,8 +409,8 @@ def test_vllm_swaps_the_adapter_in_place_and_matches_peft(models, tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU and vLLM 0.24")
     vllm = pytest.importorskip("vllm")
-    from actor.engines.vllm import lora as vllm_lora
-    from actor.engines.vllm.worker import lora as worker_lora
+    from actor.engines.vllm import lora_client as vllm_lora
+    from actor.engines.vllm.worker import adapter_swap as worker_lora
 
     tiny, _ = models
     cfg = lora_cfg(tiny, rank=8)

@@ -1,4 +1,4 @@
-"""Processes started under an actor end when it is SIGKILLed (pipeline/orphans.py),
+"""Processes started under an actor end when it is SIGKILLed (actor/orphans.py),
 without the launcher: a multiprocessing child that loads the plugin, and (real vLLM)
 the engine core and worker of a VLLMEngine whose process is SIGKILLed."""
 
@@ -18,7 +18,7 @@ PARENT = """
 import multiprocessing, os, sys, time
 
 def child(q):
-    from pipeline.orphans import vllm_plugin
+    from actor.orphans import vllm_plugin
     vllm_plugin()
     q.put(os.getpid())
     time.sleep(600)

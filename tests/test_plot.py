@@ -177,7 +177,7 @@ def test_the_first_throughput_point_is_not_a_spike():
 
 
 def test_a_stall_outside_a_gap_is_unmeasured_not_zero():
-    from pipeline.bench.weights import stalls
+    from pipeline.bench.weight_updates import stalls
 
     passes = [(0.0, 1.0), (1.1, 2.0), (3.0, 4.0)]  # gaps: 0.1 s and 1.0 s
     measured, unmeasured, usual = stalls(passes, [2.5, 5.0, -1.0])
@@ -187,7 +187,7 @@ def test_a_stall_outside_a_gap_is_unmeasured_not_zero():
 
 
 def test_progress_rates_wait_for_a_long_enough_window():
-    from pipeline.progress import RATE_MIN_S, Progress, Rate
+    from pipeline.run.progress import RATE_MIN_S, Progress, Rate
 
     rate = Rate()
     assert rate.add(0.0, 0) is None

@@ -42,6 +42,7 @@ from tests.listen_builders import CONFIGURED, _descendants, _name
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "nonstop-rl.json"
 MAX_QUEUE_GROUPS = 4  # the live run's actor.max_queue_groups
+BACKPRESSURE_SERIES = "nonstop_backpressure_wait_seconds_count{"
 
 
 def get(url: str, timeout: float = 3.0) -> tuple[int, str]:
@@ -198,6 +199,12 @@ def live(tmp_path_factory, wrap):
             os.kill(pid, signal.SIGCONT)
         facts["health_after"] = _poll(pre + "/health", 200, timeout=10)
         facts["after_health_ok"] = time.time()
+        # the hold ends once the trainer retires groups again: its record fills the
+        # back-pressure histogram, which Prometheus must scrape twice for rate() to have a
+        # value (a 3-worker test run once ended with that panel empty)
+        facts["backpressure_served_s"] = _served_for(
+            "http://" + targets(run_dir)["actor-0"], BACKPRESSURE_SERIES, 3.0, 90
+        )
         out, _ = proc.communicate(timeout=300)
     finally:
         done.set()
@@ -283,6 +290,24 @@ def _held_back(run_dir: Path, pid: int, timeout: float) -> tuple[bool, dict[str,
     return False, fields
 
 
+def _served_for(url: str, series: str, want_s: float, timeout: float) -> float:
+    """Seconds ``url``/metrics has served ``series`` (up to ``want_s``; 0: never within
+    ``timeout``, or the pool stopped answering first)."""
+    deadline, first = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        try:
+            served = series in get(url + "/metrics")[1]
+        except OSError:
+            break
+        now = time.monotonic()
+        if served and first is None:
+            first = now
+        if first is not None and now - first >= want_s:
+            break
+        time.sleep(0.2)
+    return 0.0 if first is None else time.monotonic() - first
+
+
 def _ready(url: str) -> bool:
     try:
         return get(url + "/-/ready")[0] == 200
@@ -344,6 +369,8 @@ def test_every_dashboard_query_returns_data_on_the_live_run(live):
     assert len(exprs) >= 30
     held, status = live["actor_held_back"]  # the back-pressure panel's data
     assert held, f"the actor was never held back by its backlog: {status}"
+    served = live["backpressure_served_s"]
+    assert served >= 2.5, f"the actor served its back-pressure histogram for {served:.1f} s"
     promql = live["promql"]
     empty = [e for e in exprs if not promql.query_range(e, live["start"], live["end"])]
     assert not empty, f"panels whose query returns no data: {empty}"
@@ -376,12 +403,12 @@ def _refused(tmp, *overrides, path=None) -> str:
 
 
 def test_bad_metrics_settings_are_refused_in_one_line_before_the_run_starts(tmp_path):
-    """The launcher's checks (pipeline/prom_server.py check_metrics, called before anything
+    """The launcher's checks (pipeline/run/prometheus.py check_metrics, called before anything
     starts); the launcher itself once, for the missing binary: exit 2, one line."""
     from omegaconf import OmegaConf
 
     from pipeline.config import Config
-    from pipeline.prom_server import check_metrics
+    from pipeline.run.prometheus import check_metrics
 
     cfg = OmegaConf.structured(Config)
     cfg.metrics.http.enabled = True
@@ -434,10 +461,10 @@ def test_inspect_writes_prometheus_targets_for_hosts_without_the_launcher(rclien
 
 
 def test_shipped_and_generated_prometheus_configs_pass_promtool(tmp_path):
-    """deploy/prometheus/prometheus.yml and the launcher's (pipeline/prom_server.py)."""
+    """deploy/prometheus/prometheus.yml and the launcher's (pipeline/run/prometheus.py)."""
     if shutil.which("promtool") is None:
         pytest.skip("no promtool (Debian's prometheus package has it)")
-    from pipeline.prom_server import config_text
+    from pipeline.run.prometheus import config_text
 
     made = tmp_path / "prometheus.yml"
     made.write_text(config_text(str(tmp_path / "targets.json"), 0.5))
@@ -454,7 +481,7 @@ def test_health_says_loading_then_redis_unreachable_and_200_after_each(tmp_path)
     seconds of the redis-server stopping (not after the client's 60 s of retries, and
     not "stalled"), and 200 again once the same server is back."""
     from pipeline.config import load_config
-    from pipeline.redis_server import EmbeddedRedis
+    from pipeline.redisd.server import EmbeddedRedis
     from pipeline.streams import Names
     from tests.config_builders import actor_config
 

@@ -1,4 +1,4 @@
-"""redis.mode=cluster on real redis-servers on loopback (pipeline/redis_cluster.py,
+"""redis.mode=cluster on real redis-servers on loopback (pipeline/topology/cluster.py,
 pipeline/streams/cluster.py): 3 primaries with a replica each; the work streams in
 hash-tagged partitions and the control keys in a slot of their own, so every Lua script
 runs in one slot; bad cluster URLs fail in one line; the cluster client follows a
@@ -32,8 +32,7 @@ from pipeline.messages import (
     pack_u8,
     rle_encode,
 )
-from pipeline.redis_cluster import LocalCluster, bus_port
-from pipeline.redis_server import EmbeddedRedis, free_port
+from pipeline.redisd.server import EmbeddedRedis, free_port
 from pipeline.streams import (
     Names,
     RedisRefused,
@@ -48,9 +47,10 @@ from pipeline.streams import (
 from pipeline.streams.cluster import parse, silent
 from pipeline.streams.durable import Durability, Lua, NotReplicated, attach
 from pipeline.tasks import Problem
-from pipeline.weight_publisher import set_rendezvous
+from pipeline.topology.cluster import LocalCluster, bus_port
 from tests.launching import ROOT, launch_tiny, run_tiny
 from tests.redis_builders import WatchRounds, pool_start_line
+from trainer.weight_publisher import set_rendezvous
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
 
@@ -87,7 +87,7 @@ def test_cluster_urls_parse_and_hide_the_password():
         with pytest.raises(ValueError, match=said) as e:
             parse(bad)
         assert "pw" not in str(e.value)
-    tls = parse("rediss+cluster://:pw@h1:1/")  # TLS: pipeline/redis_tls.py
+    tls = parse("rediss+cluster://:pw@h1:1/")  # TLS: pipeline/redisd/tls.py
     assert tls.tls and tls.shown() == "rediss+cluster://***@h1:1/"
     assert not p.tls and p.ssl_kwargs() == {}
 
@@ -155,7 +155,7 @@ SCRIPT_MODULES = (
     "pipeline.streams.counters",
     "actor.room",
     "trainer.main",
-    "pipeline.weight_publisher",
+    "trainer.weight_publisher",
     "actor.journal",
 )
 
@@ -442,7 +442,7 @@ def test_tiny_pipeline_on_an_external_redis_cluster(tmp_path):
 @pytest.mark.slow
 def test_a_partition_moved_mid_run_loses_and_duplicates_nothing(tmp_path):
     """The tiny pipeline on a cluster of the operator's; once groups flow, partition 1
-    moves to another primary (python -m pipeline.redis_cluster_move, as an operator runs
+    moves to another primary (python -m pipeline.topology.cluster_move, as an operator runs
     it) under the running pools: the run finishes, nothing lost or trained twice."""
     local = LocalCluster(str(tmp_path / "cluster"))
     local.start()
@@ -464,7 +464,7 @@ def test_a_partition_moved_mid_run_loses_and_duplicates_nothing(tmp_path):
         source = client.get_node_from_key(stream).name
         to = next(n.name for n in client.get_primaries() if n.name != source)
         move = subprocess.run(
-            [sys.executable, "-m", "pipeline.redis_cluster_move", "--run", names.run]
+            [sys.executable, "-m", "pipeline.topology.cluster_move", "--run", names.run]
             + ["--partition", "1", "--to", to],
             env=dict(os.environ, NONSTOP_REDIS_URL=local.url),
             cwd=ROOT,
@@ -575,15 +575,15 @@ def _wait(check, timeout, why=lambda: ""):
 
 
 def test_a_partition_moves_to_another_primary_under_a_writer_and_a_reader(tmp_path, capsys):
-    """python -m pipeline.redis_cluster_move moves partition 1 (one slot) to another
+    """python -m pipeline.topology.cluster_move moves partition 1 (one slot) to another
     primary while a client keeps publishing to it through the durable path (WAIT 1):
     every acknowledged write is there once, in order; the consumer group moved with the
     stream (its pending entries and its position); the XADD-once keys moved too (a
     re-sent group is not written again). Bad targets: one line, exit 2."""
     import threading
 
-    from pipeline.redis_cluster_move import main as move
-    from pipeline.redis_cluster_move import move_slot
+    from pipeline.topology.cluster_move import main as move
+    from pipeline.topology.cluster_move import move_slot
 
     local = LocalCluster(str(tmp_path / "cluster"))
     local.start()

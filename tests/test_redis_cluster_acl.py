@@ -1,5 +1,5 @@
 """Per-pool ACL users on a Redis Cluster (redis.mode=cluster), on real redis-servers on
-loopback: a 6-node cluster (pipeline/redis_cluster.py LocalCluster) loading
+loopback: a 6-node cluster (pipeline/topology/cluster.py LocalCluster) loading
 deploy/redis/users.acl on every node; each role's user does its work on every partition
 and on the control keys' slot and is refused what it must not do (as
 tests/test_security.py on one Redis); the start-up probes name the node that refused;
@@ -19,13 +19,13 @@ import redis
 from omegaconf import OmegaConf
 
 from pipeline.config import Config, validate
-from pipeline.redis_acl import ADMIN, per_run_users
 from pipeline.streams import Names, RedisRefused, check_permissions, connect, wait_until
 from pipeline.streams.cluster import parse
 from pipeline.streams.durable import Durability
-from pipeline.weight_publisher import set_rendezvous
+from pipeline.topology.acl import ADMIN, per_run_users
 from tests.launching import ROOT, tiny_cache
 from tests.redis_builders import acl_cluster, tiny_run_as_role_users
+from trainer.weight_publisher import set_rendezvous
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
 
@@ -307,7 +307,7 @@ def test_acl_users_and_tls_together_on_the_local_cluster(tmp_path, monkeypatch):
     """redis=cluster redis.tls=true redis.acl_file=...: every node TLS-only and loading the
     per-run users; each pool's URL is a rediss+cluster:// URL of its own user, which
     works over TLS and is refused what its role may not do."""
-    from pipeline.redis_cluster import start_local_cluster
+    from pipeline.topology.cluster import start_local_cluster
 
     cfg = OmegaConf.structured(Config)
     cfg.redis.mode, cfg.redis.shards, cfg.redis.tls.enabled = "cluster", PARTITIONS, True

@@ -21,9 +21,9 @@ from omegaconf import OmegaConf
 
 from pipeline.config import Config
 from pipeline.messages import RolloutGroup, encode
-from pipeline.redis_server import EmbeddedRedis, free_port
+from pipeline.redisd.server import EmbeddedRedis, free_port
+from pipeline.run.summary import build_summary
 from pipeline.streams import Consumer, Names, RedisUnavailable, connect, publish
-from pipeline.summary import build_summary
 from tests.launching import ROOT, tiny_cache
 from tests.redis_builders import acl_server
 from tests.trainer_builders import batch, run_step, sample
@@ -263,7 +263,7 @@ def test_the_supervisor_restarts_an_unreachable_pool_but_stops_on_a_refused_one(
     """Exit 2 (Redis unreachable at start-up: may come back) is restarted like a crash;
     exit 4 (Redis refused the pool: ACL, credentials, eviction) stops the run at once
     with the pool's last line."""
-    from pipeline.supervisor import Supervisor
+    from pipeline.run.supervisor import Supervisor
 
     cfg = OmegaConf.structured(Config)
     cfg.launch.restart_policy, cfg.launch.max_restarts, cfg.launch.watchdog_s = "on-failure", 3, 0

@@ -1,4 +1,4 @@
-"""redis.mode=sentinel on real redis-servers on loopback (pipeline/redis_ha.py,
+"""redis.mode=sentinel on real redis-servers on loopback (pipeline/topology/ha.py,
 pipeline/streams/sentinel.py): a primary, a replica and three sentinels; the client found
 through the sentinels follows a failover (SIGKILL of the primary and its data directory
 deleted) with no restart; the primary refuses writes without a replica; bad sentinel
@@ -20,10 +20,10 @@ import redis
 from omegaconf import OmegaConf
 
 from pipeline.config import Config, min_replicas_acked, validate
-from pipeline.redis_ha import RedisHA
-from pipeline.redis_server import free_port
+from pipeline.redisd.server import free_port
 from pipeline.streams import RedisRefused, RedisUnavailable, connect
 from pipeline.streams.sentinel import NotEnoughReplicas, failover_gap, parse
+from pipeline.topology.ha import RedisHA
 from tests.deploy_builders import stop_processes
 from tests.launching import ROOT, run_tiny
 from tests.redis_builders import WatchRounds, pool_start_line
@@ -51,7 +51,7 @@ def test_sentinel_urls_parse_and_hide_the_password():
     ]:
         with pytest.raises(ValueError, match=said):
             parse(bad)
-    tls = parse("rediss+sentinel://:pw@h1:1/svc")  # TLS: pipeline/redis_tls.py
+    tls = parse("rediss+sentinel://:pw@h1:1/svc")  # TLS: pipeline/redisd/tls.py
     assert tls.tls and tls.shown() == "rediss+sentinel://***@h1:1/svc/0"
     assert not p.tls and p.ssl_kwargs() == {}
 
@@ -303,7 +303,7 @@ def test_deploy_scripts_with_per_role_users_on_nodes_and_sentinels(tmp_path):
     syncs as the URL's admin user, the sentinels know each other and log in to the nodes
     as it, each pool's user finds the primary through them and may do nothing else
     there; a SIGKILLed primary is failed over. Without a user in the URL: one line."""
-    from pipeline.redis_acl import SENTINEL_RULES
+    from pipeline.topology.acl import SENTINEL_RULES
 
     password = "0123abcd" * 4
     acl = (ROOT / "deploy" / "redis" / "users.acl").read_text()

@@ -14,10 +14,10 @@ import redis
 from omegaconf import OmegaConf
 
 from pipeline.config import Config
-from pipeline.redis_acl import ADMIN, SENTINEL_RULES
-from pipeline.redis_ha import start_local_ha
 from pipeline.streams import Names, RedisRefused, connect, wait_until
 from pipeline.streams.sentinel import format_url, parse
+from pipeline.topology.acl import ADMIN, SENTINEL_RULES
+from pipeline.topology.ha import start_local_ha
 from tests.launching import ROOT
 from tests.redis_builders import WatchRounds, tiny_run_as_role_users
 

@@ -1,4 +1,4 @@
-"""Redis over TLS (pipeline/redis_tls.py): the embedded server on TLS only, one clear
+"""Redis over TLS (pipeline/redisd/tls.py): the embedded server on TLS only, one clear
 line for a plain client or a wrong CA, the settings' checks, and the tiny pipeline over
 TLS, embedded (redis.tls=true) and against an operator's TLS-only redis-server started
 by deploy/bin/nonstop-redis-start with the shipped ACL users."""
@@ -25,11 +25,11 @@ from pipeline.config import (
     validate,
 )
 from pipeline.launch import cli_recipe
-from pipeline.redis_cluster import LocalCluster
-from pipeline.redis_ha import RedisHA
-from pipeline.redis_server import EmbeddedRedis, free_port
-from pipeline.redis_tls import TLSFiles, make_run_certs, speaks_plain, speaks_tls
+from pipeline.redisd.server import EmbeddedRedis, free_port
+from pipeline.redisd.tls import TLSFiles, make_run_certs, speaks_plain, speaks_tls
 from pipeline.streams import RedisRefused, connect
+from pipeline.topology.cluster import LocalCluster
+from pipeline.topology.ha import RedisHA
 from tests.launching import ROOT, run_tiny, tiny_cache
 from tests.redis_builders import WatchRounds
 

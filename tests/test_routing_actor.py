@@ -16,11 +16,11 @@ from actor import publish as publish_mod
 from actor.batch import generate_step
 from actor.engines.hf import HFEngine
 from pipeline import models, routing
-from pipeline.accounting import dead_letters
 from pipeline.config import Config, validate
 from pipeline.config.sampling import DENSE_MODELS
 from pipeline.messages import RolloutGroup, decode, unpack_i32
 from pipeline.models import load_model, materialize_model
+from pipeline.run.accounting import dead_letters
 from pipeline.streams import Names
 from pipeline.tasks import RewardErrors, make_task
 from pipeline.telemetry import Window

@@ -9,7 +9,7 @@ import time
 import pytest
 import redis
 
-from pipeline.redis_server import free_port
+from pipeline.redisd.server import free_port
 from tests.launching import ROOT, launch_tiny, run_tiny, wait_for_step
 
 ROLES = ("actor", "preprocessor", "trainer", "operator")

@@ -15,7 +15,6 @@ import pytest
 import redis
 from omegaconf import OmegaConf
 
-from pipeline.accounting import in_flight
 from pipeline.config import MIGRATE_SHARDS, expand_shorthands, load_config, validate_shards
 from pipeline.messages import (
     SCHEMA_VERSION,
@@ -26,9 +25,10 @@ from pipeline.messages import (
     pack_i32,
     rle_encode,
 )
-from pipeline.redis_cluster import LocalCluster
+from pipeline.run.accounting import in_flight
 from pipeline.streams import Consumer, Names, connect, publish
 from pipeline.streams.shards import ShardedConsumer, Shards, open_consumer
+from pipeline.topology.cluster import LocalCluster
 from tests.config_builders import compose_config
 from tests.launching import run_tiny
 

@@ -1,7 +1,7 @@
 """A whole machine shutting down: every process of a run told to stop at once, its
 redis-server included (issue 24). Pools stop at once whatever Redis does
 (pipeline/stopping.py); the launcher writes summary.json from the run directory,
-saying what Redis could not give (pipeline/summary.py); nothing is lost (the AOF
+saying what Redis could not give (pipeline/run/summary.py); nothing is lost (the AOF
 holds every acknowledged write, un-acknowledged entries stay pending), so the run
 launched again on the same directory goes on and its account holds.
 
@@ -32,12 +32,12 @@ import redis
 
 from pipeline.bench.faults import account_run
 from pipeline.messages import SCHEMA_VERSION, TrainBatch, encode
-from pipeline.redis_server import EmbeddedRedis
+from pipeline.redisd.server import EmbeddedRedis
+from pipeline.run.summary import write_summary
+from pipeline.run.summary_fields import WITHOUT_REDIS
 from pipeline.runtime import StoppedAtStartup, stop_handler
 from pipeline.stopping import FINAL_WRITES_S, StopAwareRetry, StopEvent, final, guard, watch
 from pipeline.streams import Consumer, Names, connect, publish
-from pipeline.summary import write_summary
-from pipeline.summary_fields import WITHOUT_REDIS
 from tests.launching import launch_tiny, run_leftovers, run_tiny, wait_for_step
 
 # every process gone within this after the SIGTERM: typically 3-4 s here, but 6.7, 7.5

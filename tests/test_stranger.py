@@ -37,8 +37,8 @@ import torch.distributed as dist
 from pipeline.models import load_model, materialize_model
 from pipeline.streams import wait_until
 from pipeline.transfer.channel import SealedStore, StrangerValue, serve, tag, wait_get
-from pipeline.weight_publisher import WeightPublisher
 from tests.weight_peers import BUCKET_MB, NAMES, ROOT, SECRET, TIMEOUT_S, Peer, name_digests
+from trainer.weight_publisher import WeightPublisher
 
 
 def _bump(model, by: float) -> dict[str, str]:
@@ -74,7 +74,7 @@ def _is_whole(version: int, digests: dict[str, str], versions: dict) -> bool:
 def test_a_stranger_on_the_store_neither_mixes_nor_stalls_a_transfer(
     tmp_path, rclient, redis_server, caplog
 ):
-    caplog.set_level("ERROR", logger="pipeline.weight_publisher")
+    caplog.set_level("ERROR", logger="trainer.weight_publisher")
     path = materialize_model("tiny", cache_dir=str(tmp_path))
     model, _ = load_model(path)
     versions = {0: name_digests(model)}

@@ -17,7 +17,7 @@ from redis.retry import Retry
 
 from pipeline.messages import SCHEMA_VERSION, RolloutGroup, Sample, encode, pack_f32, pack_i32
 from pipeline.messages import rle_encode as rle
-from pipeline.redis_server import check_no_eviction
+from pipeline.redisd.server import check_no_eviction
 from pipeline.streams import Consumer, Names, publish, trim_consumed
 
 NAMES = Names("nsrl-test", "run1")

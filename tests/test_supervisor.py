@@ -11,8 +11,8 @@ import uuid
 from omegaconf import OmegaConf
 
 from pipeline.config import Config
+from pipeline.run.supervisor import Supervisor
 from pipeline.runtime import EXIT_MISMATCH
-from pipeline.supervisor import Supervisor
 from tests.launching import marked_processes, wait_until
 
 # a pool: starts a child (in the pool's process group) that ignores SIGTERM, writes
@@ -241,7 +241,7 @@ def _hold(port: int):
 
 
 def _redis_supervisor(tmp_path):
-    from pipeline.redis_server import EmbeddedRedis
+    from pipeline.redisd.server import EmbeddedRedis
 
     cfg = OmegaConf.structured(Config)
     server = EmbeddedRedis(str(tmp_path / "redis"))
@@ -276,7 +276,7 @@ def test_an_embedded_redis_that_cannot_start_again_is_retried_each_round(tmp_pat
 def test_an_embedded_redis_that_never_starts_again_ends_the_run_saying_why(tmp_path):
     import pytest
 
-    from pipeline.supervisor import REDIS_START_ATTEMPTS, RedisNotRestarted
+    from pipeline.run.supervisor import REDIS_START_ATTEMPTS, RedisNotRestarted
 
     sup, server = _redis_supervisor(tmp_path)
     try:
@@ -295,13 +295,13 @@ def test_an_embedded_redis_that_never_starts_again_ends_the_run_saying_why(tmp_p
 
 def test_free_ports_lie_below_the_ephemeral_range_and_can_be_bound(monkeypatch):
     """A port for a server started a moment later is never one an outgoing connection
-    may take meanwhile (pipeline/redis_server.py free_port); a cluster node's bus port
-    P + 10000 neither (pipeline/redis_cluster.py bus_port)."""
+    may take meanwhile (pipeline/redisd/server.py free_port); a cluster node's bus port
+    P + 10000 neither (pipeline/topology/cluster.py bus_port)."""
     import socket
 
-    from pipeline import redis_server
-    from pipeline.redis_cluster import bus_port
-    from pipeline.redis_server import LOWEST_PORT, ephemeral_range, free_port
+    from pipeline.redisd import server as redis_server
+    from pipeline.redisd.server import LOWEST_PORT, ephemeral_range, free_port
+    from pipeline.topology.cluster import bus_port
 
     low = ephemeral_range()[0]
     for port in [free_port() for _ in range(50)]:

@@ -9,7 +9,6 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from pipeline.accounting import account, in_flight
 from pipeline.config import Config
 from pipeline.messages import (
     TrainBatch,
@@ -17,6 +16,7 @@ from pipeline.messages import (
     encode,
     pack_f32,
 )
+from pipeline.run.accounting import account, in_flight
 from pipeline.streams import Names, publish
 from pipeline.telemetry import read_jsonl
 from tests.trainer_builders import batch, run_step, sample

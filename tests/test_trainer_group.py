@@ -1,5 +1,5 @@
 """Several trainer ranks started, named, failed and restarted as one group:
-by the launcher (pipeline/supervisor.py) and by deploy/bin/nonstop-pool (torchrun)."""
+by the launcher (pipeline/run/supervisor.py) and by deploy/bin/nonstop-pool (torchrun)."""
 
 from __future__ import annotations
 

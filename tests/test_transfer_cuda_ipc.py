@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from actor.engines.hf import HFEngine
+from actor.weight_receiver import WeightReceiver
 from pipeline.models import load_model, materialize_model
 from pipeline.streams import Names, wait_until
 from pipeline.transfer.cuda_ipc import (
@@ -26,9 +27,8 @@ from pipeline.transfer.cuda_ipc import (
     decode_offer,
     encode_offer,
 )
-from pipeline.weight_publisher import WeightPublisher
-from pipeline.weight_receiver import WeightReceiver
 from tests.weight_peers import ROOT, SECRET, Lines, digest
+from trainer.weight_publisher import WeightPublisher
 
 
 def _buffer(handle: bytes, numel: int = 4, dtype: str = "float32") -> IpcBuffer:

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from pipeline.redis_server import free_port
+from pipeline.redisd.server import free_port
 from pipeline.torch_logs import ENV, QUIET, one_line, quiet_cpp_logs
 
 PRELUDE = """
@@ -28,7 +28,7 @@ names = Names("test", "joinerr-" + port)
 """
 
 ACTOR = """
-from pipeline.weight_receiver import WeightReceiver
+from actor.weight_receiver import WeightReceiver
 client.hset(names.rendezvous, mapping={"transport": "gloo", "host": "127.0.0.1",
                                        "port": port, "epoch": "e1"})
 receiver = WeightReceiver(client, names, "actor-0", None, timeout_s=1.5, secret="s")
@@ -41,8 +41,8 @@ print("failed", receiver.failed)
 """
 
 TRAINER = """
-from pipeline.weight_publisher import WeightPublisher
-from pipeline.weights import join_mac
+from trainer.weight_publisher import WeightPublisher
+from pipeline.transfer.buckets import join_mac
 publisher = WeightPublisher(client, names, "127.0.0.1", 1, timeout_s=1.5, secret="s")
 join = {"actor": "actor-z", "nonce": "n1", "epoch": publisher.epoch}
 join["mac"] = join_mac("s", join)

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from actor.engines.hf import HFEngine
+from actor.weight_receiver import WeightReceiver
 from pipeline.models import load_model, materialize_model
 from pipeline.streams import Names, wait_until
 from pipeline.transfer import make_receiver, make_sender
-from pipeline.weight_publisher import WeightPublisher
-from pipeline.weight_receiver import WeightReceiver
 from tests.weight_peers import BUCKET_MB, NAMES, PEER_LINE_S, SECRET, TIMEOUT_S, Peer, params_digest
+from trainer.weight_publisher import WeightPublisher
 
 
 def _publisher(rclient, names=NAMES, timeout_s=TIMEOUT_S, **kw):

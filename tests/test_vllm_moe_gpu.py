@@ -44,7 +44,7 @@ def test_routes_on_cuda_match_transformers(moe_dirs):
     from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement
     from pipeline.routing import capture, stack_forward
     from pipeline.transfer.base import TensorSource
-    from pipeline.weights import bucket_layout, checksum, flatten
+    from pipeline.transfer.buckets import bucket_layout, checksum, flatten
 
     settings = gpu_settings(enforce_eager=True, enable_prefix_caching=True)
     need_gpu()

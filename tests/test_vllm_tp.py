@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from actor.engines.vllm.worker.tp import merge_polls
-from pipeline.redis_server import free_port
+from pipeline.redisd.server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,13 +1,13 @@
 """A run whose weights never reach an actor is not "finished": the rules of
-pipeline/summary.py's weight_problems, the live progress line, and (slow) a real
+pipeline/run/summary.py's weight_problems, the live progress line, and (slow) a real
 launcher run whose weight transfers all miss their deadline exiting 1."""
 
 import json
 
 import pytest
 
-from pipeline.progress import Progress
-from pipeline.summary import weight_problems
+from pipeline.run.progress import Progress
+from pipeline.run.summary import weight_problems
 from tests.launching import run_leftovers, run_tiny
 
 

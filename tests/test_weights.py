@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from actor.engines.hf import HFEngine
+from actor.weight_receiver import WeightReceiver
 from pipeline.messages import WeightAnnouncement, decode
 from pipeline.models import load_model, materialize_model
 from pipeline.streams import Names, wait_until
 from pipeline.telemetry import PoolStatus
-from pipeline.weight_publisher import WeightPublisher
-from pipeline.weight_receiver import WeightReceiver
-from pipeline.weights import bucket_layout, checksum, flatten
+from pipeline.transfer.buckets import bucket_layout, checksum, flatten
 from tests.weight_peers import BUCKET_MB, NAMES, SECRET, TIMEOUT_S, Peer, params_digest
+from trainer.weight_publisher import WeightPublisher
 
 
 def _models(tmp_path):

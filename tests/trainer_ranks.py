@@ -115,10 +115,10 @@ def publish_and_receive(backend, ranks, url: str, model_dir: str) -> dict | None
     if not ranks.is_main:
         return None
     from actor.engines.hf import HFEngine
+    from actor.weight_receiver import WeightReceiver
     from pipeline.models import load_model
     from pipeline.streams import Names, connect, wait_until
-    from pipeline.weight_publisher import WeightPublisher
-    from pipeline.weight_receiver import WeightReceiver
+    from trainer.weight_publisher import WeightPublisher
 
     client, names, secret = connect(url), Names("test", "ds-publish"), "s"
     actor_model, tok = load_model(model_dir)

@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from pipeline import lora
 from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement
 from pipeline.transfer import TensorSource
-from pipeline.weights import bucket_layout, checksum, flatten
+from pipeline.transfer.buckets import bucket_layout, checksum, flatten
 from tests import vllm_real
 
 if TYPE_CHECKING:

@@ -13,11 +13,13 @@ How to use, in a test module::
         push(eng, 1, new_weights(1))           # stage + swap version 1 (seed-1 weights)
 
 ``vllm_engine`` (a fixture; tests/conftest.py imports it, so every test module has it)
-starts ONE engine per pytest process (about 15 s on an idle machine here:
-``enforce_eager``, no torch.compile, which takes ~70 s) on :func:`tiny_llama` (seed 0)
-saved to a temporary folder, and closes it when the process's tests end: the modules
-that use it (test_vllm_real.py, test_bench_vllm.py) share one start. Tests share it, so
-each leaves it as it wants it found: :func:`reset` puts version 0 back. For an engine with other
+starts ONE engine per test module (about 15 s on an idle machine here: ``enforce_eager``,
+no torch.compile, which takes ~70 s) on :func:`tiny_llama` (seed 0) saved to a temporary
+folder, and closes it at the module's end. Not one per pytest process: vLLM's metrics
+are process-global (each new engine unregisters the ``vllm:`` collectors of the engines
+before it), so an engine started before another module's no longer serves its own
+metrics (test_vllm_real.py reads them). Tests in a module share it, so each leaves it
+as it wants it found: :func:`reset` puts version 0 back. For an engine with other
 settings (another ``update_mode``, prefix caching off) use :func:`start_engine` in a
 module fixture of your own, and ``.close()`` it. ``tests/conftest.py`` skips every test
 marked ``vllm``, with the reason, when ``import vllm`` fails.
@@ -40,7 +42,7 @@ import torch
 
 from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement, encode
 from pipeline.transfer.base import TensorSource
-from pipeline.weights import bucket_layout, checksum, flatten
+from pipeline.transfer.buckets import bucket_layout, checksum, flatten
 
 VOCAB = 512
 TINY = dict(  # a Llama vLLM's CPU backend runs: head size 32 (hidden / heads)
@@ -246,9 +248,9 @@ def save_tiny(path: str, seed: int = 0) -> str:
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_engine(tmp_path_factory):
-    """ONE real vLLM engine for the pytest process (see the module docstring)."""
+    """ONE real vLLM engine for the test module (see the module docstring)."""
     why = vllm_available()
     if why is not None:
         pytest.skip(why)

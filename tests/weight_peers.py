@@ -23,14 +23,14 @@ import threading
 import time
 
 from actor.engines.hf import HFEngine
+from actor.weight_receiver import WeightReceiver
 from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement, decode, encode
 from pipeline.models import load_model
 from pipeline.streams import Names, connect, publish
+from pipeline.transfer.buckets import bucket_layout, checksum, flatten
 from pipeline.transfer.gloo import broadcast_buckets
 from pipeline.transfer.nccl import broadcast as nccl_broadcast
-from pipeline.weight_publisher import WeightPublisher
-from pipeline.weight_receiver import WeightReceiver
-from pipeline.weights import bucket_layout, checksum, flatten
+from trainer.weight_publisher import WeightPublisher
 
 NAMES = Names("test", "faults")
 BUCKET_MB = 0.05

@@ -37,12 +37,12 @@ from pipeline.runtime import Pool, model_path, start_pool
 from pipeline.stopping import final
 from pipeline.streams import DATA, Lua, add_once, durable
 from pipeline.streams.shards import open_consumer
-from pipeline.weight_publisher import WeightPublisher
 from trainer import checkpoint
 from trainer.backends import describe, describe_line, make_backend
 from trainer.batches import StepData, collect, sample_ids, stale_by_length
 from trainer.ranks import Plan, Ranks, close, init_ranks, my_share, share_plan
 from trainer.step import StepTotals, constant_divisor, sample_metrics, train_step
+from trainer.weight_publisher import WeightPublisher
 
 log = logging.getLogger("trainer")
 GROUP = "trainer"

@@ -3,7 +3,7 @@
 An engine generates completions for token-id prompts and reports, per sampled
 token, its log-prob under the distribution actually sampled from and the weight
 version that produced it. New weights arrive while it generates: the weight
-receiver (pipeline/weight_receiver.py) hands ``stage`` a bucket source
+receiver (actor/weight_receiver.py) hands ``stage`` a bucket source
 (pipeline/transfer/) to fill the engine's staging copy from, then calls
 ``swap``, which takes the engine's per-forward-pass lock only to install it;
 or, in in-place mode, ``update_in_place`` holds that lock for the whole

@@ -40,7 +40,7 @@ trainer's pending list); anything in ``rollouts``, unread, or undecodable fails 
 
 ``metrics.jsonl`` and ``summary.json`` (in-flight entries and dead letters, read by
 the launcher from Redis) are then checked against each other
-(pipeline/accounting.py): every sample the actors recorded as published is found
+(pipeline/run/accounting.py): every sample the actors recorded as published is found
 again (trained or dropped in the trainer's records, dropped by a preprocessor,
 dead-lettered, or in a stream); the run passes when nothing is lost, duplicated,
 phantom or conflicting (each would be named by id in ``problems``), the drain
@@ -67,8 +67,8 @@ from pathlib import Path
 import redis
 from omegaconf import OmegaConf
 
-from pipeline.accounting import account, in_flight, problems
 from pipeline.bench.common import device_name, print_table, stop_process, write_json
+from pipeline.run.accounting import account, in_flight, problems
 from pipeline.streams import DRAIN_FIELD, Names, connect, wait_until
 from pipeline.streams.durable import Durability, attach, set_value
 from pipeline.telemetry import read_jsonl, read_statuses, surviving_steps

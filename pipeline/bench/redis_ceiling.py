@@ -42,8 +42,8 @@ import time
 import redis
 
 from pipeline.bench.common import LoadProbe
-from pipeline.bench.scale import main_thread_sched, parse_cpus, pin
-from pipeline.redis_server import EmbeddedRedis
+from pipeline.bench.scale.common import main_thread_sched, parse_cpus, pin
+from pipeline.redisd.server import EmbeddedRedis
 
 STREAM = "nonstop:bench:rollouts"
 SATURATED_IDLE = 0.05  # the main thread idle under this share of the window

@@ -168,10 +168,10 @@ class PublishRig:
 
     def __init__(self, args):
         from actor.engines.hf import HFEngine
+        from actor.weight_receiver import WeightReceiver
         from pipeline.models import load_model
         from pipeline.streams import Names, connect, wait_until
-        from pipeline.weight_publisher import WeightPublisher
-        from pipeline.weight_receiver import WeightReceiver
+        from trainer.weight_publisher import WeightPublisher
 
         self.wait_until = wait_until
         client, names = connect(args.redis), Names("bench", f"trainer-{os.getpid()}")
@@ -192,7 +192,7 @@ class PublishRig:
 
 
 def run_setting(args, backend: str, stage: int, world: int, tmp: Path, redis_url: str) -> dict:
-    from pipeline.redis_server import free_port
+    from pipeline.redisd.server import free_port
 
     result = tmp / f"{backend}-{stage}-{world}.json"
     port = str(free_port("127.0.0.1"))
@@ -250,7 +250,7 @@ def main(argv: list[str]) -> int:
     if args.worker:
         worker(args)
         return 0
-    from pipeline.redis_server import EmbeddedRedis
+    from pipeline.redisd.server import EmbeddedRedis
 
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp_dir:

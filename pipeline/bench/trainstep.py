@@ -42,7 +42,7 @@ import torch
 from pipeline.bench.common import device_name, print_table, write_json
 from pipeline.logprobs import completion_logprobs, sampling_logprobs
 from pipeline.messages import unpack_i32
-from pipeline.weights import bucket_layout, flatten, named_tensors
+from pipeline.transfer.buckets import bucket_layout, flatten, named_tensors
 from trainer.backends.base import adamw
 from trainer.collate import collate
 from trainer.loss import policy_loss

@@ -262,7 +262,7 @@ class Published:
         self.dtype = str(next(iter(hf.values())).dtype).removeprefix("torch.")
         from safetensors.torch import save_file
 
-        from pipeline.weights import bucket_layout, checksum, flatten
+        from pipeline.transfer.buckets import bucket_layout, checksum, flatten
 
         self.layout = bucket_layout(list(hf.items()), int(bucket_mb * 2**20))
         flat = flatten(hf, self.layout)

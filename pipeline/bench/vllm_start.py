@@ -36,8 +36,8 @@ import sys
 import tempfile
 import time
 
+from actor.orphans import ENV as DIE_WITH_PARENT
 from pipeline.bench.common import LoadProbe, device_name, print_table, stop_process, write_json
-from pipeline.orphans import ENV as DIE_WITH_PARENT
 
 # compile: the engine as the actor starts it compiled (on the CPU build with
 # VLLM_USE_AOT_COMPILE=0: client.reuse_cpu_compile_cache); compile-aot: vLLM's own default
@@ -53,7 +53,7 @@ CACHE_LINES = (  # vLLM's log lines about its compile cache -> what happened
 
 def child(args) -> None:
     """One engine in this process: print one ``RESULT {json}`` line. Its vLLM processes
-    die with it, as an actor's do (pipeline/orphans.py)."""
+    die with it, as an actor's do (actor/orphans.py)."""
     os.environ.setdefault(DIE_WITH_PARENT, "1")  # before vLLM starts its processes
     from actor.engines.vllm.client import VLLMEngine
     from pipeline.config import VLLMConfig

@@ -32,7 +32,7 @@ import time
 import redis
 
 from pipeline.bench.common import LoadProbe, device_name, percentile, print_table, write_json
-from pipeline.redis_server import EmbeddedRedis
+from pipeline.redisd.server import EmbeddedRedis
 from pipeline.streams import connect
 from pipeline.streams.durable import Durability, attach, once_keys, publish_once
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.config.checks import get as _get
 
 if TYPE_CHECKING:
-    from pipeline.redis_tls import TLSFiles
+    from pipeline.redisd.tls import TLSFiles
 
 
 def run_secret() -> str:
@@ -68,7 +68,7 @@ def tls_files(cfg: Any | None = None) -> TLSFiles:
     client files to its pools this way; ``cfg`` None: the environment only). ValueError
     naming the setting or variable when a file is missing or a certificate comes
     without its key."""
-    from pipeline.redis_tls import ENV, KEYS, TLSFiles
+    from pipeline.redisd.tls import ENV, KEYS, TLSFiles
 
     values, origin = {}, {}
     for what in ("ca", "cert", "key"):
@@ -99,7 +99,7 @@ def tls_files(cfg: Any | None = None) -> TLSFiles:
 def redis_tls(cfg: Any | None, url: str) -> TLSFiles | None:
     """The TLS files to reach ``url`` with (:func:`tls_files`), None for a plain-text
     ``redis://`` URL; ValueError for TLS files or ``redis.tls=true`` with a plain URL."""
-    from pipeline.redis_tls import is_tls
+    from pipeline.redisd.tls import is_tls
 
     files = tls_files(cfg)
     if is_tls(url):

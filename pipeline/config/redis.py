@@ -14,7 +14,7 @@ from pipeline.config.checks import get as _get
 
 @dataclass
 class TLSConfig:
-    """``redis.tls``: Redis over TLS (pipeline/redis_tls.py). ``redis.tls=true`` is short
+    """``redis.tls``: Redis over TLS (pipeline/redisd/tls.py). ``redis.tls=true`` is short
     for ``redis.tls.enabled=true``."""
 
     # true with no redis.url: the embedded redis-server (redis=ha: the nodes and sentinels;
@@ -40,7 +40,7 @@ class RedisConfig:
     claim_idle_s: float = 60.0  # claim entries a consumer has held this long (it died)
     # always: the embedded redis-server fsyncs its AOF before it replies, so every
     # acknowledged XADD/XACK/INCRBY survives a SIGKILL; everysec: faster, a hard
-    # kill can lose up to the last second of writes (pipeline/redis_server.py)
+    # kill can lose up to the last second of writes (pipeline/redisd/server.py)
     embedded_appendfsync: str = "always"
     # redis.mode=cluster: the work streams (rollouts, batches) in this many partitions
     # (hash-tagged key sets, pipeline/streams/shards.py) on the one cluster (redis=cluster
@@ -51,9 +51,9 @@ class RedisConfig:
     # single: one primary (redis://, or the embedded redis-server); sentinel: a primary
     # with replicas found through Redis Sentinel (redis.url=redis+sentinel://..., or
     # redis=ha: the launcher starts a primary, a replica and three sentinels,
-    # pipeline/redis_ha.py); cluster: a Redis Cluster (redis.url=redis+cluster://..., or
+    # pipeline/topology/ha.py); cluster: a Redis Cluster (redis.url=redis+cluster://..., or
     # redis=cluster: the launcher starts 3 primaries with a replica each,
-    # pipeline/redis_cluster.py), the work streams in redis.shards partitions
+    # pipeline/topology/cluster.py), the work streams in redis.shards partitions
     mode: str = "single"
     sentinel_service: str = "nonstop"  # the sentinels' name for the primary (redis=ha)
     # sentinel and cluster mode: a write that creates or retires work counts once WAIT says

@@ -71,7 +71,7 @@ class MetricsConfig:
     """Where metrics go besides ``metrics.jsonl`` (always written)."""
 
     http: MetricsHTTPConfig = field(default_factory=MetricsHTTPConfig)
-    # the launcher starts Debian's prometheus scraping every pool (pipeline/prom_server.py)
+    # the launcher starts Debian's prometheus scraping every pool (pipeline/run/prometheus.py)
     prometheus: bool = False
     prometheus_scrape_s: float = 5.0  # its scrape interval
     tensorboard: bool = True  # event files in run_dir/tensorboard/<pool> when installed

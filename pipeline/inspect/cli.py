@@ -14,7 +14,7 @@ from pipeline.inspect.gather import cluster_partitions, snapshot
 from pipeline.inspect.render import render
 from pipeline.inspect.replication import replication_snapshot
 from pipeline.inspect.target import pick_run, resolve
-from pipeline.prom_server import targets_of, write_targets
+from pipeline.run.prometheus import targets_of, write_targets
 from pipeline.streams import Names, connect
 from pipeline.streams.cluster import is_cluster
 from pipeline.telemetry import read_statuses

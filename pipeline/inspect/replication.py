@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import redis
 
-from pipeline.redis_tls import TLSFiles
+from pipeline.redisd.tls import TLSFiles
 from pipeline.streams.cluster import is_cluster
 from pipeline.streams.sentinel import ask_sentinels, is_sentinel, parse
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import redis
 
-from pipeline.redis_tls import TLSFiles, is_tls
+from pipeline.redisd.tls import TLSFiles, is_tls
 
 
 @dataclass

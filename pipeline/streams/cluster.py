@@ -9,7 +9,7 @@ URL (it travels in ``redis.url`` / ``NONSTOP_REDIS_URL`` like a ``redis://`` one
 client learns every other node from them (CLUSTER SLOTS). The same user and password
 authenticate on every node. ``rediss+cluster://`` speaks TLS to every node, as
 ``rediss://`` does to one server (``redis.tls.ca``/``cert``/``key`` or the
-``NONSTOP_REDIS_TLS_*`` variables: pipeline/redis_tls.py); the nodes then run
+``NONSTOP_REDIS_TLS_*`` variables: pipeline/redisd/tls.py); the nodes then run
 ``tls-cluster yes`` so CLUSTER SLOTS names their TLS ports.
 
 What lives where (pipeline/streams/names.py): the control keys share the hash tag
@@ -38,7 +38,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
-from pipeline.redis_tls import TLSFiles, explain, settled
+from pipeline.redisd.tls import TLSFiles, explain, settled
 from pipeline.streams import urls
 from pipeline.streams.errors import RedisRefused, RedisUnavailable
 from pipeline.streams.urls import shown as _shown
@@ -272,7 +272,7 @@ def ask_nodes(
 def silent(client: RedisCluster, timeout_s: float) -> str | None:
     """None when every primary of ``client``'s cluster answers a PING within
     ``timeout_s`` (the slot map read again first: a failover may have moved it), else
-    why not (pipeline/summary.py asks before reading the run's totals)."""
+    why not (pipeline/run/summary.py asks before reading the run's totals)."""
     try:
         client.nodes_manager.initialize()
     except (redis.RedisError, RedisClusterException) as e:

@@ -15,7 +15,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from pipeline.redis_tls import TLSFiles, explain, is_tls, settled
+from pipeline.redisd.tls import TLSFiles, explain, is_tls, settled
 from pipeline.streams import cluster, sentinel
 from pipeline.streams.errors import RedisRefused, RedisUnavailable, redact
 from pipeline.streams.names import SHARDED, Names

@@ -16,7 +16,7 @@ class RedisUnavailable(ConnectionError):
 
 class RedisRefused(RedisUnavailable):
     """Redis answers but refuses this user (credentials, a command the ACL denies), or
-    the two ends disagree on TLS (pipeline/redis_tls.py): waiting will not fix it. Pools
+    the two ends disagree on TLS (pipeline/redisd/tls.py): waiting will not fix it. Pools
     exit 4 on it (EXIT_REFUSED), so the launcher stops the run at once instead of
     restarting them."""
 

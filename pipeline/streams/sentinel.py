@@ -9,11 +9,11 @@ URL (it travels in ``redis.url`` / ``NONSTOP_REDIS_URL`` like a ``redis://`` one
 they monitor the primary under (``redis.sentinel_service``), ``DB`` the database (0).
 The same user and password authenticate on the nodes (the primary and its replicas) and
 on the sentinels (``requirepass``, or the same ACL user defined there:
-pipeline/redis_acl.py, deploy/bin/nonstop-sentinel-start with NONSTOP_REDIS_ACL_FILE).
+pipeline/topology/acl.py, deploy/bin/nonstop-sentinel-start with NONSTOP_REDIS_ACL_FILE).
 ``rediss+sentinel://`` speaks TLS to the sentinels and to the nodes
 they name, as ``rediss://`` does to one server: the client checks every certificate
 against ``redis.tls.ca`` and presents ``redis.tls.cert``/``key`` (or the
-``NONSTOP_REDIS_TLS_*`` variables: pipeline/redis_tls.py) to both.
+``NONSTOP_REDIS_TLS_*`` variables: pipeline/redisd/tls.py) to both.
 
 The client (:func:`sentinel_client`) asks the sentinels for the primary whenever it
 (re)connects, so after a failover the same client object carries on with the promoted
@@ -36,7 +36,7 @@ from redis.connection import SSLConnection
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
-from pipeline.redis_tls import TLSFiles, explain, settled
+from pipeline.redisd.tls import TLSFiles, explain, settled
 from pipeline.streams import urls
 from pipeline.streams.errors import RedisRefused, RedisUnavailable
 from pipeline.streams.urls import shown as _shown

@@ -1,7 +1,7 @@
 """The weight-transfer interface: how buckets travel from the trainer to an actor.
 
 The Redis side is the same for every transport and lives in the publisher and
-the receiver (pipeline/weight_publisher.py, pipeline/weight_receiver.py): the
+the receiver (trainer/weight_publisher.py, actor/weight_receiver.py): the
 trainer writes ``<run>:rendezvous`` (its epoch plus the transport's own fields),
 an actor XADDs a join signed with the run's secret to ``<run>:joins``, the
 trainer checks the signature and both sides then open the transport's channel
@@ -37,7 +37,7 @@ from typing import Protocol
 import torch
 
 from pipeline.messages import WeightAnnouncement
-from pipeline.weights import checksum
+from pipeline.transfer.buckets import checksum
 
 
 class Sender(Protocol):

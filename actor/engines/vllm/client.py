@@ -15,7 +15,7 @@ other version with a ValueError unless ``actor.vllm.allow_untested_version=true`
     stage / swap (receiver thread) -> collective_rpc("nonstop_*")  --> per-step versions
 
 Requests, streaming and per-token version stamps: actor/engines/vllm/requests.py. New
-weights: actor/engines/vllm/weights.py (``weights.update_mode=lock|pause``).
+weights: actor/engines/vllm/weight_updates.py (``weights.update_mode=lock|pause``).
 
 Async scheduling is turned off (``async_scheduling=False``; the start checks vLLM
 took it). vLLM 0.32 turns it on by default on CUDA: the scheduler plans step N+1
@@ -64,9 +64,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from actor.engines.base import Engine, EngineStats
-from actor.engines.vllm import lora as vllm_lora
+from actor.engines.vllm import lora_client as vllm_lora
 from actor.engines.vllm.requests import RequestIds, Unit, VLLMRequests
-from actor.engines.vllm.weights import VLLMWeights, merge
+from actor.engines.vllm.weight_updates import VLLMWeights, merge
 from pipeline import lora as lora_lib
 from pipeline.config.actor import eager_for
 from pipeline.listeners import LOOPBACK, gloo_interface

@@ -46,7 +46,7 @@ With ``model.lora`` (``nonstop_install(..., lora={"dir", "request"})``) the base
 weights never change and no staging copy of them is made: announcements must say
 ``kind="lora"``; the buckets (peft-named adapter tensors) are received and checked the
 same way, built into a vLLM LoRAModel outside the lock (``AdapterSwap.stage``,
-actor/engines/vllm/lora.py), and the adapter's GPU slot is rewritten under the same
+actor/engines/vllm/lora_client.py), and the adapter's GPU slot is rewritten under the same
 lock, deadline and version bookkeeping (``AdapterSwap.swap``). An announcement of the
 other kind fails the update, saying which ``model.lora`` setting differs.
 
@@ -166,7 +166,7 @@ class NonstopWorkerExtension:
             return self._nonstop_info
         adapter = None
         if lora is not None:
-            from actor.engines.vllm.worker.lora import AdapterSwap
+            from actor.engines.vllm.worker.adapter_swap import AdapterSwap
 
             adapter = AdapterSwap(self, lora["dir"], import_path(lora["request"]))
         check_unquantized_worker(self)

@@ -30,15 +30,15 @@ from typing import Any
 
 import torch
 
+from actor.engines.vllm.worker.adapter_swap import AdapterLost
 from actor.engines.vllm.worker.layout import Plan, build_plan
-from actor.engines.vllm.worker.lora import AdapterLost
 from actor.engines.vllm.worker.packed import CpuLayout, Prepared
 from actor.engines.vllm.worker.steps import StepVersions
 from pipeline.lora import KIND_FULL, KIND_LORA, check_kind
 from pipeline.messages import WeightAnnouncement
 from pipeline.telemetry import GAP_WINDOW, added_gap
 from pipeline.transfer.base import BucketSource
-from pipeline.weights import checksum
+from pipeline.transfer.buckets import checksum
 
 log = logging.getLogger(__name__)
 ALIGN = 256  # bytes: staging views start on 256-byte boundaries
@@ -307,7 +307,7 @@ class LockedWeights:
     def _stage_adapter(self, ann: WeightAnnouncement, source: BucketSource, deadline: float):
         """Receive the adapter's buckets (small: one buffer each), check their sums, and
         build the vLLM LoRAModel outside the lock (AdapterSwap.stage)."""
-        from actor.engines.vllm.worker.lora import adapter_tensors_from_buckets
+        from actor.engines.vllm.worker.adapter_swap import adapter_tensors_from_buckets
 
         dtype = getattr(torch, ann.dtype)
         bufs = [torch.empty(b.numel, dtype=dtype, device=self.device) for b in ann.buckets]

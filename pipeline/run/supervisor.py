@@ -4,14 +4,14 @@ running under a restart policy, with a watchdog for silent hangs.
 ::
 
     reads   each pool's exit status; its status hash (heartbeat, progress); each pool's
-            CPU time from /proc (pipeline/cpu_meter.py, its whole process group)
+            CPU time from /proc (pipeline/run/cpu_meter.py, its whole process group)
     writes  launcher events (exit, watchdog, restart, redis-restart) to metrics.jsonl,
             and a ``cpu`` record (CPU seconds and share per pool) every CPU_RECORD_S
     acts    restarts a crashed pool (launch.restart_policy, launch.max_restarts),
             SIGKILLs a pool silent for launch.watchdog_s (then the policy applies),
             restarts a dead embedded redis-server on its port and AOF (redis=ha: a
             dead node only as the replica of the primary the sentinels name, never as
-            the primary it was: pipeline/redis_ha.py),
+            the primary it was: pipeline/topology/ha.py),
             stops the run when a pool exits with EXIT_DATA_LOST, EXIT_REFUSED (Redis
             refused it: ACL, credentials, eviction policy) or EXIT_MISMATCH (an actor
             cannot take the trainer's weights: transport or kind) or runs out of restarts
@@ -47,12 +47,12 @@ import subprocess
 import time
 from collections import Counter
 
-from pipeline.cpu_meter import CpuMeter
-from pipeline.redis_cluster import LocalCluster
-from pipeline.redis_ha import RedisHA
-from pipeline.redis_server import EmbeddedRedis, free_port
+from pipeline.redisd.server import EmbeddedRedis, free_port
+from pipeline.run.cpu_meter import CpuMeter
 from pipeline.runtime import EXIT_DATA_LOST, EXIT_MISMATCH, EXIT_REFUSED
 from pipeline.telemetry import MetricsFile
+from pipeline.topology.cluster import LocalCluster
+from pipeline.topology.ha import RedisHA
 
 # an embedded redis that exited is started again each supervision round; this many
 # starts failing in a row (it exits at once, or does not answer within its start timeout)

@@ -36,7 +36,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from pipeline.bench.common import device_name, percentile, print_table, write_json
-from pipeline.redis_server import EmbeddedRedis
+from pipeline.redisd.server import EmbeddedRedis
 from pipeline.streams import Names, connect, wait_until
 
 SHAPES = {
@@ -110,7 +110,7 @@ def trainer_proc(
     transport: str = "gloo",
     nccl_backend: str = "gloo",
 ) -> None:
-    from pipeline.weight_publisher import WeightPublisher
+    from trainer.weight_publisher import WeightPublisher
 
     torch.set_num_threads(1)
     client = connect(url)
@@ -167,7 +167,7 @@ def copy_floor_ms(model, repeats: int = 5) -> float:
 
 def measure(shape: str, staged: bool, lora_rank: int, args) -> dict:
     from actor.engines.hf import HFEngine
-    from pipeline.weight_receiver import WeightReceiver
+    from actor.weight_receiver import WeightReceiver
 
     with tempfile.TemporaryDirectory() as tmp:
         server = EmbeddedRedis(tmp)

@@ -1,7 +1,7 @@
 """The run summary's fields (``summary.json``), what only Redis fills, and the text the
 launcher prints.
 
-pipeline/summary.py reads the run (the pools' status hashes and the streams in Redis,
+pipeline/run/summary.py reads the run (the pools' status hashes and the streams in Redis,
 ``metrics.jsonl``, ``config.yaml`` and ``checkpoints/`` on disk) into a
 :class:`Summary`; this module holds its fields and renders it. A summary
 written without Redis leaves the fields of :data:`WITHOUT_REDIS` null or empty,
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from pipeline.cpu_meter import shares_text
+from pipeline.run.cpu_meter import shares_text
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Summary:
     dead_lettered: int  # entries, every pool's (preprocessors and trainer)
     prm_scored_groups: int  # groups in which the step-reward scorer scored a step
     wall_seconds: float
-    # the weight publisher's fields of the trainer's status (pipeline/weight_publisher.py)
+    # the weight publisher's fields of the trainer's status (trainer/weight_publisher.py)
     weight_versions_unreceived: int = 0  # versions no actor received whole
     weight_publish_failures: int = 0
     actors_dropped: int = 0
@@ -46,7 +46,7 @@ class Summary:
     # env_errors); empty otherwise
     episodes: dict[str, int] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
-    # where every produced group ended (pipeline/accounting.py)
+    # where every produced group ended (pipeline/run/accounting.py)
     accounting: dict = field(default_factory=dict)
     in_flight_group_ids: list[str] = field(default_factory=list)  # rollouts and batches
     in_flight: dict[str, list[str]] = field(default_factory=dict)  # per stream
@@ -70,7 +70,7 @@ class Summary:
     # empty fields; summary.build_disk_summary), and the error; empty when Redis answered
     redis_unavailable: list[str] = field(default_factory=list)
     redis_error: str = ""
-    # the launcher's last ``cpu`` record (pipeline/cpu_meter.py): per pool CPU seconds
+    # the launcher's last ``cpu`` record (pipeline/run/cpu_meter.py): per pool CPU seconds
     # and share (cores busy over the run), the cores, the wall it covers; {} without one
     cpu: dict = field(default_factory=dict)
     # the trainer's wait for data (``wait_s`` of its step records) over the steps after the

@@ -1,7 +1,7 @@
 """Weight-transfer building blocks shared by both ends and every transport: the
 bucket layout, flattening, the exact checksum and the signed join.
 
-The protocol (pipeline/weight_publisher.py, pipeline/weight_receiver.py; the
+The protocol (trainer/weight_publisher.py, actor/weight_receiver.py; the
 transports that move the buckets are in pipeline/transfer/)::
 
     trainer (WeightPublisher thread)              actor (WeightReceiver thread)

@@ -26,7 +26,7 @@ import time
 import urllib.request
 
 from pipeline.prom import bind
-from pipeline.redis_server import free_port
+from pipeline.redisd.server import free_port
 
 BINARY = "prometheus"
 

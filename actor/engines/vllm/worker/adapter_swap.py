@@ -1,7 +1,7 @@
 """LoRA adapters in the vLLM engine-core process (``model.lora`` with ``actor.engine=vllm``):
 :class:`AdapterSwap` stages a received version as a vLLM ``LoRAModel`` while the engine
 generates and swaps it into the adapter's slot under the per-forward-pass lock. The
-client side (engine arguments, the version-0 adapter) is actor/engines/vllm/lora.py;
+client side (engine arguments, the version-0 adapter) is actor/engines/vllm/lora_client.py;
 the whole story is in that module's docstring.
 """
 

@@ -2,9 +2,9 @@
 the newest published to the actors, each actor's), lag, and rates (groups
 generated, samples trained per second) over a sliding window of at least
 ``RATE_MIN_S`` seconds ("-" until that much has passed), and the cores each pool
-kept busy over the last second or so (pipeline/cpu_meter.py; the launcher sets
+kept busy over the last second or so (pipeline/run/cpu_meter.py; the launcher sets
 ``cpu``). An actor whose weight
-versions fail more often than they apply (pipeline/summary.py, weight_problems)
+versions fail more often than they apply (pipeline/run/summary.py, weight_problems)
 is named at the end of the line, ``WEIGHTS NOT ARRIVING: ...``, while it happens."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import time
 from collections import deque
 
-from pipeline.summary import status_version, weight_problems
+from pipeline.run.summary import status_version, weight_problems
 
 RATE_MIN_S = 30.0  # a rate is shown only once measured over at least this long
 RATE_WINDOW_S = 120.0  # ... and over at most about this long (recent, not whole-run)

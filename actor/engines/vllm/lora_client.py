@@ -33,7 +33,7 @@ is scheduled, which the per-forward lock does not order.
 
 Wiring: the engine passes ``{"dir", "request"}`` to the worker's ``nonstop_install``,
 which builds the AdapterSwap; ``kind="lora"`` versions are received and checked like full
-ones, then staged and swapped in worker/lora.py (worker/extension.py). Tested against
+ones, then staged and swapped in worker/adapter_swap.py (worker/extension.py). Tested against
 fakes of vLLM's LoRA managers and LoRARequest (tests/test_vllm_lora.py), on real vLLM
 0.32's CPU build (tests/test_vllm_lora_real.py), and on vLLM 0.24 on a GPU by the
 ``gpu``-marked tests (written and not yet run).
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from actor.engines.vllm.worker.lora import ADAPTER_ID, ADAPTER_NAME
+from actor.engines.vllm.worker.adapter_swap import ADAPTER_ID, ADAPTER_NAME
 from pipeline import lora as lora_lib
 
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks (0.24, 0.32)

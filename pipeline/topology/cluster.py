@@ -1,7 +1,7 @@
 """``redis=cluster``: a local Redis Cluster of 3 primaries with a replica each for one
 run, on loopback (tests and demos; an operator's cluster is a redis+cluster:// URL).
 
-Each node is an :class:`~pipeline.redis_server.EmbeddedRedis` (per-run password, AOF
+Each node is an :class:`~pipeline.redisd.server.EmbeddedRedis` (per-run password, AOF
 with ``appendfsync always``, ``noeviction``, loopback only) under ``RUN_DIR/redis/
 node-K`` with ``cluster-enabled yes`` and its own ``nodes.conf``; ``redis-cli --cluster
 create ... --cluster-replicas 1`` joins them (the password reaches redis-cli in its
@@ -19,7 +19,7 @@ node whose data directory was lost comes back empty under a new id and is introd
 (CLUSTER MEET, CLUSTER REPLICATE); one that kept its ``nodes.conf`` rejoins by itself.
 
 With ``redis.acl_file`` (per-role users, deploy/redis/users.acl) every node loads those
-users with per-run passwords (pipeline/redis_acl.py) plus its ``ADMIN``, the launcher's,
+users with per-run passwords (pipeline/topology/acl.py) plus its ``ADMIN``, the launcher's,
 redis-cli's and the replicas' user (``user default off`` leaves no other); each pool
 connects as its role's user (``LocalCluster.role_urls``).
 """
@@ -36,11 +36,11 @@ from collections.abc import Callable
 
 import redis
 
-from pipeline.redis_acl import ADMIN, POOL_ROLES, per_run_users, write_node_acl
-from pipeline.redis_server import LOWEST_PORT, EmbeddedRedis, ephemeral_range, free_port
-from pipeline.redis_tls import TLSFiles, make_run_certs, write_private
+from pipeline.redisd.server import LOWEST_PORT, EmbeddedRedis, ephemeral_range, free_port
+from pipeline.redisd.tls import TLSFiles, make_run_certs, write_private
 from pipeline.streams import RedisUnavailable
 from pipeline.streams.cluster import format_url, gap
+from pipeline.topology.acl import ADMIN, POOL_ROLES, per_run_users, write_node_acl
 
 NODE_TIMEOUT_MS = 2000  # cluster-node-timeout: a primary silent this long is failed over
 
@@ -105,7 +105,7 @@ class LocalCluster:
         )
 
     def _write_acl(self, nodes: list[EmbeddedRedis]) -> None:
-        """Each node's ACL file: ``acl_file``'s users and ADMIN (redis_acl.py)."""
+        """Each node's ACL file: ``acl_file``'s users and ADMIN (acl.py)."""
         write_node_acl(self.acl_file, [n.data_dir for n in nodes], self.password)
 
     def start(self, timeout_s: float = 60.0) -> None:

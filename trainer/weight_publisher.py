@@ -46,7 +46,7 @@ from pipeline.streams import Lua, Names, publish
 from pipeline.telemetry import read_statuses
 from pipeline.torch_logs import accept_failed
 from pipeline.transfer import Sender, make_sender
-from pipeline.weights import bucket_layout, checksum, flatten, join_mac, named_tensors
+from pipeline.transfer.buckets import bucket_layout, checksum, flatten, join_mac, named_tensors
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import secrets
 
-from pipeline.redis_tls import write_private
+from pipeline.redisd.tls import write_private
 
 ADMIN = "nonstop-admin"  # with an ACL file: the launcher's own user on every node
 POOL_ROLES = ("actor", "preprocessor", "trainer", "evaluator")  # users a pool connects as

@@ -11,7 +11,7 @@ so nobody can sign another certificate with it), starts redis-server on TLS only
 with ``redis.tls.ca``/``cert``/``key`` (or those variables; deploy/README.md).
 ``rediss+sentinel://`` and ``rediss+cluster://`` use the same files for every sentinel
 and node; ``redis=ha``/``redis=cluster`` with ``redis.tls=true`` put the local nodes and
-sentinels on TLS only with the run's certificates (pipeline/redis_ha.py, redis_cluster.py).
+sentinels on TLS only with the run's certificates (pipeline/topology/ha.py, cluster.py).
 """
 
 from __future__ import annotations
@@ -314,12 +314,12 @@ def _reason(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pipeline.redis_tls DIR HOST [HOST ...]``: an operator's CA, server
+    """``python -m pipeline.redisd.tls DIR HOST [HOST ...]``: an operator's CA, server
     and client certificates (deploy/README.md, "Redis over TLS")."""
     import argparse
 
     p = argparse.ArgumentParser(
-        prog="python -m pipeline.redis_tls",
+        prog="python -m pipeline.redisd.tls",
         description="Make a CA, a server certificate for HOSTs and a client certificate.",
     )
     p.add_argument("dir", help="folder for ca.crt, server.crt/.key, client.crt/.key (0600)")

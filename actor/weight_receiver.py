@@ -44,7 +44,7 @@ from pipeline.messages import WeightAnnouncement, decode
 from pipeline.streams import Names
 from pipeline.torch_logs import is_join_failure, join_failed, one_line
 from pipeline.transfer import BucketSource, Receiver, ReceiverSource, make_receiver
-from pipeline.weights import join_mac
+from pipeline.transfer.buckets import join_mac
 
 log = logging.getLogger(__name__)
 HISTORY = 256  # recent transfer times kept for telemetry
@@ -186,7 +186,7 @@ class WeightReceiver:
 
     def _receive_counted(self, ann: WeightAnnouncement) -> None:
         """Receive a version announced to this actor, counting it offered and, when it
-        fails, failed (pipeline/summary.py: an actor whose versions fail more often than
+        fails, failed (pipeline/run/summary.py: an actor whose versions fail more often than
         they apply is not getting its weights)."""
         self._count("weight_versions_offered")
         try:

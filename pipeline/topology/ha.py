@@ -1,7 +1,7 @@
 """``redis=ha``: a local primary, one replica and three sentinels for one run, on
 loopback (tests and demos; deploy/ for machines of their own).
 
-Each node is an :class:`~pipeline.redis_server.EmbeddedRedis` (per-run password, AOF
+Each node is an :class:`~pipeline.redisd.server.EmbeddedRedis` (per-run password, AOF
 with ``appendfsync always``, ``noeviction``) under ``RUN_DIR/redis/node-K``; every node
 refuses writes unless a replica is in sync (``min-replicas-to-write 1``,
 ``min-replicas-max-lag``) and a replica answers nothing stale
@@ -15,7 +15,7 @@ With ``redis.tls=true`` every node and sentinel listens on TLS only (``port 0``,
 sentinels over TLS (``tls-replication``), with the run's certificates (RUN_DIR/redis/tls),
 and the URL is ``rediss+sentinel://``.
 
-With ``redis.acl_file`` (per-role users, deploy/redis/users.acl; pipeline/redis_acl.py)
+With ``redis.acl_file`` (per-role users, deploy/redis/users.acl; pipeline/topology/acl.py)
 every node loads those users with per-run passwords plus ``ADMIN``, the user the
 launcher, the replicas (``masteruser``) and the sentinels (``auth-user``) log in as;
 every sentinel defines ``ADMIN`` (the other sentinels' user, ``sentinel-user``) and each
@@ -41,11 +41,11 @@ from collections.abc import Callable
 
 import redis
 
-from pipeline.redis_acl import ADMIN, POOL_ROLES, per_run_users, sentinel_users, write_node_acl
-from pipeline.redis_server import EmbeddedRedis, free_port
-from pipeline.redis_tls import TLSFiles, make_run_certs, write_private
+from pipeline.redisd.server import EmbeddedRedis, free_port
+from pipeline.redisd.tls import TLSFiles, make_run_certs, write_private
 from pipeline.streams import RedisUnavailable
 from pipeline.streams.sentinel import SentinelURL, failover_gap, format_url
+from pipeline.topology.acl import ADMIN, POOL_ROLES, per_run_users, sentinel_users, write_node_acl
 
 QUORUM = 2
 DOWN_AFTER_MS = 1000  # a primary silent this long is subjectively down
@@ -70,7 +70,7 @@ class RedisHA:
     ):
         self.data_dir, self.service = os.path.abspath(data_dir), service
         # redis.acl_file: the per-run users file every node loads, and {user: password}
-        # for the sentinels' users (pipeline/redis_acl.py)
+        # for the sentinels' users (pipeline/topology/acl.py)
         self.acl_file, self.acl_users = acl_file, dict(acl_users or {})
         self.username = ADMIN if acl_file else ""  # the launcher's, replicas', sentinels'
         self.role_urls: dict[str, str] = {}  # redis.acl_file: pool role -> its user's URL

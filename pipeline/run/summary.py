@@ -24,7 +24,7 @@ status hash; versions are the trainer's optimizer steps)
 
 the outcome is ``failed: weights did not reach the actors: ...`` naming each
 one, and the launcher exits 1. The second rule is also checked live: the
-progress line (pipeline/progress.py) shows such an actor while it happens.
+progress line (pipeline/run/progress.py) shows such an actor while it happens.
 
 When Redis cannot answer at the end (the whole machine shutting down, redis-server
 included), :func:`write_summary` writes the summary from what is on disk instead
@@ -41,7 +41,7 @@ AOF holds every acknowledged write, and the next launch on the run directory (or
 ``pipeline.inspect --run-dir``) reads it.
 
 The :class:`Summary`'s fields, the parts only Redis fills (``WITHOUT_REDIS``) and the
-text the launcher prints are in pipeline/summary_fields.py; this module reads the run
+text the launcher prints are in pipeline/run/summary_fields.py; this module reads the run
 into them and writes ``summary.json``.
 """
 
@@ -58,11 +58,11 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from pipeline import checkpoint
-from pipeline.accounting import account, dead_letters, in_flight
+from pipeline.run.accounting import account, dead_letters, in_flight
+from pipeline.run.summary_fields import NULL_WITHOUT_REDIS, WITHOUT_REDIS, Summary
 from pipeline.streams import Names
 from pipeline.streams.cluster import silent as cluster_silent
 from pipeline.streams.shards import Shards
-from pipeline.summary_fields import NULL_WITHOUT_REDIS, WITHOUT_REDIS, Summary
 from pipeline.telemetry import read_jsonl, read_statuses, surviving_steps
 
 REWARD_ERROR_PREFIX = "reward_errors."  # an actor's per-reason reward-error counters
@@ -217,7 +217,7 @@ def from_run_dir(run_dir: str, records: list[dict], terms: dict) -> dict:
     """The Summary fields both summaries (with Redis and without) take from the run
     directory: the config's mode and engine, the last evaluation, the reward over the
     first and last steps that survive in ``records``, the launcher's restarts, and the
-    group account ``terms`` (pipeline/accounting.py)."""
+    group account ``terms`` (pipeline/run/accounting.py)."""
     steps = surviving_steps(records)
     window = max(1, min(5, len(steps) // 2))
     rewards = [r["reward_mean"] for r in steps]

@@ -2,7 +2,7 @@
 
 ::
 
-    python -m pipeline.redis_cluster_move --run NAME --partition K --to HOST:PORT
+    python -m pipeline.topology.cluster_move --run NAME --partition K --to HOST:PORT
         [--url redis+cluster://ADMIN:PASS@H:P,.../ | NONSTOP_REDIS_URL] [--prefix nonstop]
 
 A partition (``redis.mode=cluster``, pipeline/streams/names.py) is one hash slot: its
@@ -38,8 +38,8 @@ from collections.abc import Callable
 import redis
 from redis.cluster import RedisCluster
 
-from pipeline.redis_cluster import node_id
 from pipeline.streams import Names, RedisRefused, RedisUnavailable, connect
+from pipeline.topology.cluster import node_id
 
 BATCH = 100  # keys per MIGRATE
 
@@ -89,7 +89,9 @@ def move_slot(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipeline.redis_cluster_move", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m pipeline.topology.cluster_move", description=__doc__
+    )
     p.add_argument("--url", default=os.environ.get("NONSTOP_REDIS_URL"))
     p.add_argument("--prefix", default="nonstop", help="the run's redis.prefix")
     p.add_argument("--run", required=True, help="the run's name (run.name)")

@@ -1,11 +1,11 @@
 """An embedded redis-server for one run: loopback only, per-run password,
 AOF in the run directory, ``noeviction``; with ``redis.tls=true`` on TLS only, client
-certificates required (pipeline/redis_tls.py).
+certificates required (pipeline/redisd/tls.py).
 
 Durability (``redis.embedded_appendfsync``): ``always`` (the default) makes
 redis-server write and fsync the AOF before it replies to a command, so every
 XADD, XACK and INCRBY a pool saw acknowledged is on disk and a SIGKILLed server
-restarted from its AOF (pipeline/supervisor.py) has all of them. ``everysec``
+restarted from its AOF (pipeline/run/supervisor.py) has all of them. ``everysec``
 fsyncs once a second in the background: about 4x the throughput on this
 machine's disk (bench/results/scale-cpu-2026-11-23.md), but a hard kill (or a
 power loss) can drop up to the last second of acknowledged writes, i.e. lost
@@ -25,7 +25,7 @@ import time
 
 import redis
 
-from pipeline.redis_tls import TLSFiles
+from pipeline.redisd.tls import TLSFiles
 
 log = logging.getLogger(__name__)
 APPENDFSYNC = ("always", "everysec")
@@ -99,8 +99,8 @@ class EmbeddedRedis:
         # (the server's files, a client's files): TLS only on the port (redis.tls=true;
         # pipeline/redis_tls.make_run_certs), clients need a certificate of the same CA
         self.server_tls, self.client_tls = tls if tls else (None, None)
-        self.extra_args: list[str] = []  # more redis-server options (pipeline/redis_ha.py)
-        self.username = ""  # the user of url and client() ("": default; redis_cluster.py)
+        self.extra_args: list[str] = []  # more redis-server options (pipeline/topology/ha.py)
+        self.username = ""  # the user of url and client() ("": default; topology/cluster.py)
 
     @property
     def url(self) -> str:

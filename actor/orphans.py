@@ -6,7 +6,7 @@ it, with multiprocessing; the engine core does not watch the process that starte
 it, so when an actor is SIGKILLed (the OOM killer, ``kill -9``, a Slurm step with
 ``proctrack/linuxproc``), ``VLLM::EngineCore`` keeps running, reparented to init,
 holding its memory. Under the launcher the supervisor kills the actor's whole
-process group (pipeline/supervisor.py) and systemd kills the unit's cgroup;
+process group (pipeline/run/supervisor.py) and systemd kills the unit's cgroup;
 elsewhere nothing would. So:
 
 - the actor sets ``NONSTOP_DIE_WITH_PARENT=1`` in its environment before it starts
