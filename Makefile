@@ -56,7 +56,7 @@ test: setup-vllm
 test-fast: setup-vllm
 	$(PY) -m pytest $(XDIST) -m "not slow" $(ARGS)
 
-# a few minutes while developing: neither slow, nor vllm, nor e2e (tests/conftest.py marks
+# about 3 minutes here, while developing: neither slow, nor vllm, nor e2e (tests/conftest.py marks
 # every test of a module that runs whole pipelines, Redis topologies, benches or Slurm)
 test-quick: setup
 	$(PY) -m pytest $(XDIST) -m "not slow and not vllm and not e2e" $(ARGS)
