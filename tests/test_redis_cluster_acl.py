@@ -23,6 +23,7 @@ from pipeline.streams import Names, RedisRefused, check_permissions, connect, wa
 from pipeline.streams.cluster import parse
 from pipeline.streams.durable import Durability
 from pipeline.topology.acl import ADMIN, per_run_users
+from pipeline.topology.cluster import cluster_info
 from tests.launching import ROOT, tiny_cache
 from tests.redis_builders import acl_cluster, tiny_run_as_role_users
 from trainer.weight_publisher import set_rendezvous
@@ -220,6 +221,9 @@ def test_a_promoted_replica_has_the_same_users(tmp_path):
         )
         assert back.ping()  # the users, in the rejoined node's new ACL file
         back.execute_command("READONLY")  # a replica of the slot: the actor's read, replicated
+        # a restarted node answers CLUSTERDOWN until it has learned the slots from the others
+        # (seconds under load: a 2-worker test run read it too early)
+        assert wait_until(lambda: cluster_info(back).get("cluster_state") == "ok", 30)
         assert wait_until(lambda: back.get(NAMES.samples_produced) == b"2", 10)  # once synced
         assert oct(os.stat(os.path.join(victim.data_dir, "users.acl")).st_mode)[-3:] == "600"
         with pytest.raises(redis.exceptions.NoPermissionError):
