@@ -3,7 +3,8 @@ in both modes (``pipeline.mode=async|sync``).
 
 ::
 
-    reads   <run>:samples_produced, <run>:samples_retired, <run>:trainer_version,
+    reads   <run>:samples_produced, <run>:samples_retired, <run>:trainer_version, the
+            trainer's status ``rejected_held``,
             the ``drain`` field of <run>:run; sync: <run>:sync_claims (what other
             actors are generating right now), the trainer's status ``state`` (is it
             waiting for data?)
@@ -21,7 +22,8 @@ in both modes (``pipeline.mode=async|sync``).
             without blocking
 
 In flight: groups produced by every actor and not yet trained, dropped or rejected
-(``samples_produced - samples_retired``, over the group size). The streaming loop adds
+(``samples_produced - samples_retired``, less the samples the trainer's unfinished step
+already rejected, its status field ``rejected_held``; over the group size). The streaming loop adds
 the groups it holds finished in its engine and not published yet (``unpublished``),
 which Redis's counters do not know of yet (actor/stream.py).
 
@@ -51,7 +53,7 @@ import logging
 import time
 
 from pipeline.runtime import Pool, trainer_version
-from pipeline.streams import DRAIN_FIELD, Lua
+from pipeline.streams import DRAIN_FIELD, REJECTED_HELD, Lua
 
 log = logging.getLogger("actor")
 ROOM_S = 0.05  # room(): the counters in Redis are read at most this often
@@ -64,9 +66,19 @@ def draining(pool: Pool) -> bool:
 
 
 def in_flight_groups(pool: Pool) -> float:
-    """Groups produced by every actor and not yet trained, dropped or rejected."""
-    produced, retired = pool.client.mget(pool.names.samples_produced, pool.names.samples_retired)
-    return (int(produced or 0) - int(retired or 0)) / pool.cfg.task.group_size
+    """Groups produced by every actor and not yet trained, dropped or rejected. Samples
+    the trainer's unfinished step already rejected (stale, dead-lettered: its status
+    field ``rejected_held``) are not in flight, though ``samples_retired`` counts them
+    only with the step: counted, they could fill the backlog while the step waits for
+    fresh samples, and actor and trainer would wait for each other (seen with 23 stale
+    samples held, ``actor.max_queue_groups=8``). The counters are read first: the trainer
+    zeroes the field in the script that retires them, so a retirement between the two
+    reads counts them twice (a larger backlog), never not at all."""
+    names = pool.names
+    produced, retired = pool.client.mget(names.samples_produced, names.samples_retired)
+    held = pool.client.hget(names.status("trainer"), REJECTED_HELD)
+    in_flight = int(produced or 0) - int(retired or 0) - max(int(held or 0), 0)
+    return in_flight / pool.cfg.task.group_size
 
 
 # KEYS: produced, claims hash (the keys it writes)

@@ -4,11 +4,15 @@ and the samples_retired count the actors' back-pressure reads."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
 
+from actor.room import in_flight_groups
 from pipeline.config import Config
 from pipeline.messages import (
     TrainBatch,
@@ -17,7 +21,7 @@ from pipeline.messages import (
     pack_f32,
 )
 from pipeline.run.accounting import account, in_flight
-from pipeline.streams import Names, publish
+from pipeline.streams import REJECTED_HELD, Names, publish
 from pipeline.telemetry import read_jsonl
 from tests.trainer_builders import batch, run_step, sample
 from trainer import checkpoint
@@ -255,3 +259,41 @@ def test_a_backlog_does_not_grow_the_step(make_trainer, rclient):
         publish(rclient, trainer.pool.names.batches, encode(b))
     sizes = [run_step(trainer)["samples"] for _ in range(3)]
     assert sizes == [4, 4, 4]
+
+
+def test_rejected_samples_held_by_a_waiting_step_are_not_in_flight(make_trainer, rclient):
+    """A step short of fresh samples holds the stale ones it rejected until it retires
+    them with the step. The actors' back-pressure must not count them: with them in
+    flight, a full backlog of stale samples held actor and trainer waiting for each
+    other for good (a math run on vLLM here: 23 stale samples held, backlog 9 of 8)."""
+    trainer = make_trainer(samples_per_step=2, max_lag=1)
+    trainer.state["version"] = 3
+    names, rng = trainer.pool.names, np.random.default_rng(8)
+    g = trainer.pool.cfg.task.group_size
+    rclient.set(names.samples_produced, 3 * g)  # what the actors counted: 3 groups
+    for name in ("old", "older"):  # 2 x 2 samples of version 1: stale at version 3
+        old = batch(name, [sample(0, 6, 1, 1.0, rng), sample(1, 6, 1, -1.0, rng)], rng)
+        publish(rclient, names.batches, encode(old))
+    seen: dict[str, float] = {}
+
+    def actor_side() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if rclient.hget(names.status("trainer"), REJECTED_HELD) == b"4":
+                seen["in_flight"] = in_flight_groups(trainer.pool)
+                break
+            time.sleep(0.02)
+        fresh = batch("new", [sample(0, 6, 3, 1.0, rng), sample(1, 6, 3, -1.0, rng)], rng)
+        publish(rclient, names.batches, encode(fresh))
+
+    helper = threading.Thread(target=actor_side)
+    helper.start()
+    m = run_step(trainer)  # waits for the fresh batch the helper sends
+    helper.join()
+    assert m["stale"] == 4 and m["samples"] == 2
+    # while the step waited: the 4 rejected samples were not in flight, the rest were
+    assert seen["in_flight"] == pytest.approx((3 * g - 4) / g)
+    # retired with the step, and no longer subtracted: counted once either way
+    assert rclient.hget(names.status("trainer"), REJECTED_HELD) == b"0"
+    assert retired(trainer) == 6
+    assert in_flight_groups(trainer.pool) == pytest.approx((3 * g - 6) / g)

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pipeline.messages import BadEntry, TrainBatch, encode
-from pipeline.streams import DATA, Consumer
+from pipeline.streams import DATA, REJECTED_HELD, Consumer
 
 
 @dataclass
@@ -80,6 +80,12 @@ def admit(
         batch.group_ids = [batch.group_ids[i] for i in keep]
         batch.prompt_ids = [batch.prompt_ids[i] for i in keep]
     return batch
+
+
+def rejected_held(data: StepData) -> int:
+    """Samples the unfinished step rejected (stale, in dead-lettered entries): retired
+    from the pipeline's point of view, counted in ``samples_retired`` only with the step."""
+    return data.retired - data.samples
 
 
 def stale_by_length(lengths: list[int], cfg) -> dict[str, int]:
@@ -134,11 +140,16 @@ def collect(
                 data.batch_entries.append(entry_id)
                 data.samples += len(fresh.samples)
         # what the unfinished step holds: fresh samples, and stale ones its record will
-        # drop (the faults bench checks them against the trainer's pending list)
+        # drop (the faults bench checks them against the trainer's pending list);
+        # rejected_held: the samples it rejected (stale, dead-lettered) and retires only
+        # with the step, which the actors' back-pressure must not count as in flight
+        # (actor/room.py in_flight_groups: else a step short of fresh samples waits for
+        # actors that wait for it)
         pool.status.set(
             state="waiting for data",
             buffered_samples=data.samples,
             buffered_stale=len(set(data.stale_ids)),
+            **{REJECTED_HELD: rejected_held(data)},
         )
         if time.monotonic() - last_idle > idle_every_s:
             idle()

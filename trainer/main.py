@@ -35,11 +35,17 @@ from pipeline.messages import TrainBatch, decode, encode
 from pipeline.routing import is_moe, layout_of
 from pipeline.runtime import Pool, model_path, start_pool
 from pipeline.stopping import final
-from pipeline.streams import DATA, Lua, add_once, durable
+from pipeline.streams import DATA, REJECTED_HELD, Lua, add_once, durable
 from pipeline.streams.shards import open_consumer
 from trainer import checkpoint
 from trainer.backends import describe, describe_line, make_backend
-from trainer.batches import StepData, collect, sample_ids, stale_by_length
+from trainer.batches import (
+    StepData,
+    collect,
+    rejected_held,
+    sample_ids,
+    stale_by_length,
+)
 from trainer.ranks import Plan, Ranks, close, init_ranks, my_share, share_plan
 from trainer.step import StepTotals, constant_divisor, sample_metrics, train_step
 from trainer.weight_publisher import WeightPublisher
@@ -146,6 +152,7 @@ class Trainer:
             # a trainer ran before: its steps after this version are undone
             pool.record(event="resume", version=self.state["version"])
         self._undo_retired(self.state["samples_retired"])
+        pool.status.set(**{REJECTED_HELD: 0})  # a killed trainer's rejects come again, unretired
         durable.set_value(pool.client, pool.names.trainer_version, self.state["version"])
         self.checkpoint_id = self.state["entry_id"]
         pool.status.set(**describe(cfg))  # backend, ZeRO stage, ranks, dtype: summary.json
@@ -335,7 +342,13 @@ class Trainer:
             "last_retired_step",
             f"{self.token}:{s['version']}:{s['nonfinite_steps']}",  # a skipped step: no version
             data.retired,
-            {RETIRED_FIELD: data.retired, "dead_lettered": dead},
+            # rejected_held back to 0 with the retirement that now counts those samples
+            # (batches.py: the actors' back-pressure subtracts it from the in-flight count)
+            {
+                RETIRED_FIELD: data.retired,
+                "dead_lettered": dead,
+                REJECTED_HELD: -rejected_held(data),
+            },
         )
         self.dead_seen = self.consumer.dead_lettered
 

@@ -32,7 +32,8 @@ Layout (module: concern)::
     urls.py        the multi-host URLs both read: scheme, credentials, HOST:PORT list
     durable.py     writes that count once replicas have them (WAIT), XADD-once,
                    publish, the Lua script runner
-    counters.py    count-once counters: samples_produced, samples_retired
+    counters.py    count-once counters: samples_produced, samples_retired (and the
+                   trainer's rejected_held, which back-pressure subtracts)
     consumer.py    Consumer: consumer groups, pending recovery and claims, dead
                    letters; the run marker (DataLost)
     trimming.py    trimming what every group has acknowledged
@@ -53,13 +54,14 @@ from pipeline.streams.consumer import (
     ensure_group,
     mark_run,
 )
-from pipeline.streams.counters import add_once, count_produced, retire_groups
+from pipeline.streams.counters import REJECTED_HELD, add_once, count_produced, retire_groups
 from pipeline.streams.durable import Lua, publish
 from pipeline.streams.errors import RedisRefused, RedisUnavailable, redact
 from pipeline.streams.names import DATA, SHARDED, Names
 from pipeline.streams.trimming import consumed_floor, trim_consumed
 
 __all__ = [
+    "REJECTED_HELD",
     "DATA",
     "SHARDED",
     "Consumer",

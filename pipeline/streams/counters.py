@@ -20,6 +20,13 @@ import redis
 from pipeline.streams.durable import Lua
 from pipeline.streams.names import Names
 
+# The trainer's status field: samples its unfinished step rejected (stale, in
+# dead-lettered entries), which samples_retired counts only once the step retires them.
+# The actors' back-pressure does not count them as in flight (actor/room.py): a step short
+# of fresh samples would otherwise wait for actors that wait for it. The trainer sets it
+# while it reads and zeroes it in the add_once that retires them.
+REJECTED_HELD = "rejected_held"
+
 # KEYS: a counter, a status hash; ARGV: guard field, token, amount, then (field, amount)
 # pairs added to the status hash. Applied once per token: the guard field remembers it.
 # A repeat re-sets the guard: it writes, so a WAIT behind it covers the first (durable.py).
