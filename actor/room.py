@@ -12,11 +12,13 @@ in both modes (``pipeline.mode=async|sync``).
             ``waiting (sync)``); sync: <run>:sync_claims (this actor's claim, released
             after publishing); a ``mode`` record, a ``turn`` metrics record per batch
             (batch loop: wait and generate seconds, mode), and a ``backpressure`` record
-            each time a hold of new groups ends (its reason: lag, backlog, drain, sync,
+            each time a hold of new groups ends (its reason: lag, backlog, cores, drain, sync,
             weights; wait_s)
     blocks  (``wait``, the batch loop) while the run drains; async: while more than
             actor.max_lag versions behind the trainer or while actor.max_queue_groups
-            groups are in flight; sync: until this actor holds the trainer's current
+            groups are in flight, or while the trainer on this host runs its step on
+            idle actors' cores (its status ``cores_claimed``, trainer/cores.py); sync:
+            until this actor holds the trainer's current
             version and the step still lacks samples nobody is generating.
             ``room(unpublished)`` (the streaming loop) is the same async bound, asked
             without blocking
@@ -50,14 +52,16 @@ starts, so a drained run launched again produces.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 
 from pipeline.runtime import Pool, trainer_version
-from pipeline.streams import DRAIN_FIELD, REJECTED_HELD, Lua
+from pipeline.streams import CORES_CLAIMED, DRAIN_FIELD, REJECTED_HELD, Lua
 
 log = logging.getLogger("actor")
 ROOM_S = 0.05  # room(): the counters in Redis are read at most this often
 HOLD_S = 0.1  # wait(): between two looks while the actor is held back
+CLAIM_STALE_S = 10.0  # a trainer's cores claim with an older heartbeat is ignored
 
 
 def draining(pool: Pool) -> bool:
@@ -79,6 +83,19 @@ def in_flight_groups(pool: Pool) -> float:
     held = pool.client.hget(names.status("trainer"), REJECTED_HELD)
     in_flight = int(produced or 0) - int(retired or 0) - max(int(held or 0), 0)
     return in_flight / pool.cfg.task.group_size
+
+
+def cores_claimed(pool: Pool, host: str) -> bool:
+    """The trainer on this host runs its step on the cores of idle actors
+    (``trainer.torch_threads=auto``, trainer/cores.py): no new group until the step ends.
+    A claim whose heartbeat is older than CLAIM_STALE_S (a trainer killed mid-step) or
+    made on another host holds nobody back."""
+    claim, where, beat = pool.client.hmget(
+        pool.names.status("trainer"), [CORES_CLAIMED, "host", "heartbeat"]
+    )
+    if claim != b"1" or (where or b"").decode() != host:
+        return False
+    return time.time() - float(beat or 0) <= CLAIM_STALE_S
 
 
 # KEYS: produced, claims hash (the keys it writes)
@@ -125,6 +142,8 @@ class Room:
         self.checked = 0.0  # when room() last read the counters in Redis
         self.behind, self.published, self.backlog = 0, 0.0, 0.0
         self.draining = False  # the run drains: no new group (draining())
+        # the trainer on this host runs its step on this actor's core (cores_claimed())
+        self.cores_claimed, self.host = False, socket.gethostname()
         self.waited = 0.0
         self.held: tuple[str, float] | None = None  # (reason, since): new groups held back
         pool.record(event="mode", mode=self.mode)
@@ -168,6 +187,7 @@ class Room:
             self.behind = trainer_version(self.pool) - self.engine.version
             self.published = in_flight_groups(self.pool)
             self.draining = draining(self.pool)
+            self.cores_claimed = cores_claimed(self.pool, self.host)
         if self.draining:
             return "drain"
         cfg = self.pool.cfg.actor
@@ -176,6 +196,8 @@ class Room:
             return "lag"
         if self.backlog >= cfg.max_queue_groups:
             return "backlog"
+        if self.cores_claimed:
+            return "cores"
         return None
 
     # -- the batch loop: a whole batch at a time -------------------------------------

@@ -99,7 +99,8 @@ HISTOGRAMS = {
     ("backpressure", "wait_s"): Hist(
         "nonstop_backpressure_wait_seconds",
         "each time the actor held new groups back, how long, by reason (lag: more than "
-        "actor.max_lag versions behind; backlog: actor.max_queue_groups in flight; drain; "
+        "actor.max_lag versions behind; backlog: actor.max_queue_groups in flight; "
+        "cores: the trainer on this host runs its step on the actor's core; drain; "
         "sync: waiting for its share of a sync step; weights: partial weights)",
         1,
         SLOW,

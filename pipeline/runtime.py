@@ -143,7 +143,9 @@ def start_pool(
     }[role]
     import torch  # here, not at the top: the launcher imports this module without torch
 
-    torch.set_num_threads(threads)
+    if threads == "auto":  # trainer.torch_threads=auto: every CPU it may use, until the
+        threads = len(os.sched_getaffinity(0))  # trainer's first step shares them
+    torch.set_num_threads(int(threads))
     pin_cpus(role, cfg.pipeline.cpus)
     stop = StopEvent()
     starting = [True]  # a stop while still connecting: nothing to finish, leave now

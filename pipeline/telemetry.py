@@ -16,6 +16,7 @@ import importlib.util
 import json
 import logging
 import os
+import socket
 import statistics
 import threading
 import time
@@ -190,6 +191,7 @@ class PoolStatus:
             mapping={
                 "role": role,
                 "pid": os.getpid(),
+                "host": socket.gethostname(),  # pools on one host share its CPUs
                 "started": time.time(),
                 "heartbeat": time.time(),
             },

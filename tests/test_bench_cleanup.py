@@ -112,6 +112,32 @@ def test_sigterm_to_the_async_bench_stops_its_run(tmp_path):
     sigterm_stops_everything(proc, found[0])
 
 
+def test_sigterm_to_the_makerun_bench_stops_its_run(tmp_path):
+    proc = bench(
+        ["makerun", "--repeats", "1", "--variants", "hf", "--out", str(tmp_path / "m.json"),
+         "model.name=tiny"],
+        tmp_path,
+    )  # fmt: skip
+    found: list[Path] = []
+
+    def run_started() -> bool:
+        found[:] = [p / "hf-0" for p in tmp_path.glob("bench-makerun-*")]
+        return bool(found) and bool(run_leftovers(found[0]))
+
+    wait_for(run_started, 240, proc)
+    sigterm_stops_everything(proc, found[0])
+    assert not (tmp_path / "m.json").exists()
+
+
+def test_the_makerun_bench_refuses_an_unknown_variant_before_launching(tmp_path):
+    proc = bench(
+        ["makerun", "--variants", "vllm,sglang", "--out", str(tmp_path / "m.json")], tmp_path
+    )
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "unknown ['sglang']" in out, out
+    assert not list(tmp_path.glob("bench-makerun-*")), "it made a run directory"
+
+
 @pytest.mark.vllm
 def test_sigterm_to_the_vllm_start_bench_stops_its_engine(tmp_path, request):
     """SIGTERM while a fresh engine process starts: the bench, that process and the vLLM

@@ -37,6 +37,7 @@ from pipeline.runtime import Pool, model_path, start_pool
 from pipeline.stopping import final
 from pipeline.streams import DATA, REJECTED_HELD, Lua, add_once, durable
 from pipeline.streams.shards import open_consumer
+from pipeline.telemetry import read_statuses
 from trainer import checkpoint
 from trainer.backends import describe, describe_line, make_backend
 from trainer.batches import (
@@ -46,6 +47,7 @@ from trainer.batches import (
     sample_ids,
     stale_by_length,
 )
+from trainer.cores import AUTO, CoreShare
 from trainer.ranks import Plan, Ranks, close, init_ranks, my_share, share_plan
 from trainer.step import StepTotals, constant_divisor, sample_metrics, train_step
 from trainer.weight_publisher import WeightPublisher
@@ -95,6 +97,17 @@ class Trainer:
     def __init__(self, pool: Pool):
         self.pool, cfg = pool, pool.cfg
         self.waited_s = 0.0  # main(): how long the trainer waited for the next step's data
+        # trainer.torch_threads=auto: threads follow the other pools on this host (cores.py)
+        self.cores = None
+        if pool.cfg.trainer.torch_threads == AUTO:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # ranks on this host share it
+            self.cores = CoreShare(
+                pool.cfg,
+                lambda: read_statuses(pool.client, pool.names),
+                lambda **fields: pool.status.set(**fields),
+                pool.name,
+                ranks=local,
+            )
         t = cfg.trainer
         self.ranks: Ranks = init_ranks(
             t.world_size, t.device, t.collective_timeout_s, need_dist=t.backend == "deepspeed"
@@ -236,9 +249,11 @@ class Trainer:
             cfg,
             self.pad_id,
             totals,
-            on_micro=self.pool.tick,  # a long step is progress, not a hang
+            on_micro=self.before_micro,
             version=plan.version,  # the weights this step starts from (kl_actor_* metrics)
         )
+        if self.cores is not None:
+            self.cores.release()  # idle actors on this host may start new groups again
         if not metrics.pop("applied"):
             return self.skip(plan, metrics)
         metrics.pop("nonfinite_sample_ids")
@@ -253,6 +268,8 @@ class Trainer:
         # the wait for this step's data before it (reading, staleness, waiting for groups):
         # the trainer's idle time, summed in summary.json's trainer_wait
         metrics["wait_s"] = self.waited_s
+        if self.cores is not None:
+            metrics["torch_threads"] = self.cores.take_mean()
         # the step's record before the checkpoint that covers it: a trainer killed after
         # the save resumes past these entries and never re-reads them, so a record written
         # later could be lost with it (and the step's samples with it, in the accounting)
@@ -268,6 +285,13 @@ class Trainer:
         if self.ranks.is_main:
             self.consumer.trim(keep_after=self.checkpoint_id)
         return metrics
+
+    def before_micro(self) -> None:
+        """Before each micro-batch: a long step is progress, not a hang; with
+        ``trainer.torch_threads=auto`` the threads the host has free now."""
+        self.pool.tick()
+        if self.cores is not None:
+            self.cores.apply()
 
     def skip(self, plan: Plan, metrics: dict) -> dict:
         """A step whose loss or gradient was not finite: not applied (the backend left the

@@ -42,7 +42,9 @@ class TrainerConfig:
     transfer_timeout_s: float = 60.0
     transfer_host: str = "127.0.0.1"  # address actors reach the trainer's transfer store on
     keep_checkpoints: int = 2
-    torch_threads: int = 1
+    # torch threads: a number, or auto: the CPUs it may use less what the other pools on
+    # its host keep busy now, set before every micro-batch (trainer/cores.py)
+    torch_threads: int | str = 1
     world_size: int = 1  # ranks (processes) of the trainer; rank 0 reads, publishes, reports
     zero_stage: int = 0  # backend=deepspeed: ZeRO stage 0-3
     # backend=deepspeed, zero_stage=3, a MoE model: expert-parallel size of DeepSpeed AutoEP
@@ -72,6 +74,14 @@ def validate_trainer(cfg: Any) -> None:
     )
     t = cfg.trainer
     validate_objective(cfg)
+    threads = t.torch_threads
+    if threads != "auto" and (
+        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+    ):
+        raise ValueError(
+            f"trainer.torch_threads={threads!r} must be a whole number >= 1 or auto (the CPUs "
+            "it may use less what the other pools on its host keep busy: trainer/cores.py)"
+        )
     if t.max_lag < 0:
         raise ValueError(f"trainer.max_lag={t.max_lag} must be >= 0")
     if isinstance(t.route_probe_every, bool) or not isinstance(t.route_probe_every, int):

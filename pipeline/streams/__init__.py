@@ -54,13 +54,20 @@ from pipeline.streams.consumer import (
     ensure_group,
     mark_run,
 )
-from pipeline.streams.counters import REJECTED_HELD, add_once, count_produced, retire_groups
+from pipeline.streams.counters import (
+    CORES_CLAIMED,
+    REJECTED_HELD,
+    add_once,
+    count_produced,
+    retire_groups,
+)
 from pipeline.streams.durable import Lua, publish
 from pipeline.streams.errors import RedisRefused, RedisUnavailable, redact
 from pipeline.streams.names import DATA, SHARDED, Names
 from pipeline.streams.trimming import consumed_floor, trim_consumed
 
 __all__ = [
+    "CORES_CLAIMED",
     "REJECTED_HELD",
     "DATA",
     "SHARDED",

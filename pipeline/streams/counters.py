@@ -26,6 +26,9 @@ from pipeline.streams.names import Names
 # of fresh samples would otherwise wait for actors that wait for it. The trainer sets it
 # while it reads and zeroes it in the add_once that retires them.
 REJECTED_HELD = "rejected_held"
+# The trainer's status field: 1 while a step runs on cores an idle actor on its host would
+# take (trainer.torch_threads=auto, trainer/cores.py); such an actor starts no new group.
+CORES_CLAIMED = "cores_claimed"
 
 # KEYS: a counter, a status hash; ARGV: guard field, token, amount, then (field, amount)
 # pairs added to the status hash. Applied once per token: the guard field remembers it.
