@@ -147,6 +147,7 @@ def start_pool(
         threads = len(os.sched_getaffinity(0))  # trainer's first step shares them
     torch.set_num_threads(int(threads))
     pin_cpus(role, cfg.pipeline.cpus)
+    yield_cores(role, cfg.pipeline.nice)
     stop = StopEvent()
     starting = [True]  # a stop while still connecting: nothing to finish, leave now
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -227,6 +228,15 @@ def pin_cpus(role: str, cpus: Any) -> None:
     if chosen:
         os.sched_setaffinity(0, set(chosen))
         logging.getLogger(role).info("pinned to CPUs %s", sorted(chosen))
+
+
+def yield_cores(role: str, nice: Any) -> None:
+    """``pipeline.nice.<role>``: this process (and what it starts) yields the cores to
+    pools with a lower niceness when they compete for them."""
+    n = int(getattr(nice, role, 0) or 0)
+    if n:
+        os.nice(n)
+        logging.getLogger(role).info("niceness %d (pipeline.nice.%s)", n, role)
 
 
 class StoppedAtStartup(BaseException):

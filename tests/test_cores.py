@@ -3,6 +3,8 @@ other pools on its host keep busy, read from their real status hashes in redis-s
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -116,3 +118,26 @@ def test_an_actor_holds_new_groups_only_for_a_live_claim_on_its_host(share, rcli
     assert cores_claimed(actor, host)
     s.release()
     assert not cores_claimed(actor, host)
+
+
+@pytest.mark.parametrize("bad", [-1, 20])
+def test_a_bad_niceness_is_refused_naming_the_range(bad):
+    cfg = OmegaConf.structured(Config)
+    cfg.pipeline.nice.actor = bad
+    with pytest.raises(ValueError, match=r"pipeline.nice.actor=.* in 0..19"):
+        validate(cfg)
+
+
+def test_a_pool_yields_the_cores_by_its_niceness_and_its_children_inherit_it():
+    code = (
+        "import os, subprocess, sys\n"
+        "from types import SimpleNamespace\n"
+        "from pipeline.runtime import yield_cores\n"
+        "before = os.nice(0)\n"
+        "yield_cores('actor', SimpleNamespace(actor=7, trainer=0))\n"
+        "child = subprocess.run([sys.executable, '-c', 'import os; print(os.nice(0))'],\n"
+        "                       capture_output=True, text=True).stdout.strip()\n"
+        "print(os.nice(0) - before, int(child) - before)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["7", "7"], out

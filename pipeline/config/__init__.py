@@ -81,6 +81,7 @@ from pipeline.config.run import (
     CpusConfig,
     LaunchConfig,
     MetricsConfig,
+    NiceConfig,
     PipelineConfig,
     RunConfig,
 )
@@ -102,6 +103,7 @@ __all__ = [
     "ActorConfig",
     "Config",
     "CpusConfig",
+    "NiceConfig",
     "EvalConfig",
     "LaunchConfig",
     "LoraConfig",

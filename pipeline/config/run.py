@@ -31,11 +31,25 @@ class CpusConfig:
 
 
 @dataclass
+class NiceConfig:
+    """Each role's scheduling niceness (os.nice, inherited by what the pool starts: vLLM's
+    engine-core process too), 0-19: under contention for the cores the pool with the
+    lower value runs first. The math job: the actor and the evaluator yield to the
+    trainer, whose step is the run's critical path (README, *Cores on one machine*)."""
+
+    actor: int = 0
+    preprocessor: int = 0
+    trainer: int = 0
+    evaluator: int = 0
+
+
+@dataclass
 class PipelineConfig:
     # async: pools never wait for each other; sync: actors generate one step's worth of
     # groups with the current weights, then wait for the trainer's next version
     mode: str = "async"
     cpus: CpusConfig = field(default_factory=CpusConfig)  # e.g. pipeline.cpus.actor=[0]
+    nice: NiceConfig = field(default_factory=NiceConfig)  # e.g. pipeline.nice.actor=5
     # sync: when the trainer has waited this long for samples counted in flight while
     # nothing moved, they are taken as lost and a step's worth is generated again
     sync_stall_s: float = 60.0
@@ -102,7 +116,8 @@ def validate_launch(cfg: Any) -> None:
 
 
 def validate_pipeline(cfg: Any) -> None:
-    """``pipeline.mode`` (sync: a step is made of whole groups) and ``pipeline.cpus``."""
+    """``pipeline.mode`` (sync: a step is made of whole groups), ``pipeline.nice`` and
+    ``pipeline.cpus``."""
     mode = cfg.pipeline.mode
     if mode not in PIPELINE_MODES:
         raise ValueError(f"pipeline.mode={mode!r} is not supported; use one of {PIPELINE_MODES}")
@@ -112,6 +127,12 @@ def validate_pipeline(cfg: Any) -> None:
             f"pipeline.mode=sync needs trainer.samples_per_step ({per_step}) to be a multiple "
             f"of task.group_size ({g}): a step is made of whole groups"
         )
+    for role, nice in cfg.pipeline.nice.items():
+        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
+            raise ValueError(
+                f"pipeline.nice.{role}={nice!r}: give a niceness in 0..19 (a higher value "
+                "yields the cores to the other pools; below 0 needs root)"
+            )
     for role, cpus in cfg.pipeline.cpus.items():
         if any(c < 0 or c >= (os.cpu_count() or 1) for c in cpus):
             raise ValueError(
