@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import re
 import threading
 import time
@@ -311,75 +310,6 @@ def test_the_cpu_kv_cache_is_the_configured_size(vllm_engine):
     on a 24 GiB machine and +exp=math's second engine (the evaluator's) ran out of it."""
     cache = vllm_engine.engine.llm.vllm_config.cache_config
     assert cache.kv_cache_memory_bytes == int(1.5 * 2**30)
-
-
-def vllm_processes() -> dict[int, str]:
-    """This process's vLLM descendants (pid -> name, the kernel's 15 characters)."""
-    parents, names = {}, {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-        except OSError:
-            continue
-        parents[int(entry)] = int(fields["PPid"])
-        names[int(entry)] = fields["Name"].strip()
-
-    def mine(pid: int) -> bool:
-        while pid > 1:
-            pid = parents.get(pid, 0)
-            if pid == os.getpid():
-                return True
-        return False
-
-    return {p: n for p, n in names.items() if n.startswith("VLLM") and mine(p)}
-
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def test_vllms_queue_readers_sleep_instead_of_spinning_on_the_cpu_build(vllm_engine):
-    """actor.vllm.queue_spin_s=auto is 0 on the CPU build (worker/spin.py): the variable
-    reaches every vLLM process, and after a generation the worker sleeps at once instead
-    of polling its queue for vLLM's 1 s (a core the trainer shares). With
-    NONSTOP_VLLM_SPIN_S=1 exported before the engine starts (vLLM's own spin), the worker
-    used 0.79 CPU seconds of the 0.8 s after a generation here: a whole core, polling."""
-    procs = vllm_processes()
-    assert sorted(procs.values()) == ["VLLM::EngineCor", "VLLM::Worker"], procs  # comm: 15
-    for pid in procs:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            assert b"NONSTOP_VLLM_SPIN_S=0.0" in f.read().split(b"\0"), procs[pid]
-    worker = next(p for p, n in procs.items() if n == "VLLM::Worker")
-    greedy(vllm_engine.engine, [[5, 6, 7, 8]], 8)
-    before = cpu_s(worker)
-    time.sleep(0.8)
-    assert cpu_s(worker) - before < 0.1  # asleep on its socket, not polling
-
-
-def test_the_spin_patch_sets_vllms_own_reader(monkeypatch):
-    """apply_from_env on vLLM's real SpinCondition: a reader built after it sleeps at once."""
-    zmq = pytest.importorskip("zmq")
-    shm = pytest.importorskip("vllm.distributed.device_communicators.shm_broadcast")
-    from actor.engines.vllm.worker import spin
-
-    original = shm.SpinCondition.__init__
-    monkeypatch.setattr(shm.SpinCondition, "__init__", original)  # undone after the test
-    monkeypatch.setenv(spin.ENV, "0")
-    assert spin.apply_from_env() == 0.0
-    ctx = zmq.Context()
-    try:
-        reader = shm.SpinCondition(True, ctx, "ipc:///tmp/nonstop-spin-test-none")
-        assert reader.busy_loop_s == 0.0
-        monkeypatch.setenv(spin.ENV, "-1")
-        with pytest.raises(ValueError, match="seconds >= 0"):
-            spin.apply_from_env()
-    finally:
-        ctx.destroy(linger=0)
 
 
 # before compiled_engine: a second engine in this process takes over vLLM's metrics in

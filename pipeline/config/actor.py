@@ -36,10 +36,6 @@ class VLLMConfig:
     max_model_len: int = 2048  # prompt + completion tokens
     lock_timeout_s: float = 10.0  # weights.update_mode=lock: longest wait for the lock
     rpc_timeout_s: float = 120.0  # deadline of every call into the engine process
-    # seconds vLLM's shared-memory queue readers (engine core, workers) poll before they
-    # sleep: auto is 0 on the CPU build (the cores are the other pools' too), vLLM's own
-    # 1 s on CUDA (actor/engines/vllm/worker/spin.py)
-    queue_spin_s: float | str = "auto"
     # true: start on a vLLM version the engine was not tested on (a warning, not an error)
     allow_untested_version: bool = False
 
@@ -182,12 +178,6 @@ def validate_vllm(cfg: Any) -> None:
     if not isinstance(v.allow_untested_version, bool):
         raise ValueError(
             f"actor.vllm.allow_untested_version={v.allow_untested_version!r} must be true or false"
-        )
-    spin = v.queue_spin_s
-    if spin != "auto" and (isinstance(spin, bool) or not isinstance(spin, int | float) or spin < 0):
-        raise ValueError(
-            f"actor.vllm.queue_spin_s={spin!r}: give seconds >= 0 or auto (0 on the CPU "
-            "build, vLLM's own 1 s on CUDA)"
         )
     if v.cpu_kv_cache_gib < 0:
         raise ValueError(

@@ -67,7 +67,6 @@ from actor.engines.base import Engine, EngineStats
 from actor.engines.vllm import lora_client as vllm_lora
 from actor.engines.vllm.requests import RequestIds, Unit, VLLMRequests
 from actor.engines.vllm.weight_updates import VLLMWeights, merge
-from actor.engines.vllm.worker import spin
 from pipeline import lora as lora_lib
 from pipeline.config.actor import eager_for
 from pipeline.listeners import LOOPBACK, gloo_interface
@@ -153,7 +152,6 @@ class VLLMEngine(VLLMRequests, VLLMWeights, Engine):
         self.eager = wanted or (self.keep_routing and not native)
         if not self.eager and platform == CPU:
             reuse_cpu_compile_cache()
-        queue_spin(settings.queue_spin_s, platform)
         self.settings, self.update_mode = settings, update_mode
         self.rpc_timeout_s = float(settings.rpc_timeout_s)
         self.stats = EngineStats()
@@ -401,20 +399,6 @@ def reuse_cpu_compile_cache() -> None:
     if "VLLM_USE_AOT_COMPILE" not in os.environ:
         os.environ["VLLM_USE_AOT_COMPILE"] = "0"
         log.info("VLLM_USE_AOT_COMPILE=0: the CPU build's AOT compile cache never loads")
-
-
-def queue_spin(setting: float | str, platform: str) -> None:
-    """``actor.vllm.queue_spin_s`` into ``NONSTOP_VLLM_SPIN_S`` for vLLM's processes
-    (worker/spin.py): ``auto`` is 0 on the CPU build and vLLM's own on CUDA; an exported
-    variable wins."""
-    if spin.ENV in os.environ:
-        return
-    if setting == "auto":
-        if platform != CPU:
-            return
-        setting = 0.0
-    os.environ[spin.ENV] = str(float(setting))
-    log.info("%s=%s: vLLM's queue readers poll that long before they sleep", spin.ENV, setting)
 
 
 def cpu_kv_cache(settings) -> dict:
