@@ -62,6 +62,9 @@ VARIANTS = {
     # 1 leaves a core idle while the actor is held back; 2 oversubscribes while it generates
     "vllm_threads1": ["actor.engine=vllm", "trainer.torch_threads=1"],
     "vllm_threads2": ["actor.engine=vllm", "trainer.torch_threads=2"],
+    # the engine's requests in flight (+exp=math: 16, one step's samples): the flow
+    "vllm_flight32": ["actor.engine=vllm", "actor.vllm.in_flight=32"],
+    "vllm_flight64": ["actor.engine=vllm", "actor.vllm.in_flight=64"],
 }
 COMMON = ["metrics.tensorboard=false"]
 TARGETS = {
