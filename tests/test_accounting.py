@@ -87,6 +87,23 @@ def test_every_outcome_is_counted_once_and_a_missing_group_is_lost():
     assert [p.split(" ")[:2] for p in problems(terms)] == [["lost:", "f"]]
 
 
+def test_a_group_whose_xadd_reply_never_came_counts_where_it_turns_up():
+    """A machine shutdown stops redis-server and the actor at once: redis may apply an
+    XADD (and keep it in its AOF) whose reply never reaches the actor, which then records
+    ``group_unconfirmed`` instead of ``group`` (actor/publish.py send_group). After the
+    relaunch the group is trained: published, not a phantom. One that never reached
+    redis is nowhere: not published, and so not lost."""
+    unconfirmed = [{"event": "group_unconfirmed", "group": g, "samples": G} for g in "bc"]
+    records = produced("a") + unconfirmed + [step(1, ["a/0", "a/1", "b/0", "b/1"])]
+    terms = account(records, NO_FLIGHT, [], G)
+    assert problems(terms) == []
+    assert terms["groups_produced"] == 2 and terms["groups_trained"] == 2
+    assert terms["groups_lost"] == 0
+    # the same run had the actor not said so: the trained group is a phantom
+    plain = [r for r in records if r["event"] != "group_unconfirmed"]
+    assert any(p.startswith("phantom: b") for p in problems(account(plain, NO_FLIGHT, [], G)))
+
+
 def test_steps_undone_by_a_trainer_restart_do_not_count_as_trained():
     records = produced("a") + [step(1, ["a/0", "a/1"]), {"event": "resume", "version": 0}]
     assert account(records, NO_FLIGHT, [], G)["groups_lost"] == 1
@@ -253,3 +270,31 @@ def test_a_later_copy_of_a_trained_sample_turned_away_as_stale_is_redelivered():
         terms = account(records, NO_FLIGHT, [], G)
         assert terms["conflicting_ids"] == ["a/0"] and terms["redelivered_ids"] == []
         assert when in problems(terms)[0]
+
+
+def test_an_actor_whose_xadd_failed_says_the_group_is_unconfirmed():
+    """send_group against a redis-server that is gone (a real client, a closed port): the
+    XADD raises, and before it propagates the actor's metrics file holds the group as
+    unconfirmed, for the account above."""
+    import socket
+    from types import SimpleNamespace
+
+    import pytest
+    import redis
+
+    from actor.publish import send_group
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = redis.Redis(port=port, socket_connect_timeout=1)
+    part = SimpleNamespace(client=client, names=Names("test", "gone"))
+    records: list[dict] = []
+    pool = SimpleNamespace(
+        name="actor-0",
+        shards=SimpleNamespace(next=lambda: part),
+        record=lambda **r: records.append(r),
+    )
+    with pytest.raises(redis.ConnectionError):
+        send_group(pool, group("g"))
+    assert records == [{"event": "group_unconfirmed", "group": "g", "samples": G}]

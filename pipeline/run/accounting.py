@@ -269,7 +269,6 @@ def account(
     ``lost_ids``, ``duplicated_ids``, ``phantom_ids``, ``conflicting_ids``
     (:func:`problems` says them in words)."""
     sizes = published(records, group_size)
-    pub_samples = {f"{g}/{i}" for g, n in sizes.items() for i in range(n)}
     batched = {g for r in records if r.get("event") == "batched" for g in r["groups"]}
     no_signal = {g for r in records if r.get("event") == "no_signal" for g in r["groups"]}
     steps = surviving_steps(records)
@@ -282,6 +281,17 @@ def account(
     dead_whole = {g for d in dead for g in d["groups"]}  # rollouts entries: whole groups
     flight_rollouts = set(flight.get("rollouts_groups", []))
     flight_samples = set(flight.get("batches_samples", []))
+    # an XADD whose reply never came (actor/publish.py send_group): published if the group
+    # turns up anywhere, not published (and so not lost) if it does not
+    seen = batched | no_signal | dead_whole | flight_rollouts
+    seen |= {_group_of(s) for s in set(trained) | stale | dead_samples | flight_samples}
+    unconfirmed = {
+        r["group"]: int(r.get("samples", group_size))
+        for r in records
+        if r.get("event") == "group_unconfirmed" and r["group"] not in sizes
+    }
+    sizes |= {g: n for g, n in unconfirmed.items() if g in seen}
+    pub_samples = {f"{g}/{i}" for g, n in sizes.items() for i in range(n)}
 
     trained_at: dict[str, list[int]] = {}
     stale_at: dict[str, list[int]] = {}
