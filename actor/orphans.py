@@ -61,7 +61,12 @@ def watch_parent(parent_pid: int, every_s: float = PARENT_CHECK_S) -> None:
 def vllm_plugin() -> None:
     """vLLM's ``vllm.general_plugins`` hook: in a process vLLM started with
     multiprocessing under an actor (``NONSTOP_DIE_WITH_PARENT=1``), watch the parent.
-    Elsewhere (the actor itself, any other vLLM user of this environment) nothing."""
+    Elsewhere (the actor itself, any other vLLM user of this environment) nothing.
+    In every process: the queue readers' nap from ``NONSTOP_VLLM_QUEUE_NAP_US`` where the
+    actor set it (actor/engines/vllm/worker/queue_nap.py)."""
     parent = multiprocessing.parent_process()
     if os.environ.get(ENV) == "1" and parent is not None and parent.pid is not None:
         watch_parent(parent.pid)
+    from actor.engines.vllm.worker.queue_nap import apply_from_env
+
+    apply_from_env()

@@ -250,6 +250,12 @@ def test_the_gpu_tests_settings_start_an_engine_here():
         gpu_settings(in_flight=200)
     with pytest.raises(ValueError, match=r"actor.vllm.cpu_kv_cache_gib=-1.0 must be >= 0"):
         gpu_settings(cpu_kv_cache_gib=-1)
+    for nap in (-1, "fast"):
+        with pytest.raises(ValueError, match=r"actor.vllm.queue_nap_us=.*whole microseconds"):
+            gpu_settings(queue_nap_us=nap)
+    with pytest.raises(ValueError, match="queue_nap_us"):  # OmegaConf's own type check
+        gpu_settings(queue_nap_us=0.5)
+    assert gpu_settings(queue_nap_us=0).queue_nap_us == 0
 
 
 def test_error_and_abort_finishes_are_failed_requests_never_completions(make):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import re
 import threading
 import time
@@ -310,6 +311,104 @@ def test_the_cpu_kv_cache_is_the_configured_size(vllm_engine):
     on a 24 GiB machine and +exp=math's second engine (the evaluator's) ran out of it."""
     cache = vllm_engine.engine.llm.vllm_config.cache_config
     assert cache.kv_cache_memory_bytes == int(1.5 * 2**30)
+
+
+def vllm_processes() -> dict[int, str]:
+    """This process's vLLM descendants (pid -> name, the kernel's 15 characters)."""
+    parents, names = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields["PPid"])
+        names[int(entry)] = fields["Name"].strip()
+
+    def mine(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == os.getpid():
+                return True
+        return False
+
+    return {p: n for p, n in names.items() if n.startswith("VLLM") and mine(p)}
+
+
+def cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_vllms_queue_readers_nap_instead_of_spinning_on_the_cpu_build(vllm_engine):
+    """actor.vllm.queue_nap_us=auto is 200 us on the CPU build (worker/queue_nap.py): the
+    variable reaches both vLLM processes, and while the worker generates, the engine core,
+    which waits for each step's output, stays off the CPU. Exported as
+    NONSTOP_VLLM_QUEUE_NAP_US=0 (vLLM's own sched_yield between polls), this test fails:
+    the engine core used 0.87x the worker's CPU here, against 0.35x with the nap (with
+    SmolLM2 beside a busy core: 0.40 of a core against 0.08)."""
+    procs = vllm_processes()
+    assert sorted(procs.values()) == ["VLLM::EngineCor", "VLLM::Worker"], procs  # comm: 15
+    core = next(p for p, n in procs.items() if n == "VLLM::EngineCor")
+    worker = next(p for p, n in procs.items() if n == "VLLM::Worker")
+    greedy(vllm_engine.engine, PROMPTS, 8)  # warm
+    before, t0, steps = (cpu_s(core), cpu_s(worker)), time.monotonic(), 0
+    while time.monotonic() - t0 < 2.0:
+        greedy(vllm_engine.engine, PROMPTS, 32)
+        steps += 32
+    used = cpu_s(core) - before[0], cpu_s(worker) - before[1]
+    # against the worker's CPU, not the wall: on a loaded machine both get less of a core
+    ratio = used[0] / max(used[1], 1e-9)
+    print(f"engine core {used[0]:.2f} CPU s, worker {used[1]:.2f} over {steps} decode steps")
+    assert ratio < 0.6, f"the engine core used {ratio:.2f}x the worker's CPU while it generated"
+    for pid in procs:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+        assert b"NONSTOP_VLLM_QUEUE_NAP_US=200" in env, procs[pid]
+
+
+def test_the_nap_replaces_vllms_yield_in_its_real_queue_reader(monkeypatch):
+    """apply_from_env on vLLM's real SpinCondition: a reader in its polling window sleeps
+    the nap between two polls instead of sched_yield (microseconds); 0 or unset keeps
+    vLLM's own; a value that is not whole microseconds >= 0 names the setting."""
+    zmq = pytest.importorskip("zmq")
+    shm = pytest.importorskip("vllm.distributed.device_communicators.shm_broadcast")
+    from vllm.distributed.utils import sched_yield
+
+    from actor.engines.vllm.worker import queue_nap
+
+    # vLLM's own (this process may hold the nap: the plugin runs here too when an engine
+    # starts), put back as it was after the test
+    monkeypatch.setattr(shm, "sched_yield", sched_yield)
+    ctx = zmq.Context()
+    try:
+        reader = shm.SpinCondition(True, ctx, "ipc:///tmp/nonstop-nap-test-none")
+
+        def poll_s(n: int = 20) -> float:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                reader.record_read()  # inside the polling window: no socket wait
+                reader.wait(timeout_ms=1000)
+            return (time.perf_counter() - t0) / n
+
+        monkeypatch.delenv(queue_nap.ENV, raising=False)
+        assert queue_nap.apply_from_env() is None
+        assert poll_s() < 1e-3  # vLLM's sched_yield: microseconds
+        monkeypatch.setenv(queue_nap.ENV, "2000")
+        assert queue_nap.apply_from_env() == 2000
+        assert poll_s() >= 1.9e-3
+        monkeypatch.setenv(queue_nap.ENV, "0")
+        assert queue_nap.apply_from_env() is None  # vLLM's own again
+        assert poll_s() < 1e-3
+        for bad in ("-1", "0.5", "x"):
+            monkeypatch.setenv(queue_nap.ENV, bad)
+            with pytest.raises(ValueError, match="actor.vllm.queue_nap_us"):
+                queue_nap.apply_from_env()
+    finally:
+        ctx.destroy(linger=0)
 
 
 # before compiled_engine: a second engine in this process takes over vLLM's metrics in

@@ -65,6 +65,9 @@ VARIANTS = {
     # the engine's requests in flight (+exp=math: 16, one step's samples): the flow
     "vllm_flight32": ["actor.engine=vllm", "actor.vllm.in_flight=32"],
     "vllm_flight64": ["actor.engine=vllm", "actor.vllm.in_flight=64"],
+    # vLLM's queue readers poll with sched_yield as vLLM ships them (the default naps 200 us
+    # between polls on the CPU build: actor/engines/vllm/worker/queue_nap.py)
+    "vllm_yield": ["actor.engine=vllm", "actor.vllm.queue_nap_us=0"],
 }
 COMMON = ["metrics.tensorboard=false"]
 TARGETS = {

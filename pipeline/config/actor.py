@@ -36,6 +36,10 @@ class VLLMConfig:
     max_model_len: int = 2048  # prompt + completion tokens
     lock_timeout_s: float = 10.0  # weights.update_mode=lock: longest wait for the lock
     rpc_timeout_s: float = 120.0  # deadline of every call into the engine process
+    # microseconds vLLM's shared-memory queue readers (engine core, worker) sleep between
+    # two polls instead of sched_yield: auto is 200 on the CPU build (its cores are the
+    # trainer's too), 0 (vLLM's own) on CUDA (actor/engines/vllm/worker/queue_nap.py)
+    queue_nap_us: int | str = "auto"
     # true: start on a vLLM version the engine was not tested on (a warning, not an error)
     allow_untested_version: bool = False
 
@@ -178,6 +182,12 @@ def validate_vllm(cfg: Any) -> None:
     if not isinstance(v.allow_untested_version, bool):
         raise ValueError(
             f"actor.vllm.allow_untested_version={v.allow_untested_version!r} must be true or false"
+        )
+    nap = v.queue_nap_us
+    if nap != "auto" and (isinstance(nap, bool) or not isinstance(nap, int) or nap < 0):
+        raise ValueError(
+            f"actor.vllm.queue_nap_us={nap!r}: give whole microseconds >= 0 or auto (200 on "
+            "the CPU build, 0 on CUDA; 0 keeps vLLM's own sched_yield between polls)"
         )
     if v.cpu_kv_cache_gib < 0:
         raise ValueError(

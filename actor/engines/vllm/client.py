@@ -67,6 +67,7 @@ from actor.engines.base import Engine, EngineStats
 from actor.engines.vllm import lora_client as vllm_lora
 from actor.engines.vllm.requests import RequestIds, Unit, VLLMRequests
 from actor.engines.vllm.weight_updates import VLLMWeights, merge
+from actor.engines.vllm.worker import queue_nap
 from pipeline import lora as lora_lib
 from pipeline.config.actor import eager_for
 from pipeline.listeners import LOOPBACK, gloo_interface
@@ -152,6 +153,7 @@ class VLLMEngine(VLLMRequests, VLLMWeights, Engine):
         self.eager = wanted or (self.keep_routing and not native)
         if not self.eager and platform == CPU:
             reuse_cpu_compile_cache()
+        queue_nap_env(settings.queue_nap_us, platform)
         self.settings, self.update_mode = settings, update_mode
         self.rpc_timeout_s = float(settings.rpc_timeout_s)
         self.stats = EngineStats()
@@ -399,6 +401,23 @@ def reuse_cpu_compile_cache() -> None:
     if "VLLM_USE_AOT_COMPILE" not in os.environ:
         os.environ["VLLM_USE_AOT_COMPILE"] = "0"
         log.info("VLLM_USE_AOT_COMPILE=0: the CPU build's AOT compile cache never loads")
+
+
+CPU_QUEUE_NAP_US = 200  # actor.vllm.queue_nap_us=auto on the CPU build
+_NAP_EXPORTED = queue_nap.ENV in os.environ  # exported by the user before the actor ran
+
+
+def queue_nap_env(setting: int | str, platform: str) -> None:
+    """``actor.vllm.queue_nap_us`` into ``NONSTOP_VLLM_QUEUE_NAP_US`` for vLLM's processes
+    (worker/queue_nap.py, applied there by the project's vllm plugin): ``auto`` is
+    CPU_QUEUE_NAP_US on the CPU build and vLLM's own polling on CUDA; an exported variable
+    wins. Set at each engine's start (vLLM's processes inherit the actor's environment)."""
+    if _NAP_EXPORTED:
+        return
+    us = (CPU_QUEUE_NAP_US if platform == CPU else 0) if setting == "auto" else int(setting)
+    os.environ[queue_nap.ENV] = str(us)
+    if us:
+        log.info("%s=%d: vLLM's queue readers sleep that long between polls", queue_nap.ENV, us)
 
 
 def cpu_kv_cache(settings) -> dict:
