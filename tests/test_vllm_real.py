@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import re
 import threading
 import time
@@ -21,6 +20,7 @@ import time
 import pytest
 import torch
 
+from pipeline.bench.queue_nap import cpu_s, vllm_processes
 from tests.launching import ROOT
 from tests.vllm_real import (
     new_weights,
@@ -311,36 +311,6 @@ def test_the_cpu_kv_cache_is_the_configured_size(vllm_engine):
     on a 24 GiB machine and +exp=math's second engine (the evaluator's) ran out of it."""
     cache = vllm_engine.engine.llm.vllm_config.cache_config
     assert cache.kv_cache_memory_bytes == int(1.5 * 2**30)
-
-
-def vllm_processes() -> dict[int, str]:
-    """This process's vLLM descendants (pid -> name, the kernel's 15 characters)."""
-    parents, names = {}, {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-        except OSError:
-            continue
-        parents[int(entry)] = int(fields["PPid"])
-        names[int(entry)] = fields["Name"].strip()
-
-    def mine(pid: int) -> bool:
-        while pid > 1:
-            pid = parents.get(pid, 0)
-            if pid == os.getpid():
-                return True
-        return False
-
-    return {p: n for p, n in names.items() if n.startswith("VLLM") and mine(p)}
-
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_vllms_queue_readers_nap_instead_of_spinning_on_the_cpu_build(vllm_engine):
