@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from pipeline.bench.queue_nap import cpu_s, vllm_processes
+from pipeline.bench.queue_nap import cpu_s, engine_processes
 from tests.launching import ROOT
 from tests.vllm_real import (
     new_weights,
@@ -320,10 +320,10 @@ def test_vllms_queue_readers_nap_instead_of_spinning_on_the_cpu_build(vllm_engin
     NONSTOP_VLLM_QUEUE_NAP_US=0 (vLLM's own sched_yield between polls), this test fails:
     the engine core used 0.87x the worker's CPU here, against 0.35x with the nap (with
     SmolLM2 beside a busy core: 0.40 of a core against 0.08)."""
-    procs = vllm_processes()
-    assert sorted(procs.values()) == ["VLLM::EngineCor", "VLLM::Worker"], procs  # comm: 15
-    core = next(p for p, n in procs.items() if n == "VLLM::EngineCor")
-    worker = next(p for p, n in procs.items() if n == "VLLM::Worker")
+    # this engine's processes (another engine's may still be exiting in this process)
+    manager = vllm_engine.engine.llm.engine_core.resources.engine_manager
+    procs = engine_processes(core=manager.processes[0].pid)
+    core, worker = procs["VLLM::EngineCor"], procs["VLLM::Worker"]
     greedy(vllm_engine.engine, PROMPTS, 8)  # warm
     before, t0, steps = (cpu_s(core), cpu_s(worker)), time.monotonic(), 0
     while time.monotonic() - t0 < 2.0:
@@ -334,10 +334,10 @@ def test_vllms_queue_readers_nap_instead_of_spinning_on_the_cpu_build(vllm_engin
     ratio = used[0] / max(used[1], 1e-9)
     print(f"engine core {used[0]:.2f} CPU s, worker {used[1]:.2f} over {steps} decode steps")
     assert ratio < 0.6, f"the engine core used {ratio:.2f}x the worker's CPU while it generated"
-    for pid in procs:
+    for name, pid in procs.items():
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = f.read().split(b"\0")
-        assert b"NONSTOP_VLLM_QUEUE_NAP_US=200" in env, procs[pid]
+        assert b"NONSTOP_VLLM_QUEUE_NAP_US=200" in env, name
 
 
 def test_the_nap_replaces_vllms_yield_in_its_real_queue_reader(monkeypatch):

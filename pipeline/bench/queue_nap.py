@@ -58,23 +58,29 @@ def rate(marks: list[tuple[float, int]], t0: float, t1: float) -> float:
     """Matmuls per second between t0 and t1 from the burner's marks."""
     sel = [m for m in marks if t0 <= m[0] <= t1]
     if len(sel) < 2:
-        raise SystemExit(f"the burner left {len(sel)} marks in {t1 - t0:.1f} s: lengthen it")
+        why = f"the burner left {len(sel)} marks in {t1 - t0:.1f} s (it starts in a new process)"
+        raise SystemExit(f"{why}: give it more time alone (--alone-s) or more calls (--calls)")
     return (sel[-1][1] - sel[0][1]) / (sel[-1][0] - sel[0][0])
 
 
-def vllm_processes() -> dict[int, str]:
-    """This process's vLLM descendants (pid -> the kernel's 15-character name)."""
-    parents, names = {}, {}
+def engine_processes(core: int | None = None) -> dict[str, int]:
+    """The engine-core and worker pids of one vLLM engine under this process, ``core``'s
+    where given, else the newest: the worker is the engine core's child
+    (``{"VLLM::EngineCor": pid, "VLLM::Worker": pid}``, the kernel's 15-character
+    names). Another engine's processes in the same process tree, one still exiting, are
+    not counted."""
+    parents, names, started = {}, {}, {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
         except OSError:
             continue
-        parents[int(entry)] = int(fields["PPid"])
-        names[int(entry)] = fields["Name"].strip()
+        pid, (name, rest) = int(entry), stat.split("(", 1)[1].rsplit(")", 1)
+        fields = rest.split()
+        parents[pid], names[pid], started[pid] = int(fields[1]), name, int(fields[19])
 
     def mine(pid: int) -> bool:
         while pid > 1:
@@ -83,7 +89,17 @@ def vllm_processes() -> dict[int, str]:
                 return True
         return False
 
-    return {p: n for p, n in names.items() if n.startswith("VLLM") and mine(p)}
+    pairs = [
+        (started[w], parents[w], w)
+        for w, n in names.items()
+        if n == "VLLM::Worker" and names.get(parents[w]) == "VLLM::EngineCor" and mine(w)
+        if core is None or parents[w] == core
+    ]
+    if not pairs:
+        which = "" if core is None else f" {core}"
+        raise RuntimeError(f"no vLLM engine core{which} with a worker under pid {os.getpid()}")
+    _, core, worker = max(pairs)
+    return {"VLLM::EngineCor": core, "VLLM::Worker": worker}
 
 
 def cpu_s(pid: int) -> float:
@@ -113,7 +129,7 @@ def child(args) -> None:
     try:
         prompts = [[1, *range(100 + i, 140 + i)] for i in range(args.prompts)]
         engine.generate(prompts, args.max_tokens)  # untimed: first-call caches
-        procs = vllm_processes()
+        procs = {pid: name for name, pid in engine_processes().items()}
         proc = ctx.Process(target=burner, args=(stop, out))
         proc.start()
         time.sleep(args.alone_s)
