@@ -119,3 +119,44 @@ def stop_process(proc, sig: int = signal.SIGINT, grace_s: float = 120.0) -> None
         print(f"bench: pid {proc.pid} did not stop in {grace_s:g} s; killing it", flush=True)
         proc.kill()
         proc.wait()
+
+
+def processes() -> dict[int, tuple[int, int, str]]:
+    """pid -> (parent pid, user + system ticks, name) of every process now."""
+    out = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        out[int(pid)] = (int(fields[1]), int(fields[11]) + int(fields[12]), name)
+    return out
+
+
+def run_result_child(
+    cmd: list[str], log_path: str, what: str, timeout_s: float
+) -> tuple[dict, str]:
+    """Run a bench's child process (``cmd``) with its output in ``log_path``; return the
+    JSON of its last ``RESULT {json}`` line and the whole log. A child that runs past
+    ``timeout_s``, fails or prints no result ends the bench naming ``what`` and the log;
+    it is stopped either way."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise SystemExit(f"{what} did not finish in {timeout_s:g} s: {log_path}") from None
+        finally:
+            stop_process(proc, grace_s=30)
+    with open(log_path) as f:
+        text = f.read()
+    found = [line for line in text.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not found:
+        tail = "\n".join(text.splitlines()[-15:])
+        raise SystemExit(f"{what} failed (exit {proc.returncode}); {log_path}:\n{tail}")
+    return json.loads(found[-1][len("RESULT ") :]), text

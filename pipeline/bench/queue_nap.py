@@ -29,13 +29,19 @@ import json
 import multiprocessing
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 from actor.orphans import ENV as DIE_WITH_PARENT
-from pipeline.bench.common import LoadProbe, device_name, print_table, stop_process, write_json
+from pipeline.bench.common import (
+    LoadProbe,
+    device_name,
+    print_table,
+    processes,
+    run_result_child,
+    write_json,
+)
 
 RATE_EVERY = 50  # the burner notes (time, matmuls done) every this many matmuls
 
@@ -65,40 +71,29 @@ def rate(marks: list[tuple[float, int]], t0: float, t1: float) -> float:
 
 def engine_processes(core: int | None = None) -> dict[str, int]:
     """The engine-core and worker pids of one vLLM engine under this process, ``core``'s
-    where given, else the newest: the worker is the engine core's child
+    where given, else the only one: the worker is the engine core's child
     (``{"VLLM::EngineCor": pid, "VLLM::Worker": pid}``, the kernel's 15-character
     names). Another engine's processes in the same process tree, one still exiting, are
     not counted."""
-    parents, names, started = {}, {}, {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        pid, (name, rest) = int(entry), stat.split("(", 1)[1].rsplit(")", 1)
-        fields = rest.split()
-        parents[pid], names[pid], started[pid] = int(fields[1]), name, int(fields[19])
+    procs = processes()
 
     def mine(pid: int) -> bool:
         while pid > 1:
-            pid = parents.get(pid, 0)
+            pid = procs.get(pid, (0,))[0]
             if pid == os.getpid():
                 return True
         return False
 
     pairs = [
-        (started[w], parents[w], w)
-        for w, n in names.items()
-        if n == "VLLM::Worker" and names.get(parents[w]) == "VLLM::EngineCor" and mine(w)
-        if core is None or parents[w] == core
+        (parent, w)
+        for w, (parent, _, name) in procs.items()
+        if name == "VLLM::Worker" and procs.get(parent, (0, 0, ""))[2] == "VLLM::EngineCor"
+        if (parent == core if core is not None else mine(w))
     ]
-    if not pairs:
-        which = "" if core is None else f" {core}"
-        raise RuntimeError(f"no vLLM engine core{which} with a worker under pid {os.getpid()}")
-    _, core, worker = max(pairs)
+    if len(pairs) != 1:
+        which = f"engine core {core}" if core is not None else f"pid {os.getpid()}"
+        raise RuntimeError(f"{len(pairs)} vLLM engine cores with a worker under {which}")
+    core, worker = pairs[0]
     return {"VLLM::EngineCor": core, "VLLM::Worker": worker}
 
 
@@ -163,22 +158,7 @@ def run_child(args, nap: int, log_path: str) -> dict:
     cmd += ["--max-tokens", str(args.max_tokens), "--alone-s", str(args.alone_s)]
     cmd += ["--pause-s", str(args.pause_s)]
     probe = LoadProbe()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
-        try:
-            proc.wait(args.child_timeout_s)
-        except subprocess.TimeoutExpired:
-            why = f"nap {nap}: no result in {args.child_timeout_s:g} s: {log_path}"
-            raise SystemExit(why) from None
-        finally:
-            stop_process(proc, grace_s=30)
-    with open(log_path) as f:
-        text = f.read()
-    found = [line for line in text.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not found:
-        tail = "\n".join(text.splitlines()[-15:])
-        raise SystemExit(f"nap {nap} failed (exit {proc.returncode}); {log_path}:\n{tail}")
-    out = json.loads(found[-1][len("RESULT ") :])
+    out, _ = run_result_child(cmd, log_path, f"nap {nap}", args.child_timeout_s)
     out["load"] = probe.end()
     return out
 

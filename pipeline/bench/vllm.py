@@ -64,7 +64,7 @@ from typing import Any
 
 import torch
 
-from pipeline.bench.common import LoadProbe, percentile, print_table, write_json
+from pipeline.bench.common import LoadProbe, percentile, print_table, processes, write_json
 
 MODES = ("lock", "pause", "vllm-reload")  # vllm-reload: the peers' way (swap part doc)
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
@@ -112,23 +112,6 @@ def machine() -> dict:
     return info
 
 
-def _processes() -> dict[int, tuple[int, int, str]]:
-    """pid -> (parent pid, user + system ticks, name) of every process now."""
-    out = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        out[int(pid)] = (int(fields[1]), int(fields[11]) + int(fields[12]), name)
-    return out
-
-
 def _own(procs: dict[int, tuple[int, int, str]]) -> set[int]:
     """This process and its descendants (vLLM's engine-core and worker processes)."""
     own, me = set(), os.getpid()
@@ -154,9 +137,9 @@ def busiest_processes(interval_s: float = 2.0, top: int = 6) -> list[dict]:
     """The processes that used the most CPU over ``interval_s`` (in cores), this one
     and its descendants marked ``own``."""
     tick = os.sysconf("SC_CLK_TCK")
-    a = _processes()
+    a = processes()
     time.sleep(interval_s)
-    b = _processes()
+    b = processes()
     own = _own(b)
     rows = []
     for pid, (_, ticks, name) in b.items():
@@ -170,7 +153,7 @@ def busiest_processes(interval_s: float = 2.0, top: int = 6) -> list[dict]:
 def descendants_cpu_s() -> float:
     """CPU seconds used so far by this process's live descendants (vLLM's processes:
     LoadProbe counts only children it has waited for)."""
-    procs = _processes()
+    procs = processes()
     me = os.getpid()
     return sum(procs[p][1] for p in _own(procs) if p != me) / os.sysconf("SC_CLK_TCK")
 

@@ -31,13 +31,12 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 from actor.orphans import ENV as DIE_WITH_PARENT
-from pipeline.bench.common import LoadProbe, device_name, print_table, stop_process, write_json
+from pipeline.bench.common import LoadProbe, device_name, print_table, run_result_child, write_json
 
 # compile: the engine as the actor starts it compiled (on the CPU build with
 # VLLM_USE_AOT_COMPILE=0: client.reuse_cpu_compile_cache); compile-aot: vLLM's own default
@@ -94,22 +93,7 @@ def run_child(args, mode: str, log_path: str) -> dict:
     cmd += ["--max-tokens", str(args.max_tokens), "--prompt-len", str(args.prompt_len)]
     cmd += ["--kv-gib", str(args.kv_gib)]
     probe = LoadProbe()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
-        try:
-            proc.wait(args.child_timeout_s)
-        except subprocess.TimeoutExpired:
-            why = f"{mode} engine did not finish in {args.child_timeout_s:g} s: {log_path}"
-            raise SystemExit(why) from None
-        finally:
-            stop_process(proc, grace_s=30)
-    with open(log_path) as f:
-        text = f.read()
-    found = [line for line in text.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not found:
-        tail = "\n".join(text.splitlines()[-15:])
-        raise SystemExit(f"{mode} engine failed (exit {proc.returncode}); {log_path}:\n{tail}")
-    out = json.loads(found[-1][len("RESULT ") :])
+    out, text = run_result_child(cmd, log_path, f"{mode} engine", args.child_timeout_s)
     out["compile_cache"] = compile_cache(text) if mode != "eager" else "-"
     took = INIT_TOOK.search(text)  # vLLM's own: profile, KV cache, warm-up (the compile)
     out["init_engine_s"] = float(took.group(1)) if took else None
