@@ -77,6 +77,9 @@ def bound_socket(host: str, port: int = 0, backlog: int = 128) -> socket.socket:
     return sock
 
 
+STORE_START_S = 30.0  # the least time a store's start may take (its own client's connect)
+
+
 def serve_store(
     host: str,
     timeout_s: float,
@@ -87,7 +90,11 @@ def serve_store(
     multi_tenant: bool = False,
 ):
     """A TCPStore server listening on ``host:port`` only (port 0: a free one), through a
-    socket bound here; returns ``(store, port)``."""
+    socket bound here; returns ``(store, port)``. ``timeout_s`` is the store's timeout
+    for its operations (gets and waits without their own); the store's start, where its
+    own client connects to the server it just opened, gets at least
+    :data:`STORE_START_S`: a short operation timeout (``trainer.transfer_timeout_s=0.001``)
+    made that local connect fail and the trainer exit at start."""
     import torch.distributed as dist
 
     sock = bound_socket(host, port)
@@ -100,7 +107,7 @@ def serve_store(
             port,
             world_size=world_size,
             is_master=True,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=datetime.timedelta(seconds=max(timeout_s, STORE_START_S)),
             wait_for_workers=wait_for_workers,
             multi_tenant=multi_tenant,
             master_listen_fd=fd,
@@ -114,6 +121,7 @@ def serve_store(
         except OSError:
             pass
         raise
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
     return store, port
 
 

@@ -152,3 +152,19 @@ def test_real_vllm_run_listens_on_the_configured_address_only(tmp_path, wrap):
     pools = {s[0] for s in seen}
     assert {"redis-server", "trainer", "VLLM::Worker"} <= pools, seen
     assert_all_on(CONFIGURED, seen, out)
+
+
+def test_a_short_operation_timeout_does_not_fail_the_stores_start():
+    """``trainer.transfer_timeout_s=0.001`` made the store's own client time out
+    connecting to the server it had just opened (CI, 2026-11-29: the trainer exited at
+    start five times). The start gets :data:`STORE_START_S`; the operations keep the
+    timeout asked for. Checked to fail with the start's floor removed."""
+    import datetime
+
+    from pipeline.listeners import serve_store
+
+    store, port = serve_store("127.0.0.1", 0.001)
+    assert store.timeout == datetime.timedelta(milliseconds=1)
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    del store
