@@ -22,7 +22,7 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 	 command -v systemd-analyze >/dev/null || pkgs="$$pkgs systemd"; \
 	 command -v prometheus >/dev/null || pkgs="$$pkgs prometheus"; \
 	 [ -z "$$pkgs" ] || { echo "installing$$pkgs (apt-get)"; \
-	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $$pkgs >/dev/null; }
+	  $(SUDO) apt-get update -qq && $(SUDO) apt-get -o DPkg::Lock::Timeout=600 install -y -qq $$pkgs >/dev/null; }
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)" $(TORCH_PIP_ARGS)
@@ -86,7 +86,7 @@ slurm-setup:
 	@command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null || { \
 	  echo "installing slurm-wlm munge (apt-get)"; \
 	  $(SUDO) apt-get update -qq && \
-	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; }
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq slurm-wlm munge >/dev/null; }
 
 clean:
 	rm -rf outputs .pytest_cache

@@ -159,6 +159,14 @@ def _interrupt(signum, _frame) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
+def _keep_stopping() -> None:
+    def again(signum, _frame) -> None:
+        print(f"\nsignal {signum} again: still stopping every pool", flush=True)
+
+    signal.signal(signal.SIGINT, again)
+    signal.signal(signal.SIGTERM, again)
+
+
 def run(cfg) -> int:
     for chosen in (resolve_engine(cfg), resolve_eager(cfg)):  # auto: what, and why
         if chosen:
@@ -191,57 +199,59 @@ def run(cfg) -> int:
     cfg.model.path = materialize_model(cfg.model.name)
     config_path = os.path.join(run_dir, "config.yaml")
     OmegaConf.save(cfg, config_path)
-    server, env, tls = None, dict(os.environ), None
-    if external:
-        url = external
-    elif cfg.redis.mode in ("sentinel", "cluster"):  # redis=ha: primary, replica, sentinels;
-        for var in TLS_ENV.values():  # redis=cluster: 3 primaries with a replica each
-            env.pop(var, None)
-        begin = start_local_ha if cfg.redis.mode == "sentinel" else start_local_cluster
-        server = begin(cfg, run_dir)  # redis.tls=true: TLS only, with the run's certificates
-        url, client_tls = server.url, server.client_tls
-        if client_tls is not None:
-            env.update(client_tls.env())  # the pools' rediss+... client files
-        for role, role_url in getattr(server, "role_urls", {}).items():  # redis.acl_file
-            env[f"NONSTOP_REDIS_URL_{role.upper()}"] = role_url  # each pool its own user
-    else:
-        for var in TLS_ENV.values():  # files of some other Redis: not this run's
-            env.pop(var, None)
-        if cfg.redis.tls.enabled:  # TLS only: a CA, server and client certificates per run
-            tls = make_run_certs(os.path.join(run_dir, "redis", "tls"))
-            client_tls = tls[1]
-            env.update(client_tls.env())  # the pools' rediss:// client files
-        server = EmbeddedRedis(
-            os.path.join(run_dir, "redis"), cfg.redis.embedded_appendfsync, tls=tls
-        )
-        server.start()
-        url = server.url
-        tls_note = f", TLS only (certificates in {run_dir}/redis/tls)" if tls else ""
-        print(
-            f"embedded redis-server on 127.0.0.1:{server.port}{tls_note} (password in "
-            f"{run_dir}/redis/auth, AOF in {run_dir}/redis)\n"
-            f"  redis-cli: {cli_recipe(run_dir, server.port, client_tls)}"
-        )
-        with open(os.path.join(run_dir, "redis", "auth"), "w") as f:
-            os.chmod(f.name, 0o600)
-            f.write(server.password + "\n")
-        with open(os.path.join(run_dir, "redis", "port"), "w") as f:
-            f.write(f"{server.port}\n")
-    env["NONSTOP_REDIS_URL"] = url
-    env["NONSTOP_RUN_DIR"] = run_dir  # marks every process of the run (and its children)
-    env.setdefault("NONSTOP_RUN_SECRET", secrets.token_hex(16))
-    client = client or connect(url, reconnect_s=2.0, tls=client_tls)
-    names = Names.of(cfg)
-    shards = Shards.of(cfg, client, names)  # redis.mode=cluster: redis.shards partitions
-    check_no_eviction(client)
-    mark_run(client, names, run_dir=run_dir)
-    client.delete(names.rendezvous)  # a previous trainer's address is stale now
-    if client.hget(names.run_marker, DRAIN_FIELD) is not None:  # drained (actor/room.py)
-        client.hdel(names.run_marker, DRAIN_FIELD)  # and launched again: it produces again
-    cmds = pool_commands(cfg, config_path)
-    sup = Supervisor(cfg, run_dir, env, cmds, server, groups={"trainer": trainer_names(cfg)})
-    prom = Prometheus(cfg, run_dir) if cfg.metrics.prometheus else None
+    # everything this run starts is stopped on every way out: an error, Ctrl-C or SIGTERM
+    # at any point (while Redis or the pools start too), a second signal while stopping
+    server, env, tls, sup, prom = None, dict(os.environ), None, None, None
     try:
+        if external:
+            url = external
+        elif cfg.redis.mode in ("sentinel", "cluster"):  # redis=ha: primary, replica, sentinels;
+            for var in TLS_ENV.values():  # redis=cluster: 3 primaries with a replica each
+                env.pop(var, None)
+            begin = start_local_ha if cfg.redis.mode == "sentinel" else start_local_cluster
+            server = begin(cfg, run_dir)  # redis.tls=true: TLS only, with the run's certificates
+            url, client_tls = server.url, server.client_tls
+            if client_tls is not None:
+                env.update(client_tls.env())  # the pools' rediss+... client files
+            for role, role_url in getattr(server, "role_urls", {}).items():  # redis.acl_file
+                env[f"NONSTOP_REDIS_URL_{role.upper()}"] = role_url  # each pool its own user
+        else:
+            for var in TLS_ENV.values():  # files of some other Redis: not this run's
+                env.pop(var, None)
+            if cfg.redis.tls.enabled:  # TLS only: a CA, server and client certificates per run
+                tls = make_run_certs(os.path.join(run_dir, "redis", "tls"))
+                client_tls = tls[1]
+                env.update(client_tls.env())  # the pools' rediss:// client files
+            server = EmbeddedRedis(
+                os.path.join(run_dir, "redis"), cfg.redis.embedded_appendfsync, tls=tls
+            )
+            server.start()
+            url = server.url
+            tls_note = f", TLS only (certificates in {run_dir}/redis/tls)" if tls else ""
+            print(
+                f"embedded redis-server on 127.0.0.1:{server.port}{tls_note} (password in "
+                f"{run_dir}/redis/auth, AOF in {run_dir}/redis)\n"
+                f"  redis-cli: {cli_recipe(run_dir, server.port, client_tls)}"
+            )
+            with open(os.path.join(run_dir, "redis", "auth"), "w") as f:
+                os.chmod(f.name, 0o600)
+                f.write(server.password + "\n")
+            with open(os.path.join(run_dir, "redis", "port"), "w") as f:
+                f.write(f"{server.port}\n")
+        env["NONSTOP_REDIS_URL"] = url
+        env["NONSTOP_RUN_DIR"] = run_dir  # marks every process of the run (and its children)
+        env.setdefault("NONSTOP_RUN_SECRET", secrets.token_hex(16))
+        client = client or connect(url, reconnect_s=2.0, tls=client_tls)
+        names = Names.of(cfg)
+        shards = Shards.of(cfg, client, names)  # redis.mode=cluster: redis.shards partitions
+        check_no_eviction(client)
+        mark_run(client, names, run_dir=run_dir)
+        client.delete(names.rendezvous)  # a previous trainer's address is stale now
+        if client.hget(names.run_marker, DRAIN_FIELD) is not None:  # drained (actor/room.py)
+            client.hdel(names.run_marker, DRAIN_FIELD)  # and launched again: it produces again
+        cmds = pool_commands(cfg, config_path)
+        sup = Supervisor(cfg, run_dir, env, cmds, server, groups={"trainer": trainer_names(cfg)})
+        prom = Prometheus(cfg, run_dir) if cfg.metrics.prometheus else None
         if prom is not None:
             prom.start()
             print(
@@ -249,14 +259,14 @@ def run(cfg) -> int:
                 f"{cfg.metrics.prometheus_scrape_s}s; storage in {prom.dir}/data)",
                 flush=True,
             )
-    except ValueError:
-        if server is not None:
-            server.stop()
-        raise
-    start = time.time()
-    sup.spawn_all()
-    outcome, code = supervise(cfg, sup, client, names, prom)
-    try:
+        start = time.time()
+        try:
+            sup.spawn_all()
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM while the pools start: stop those started
+            print("\ninterrupted while starting the pools: stopping every pool", flush=True)
+            outcome, code = "interrupted", 130
+        else:
+            outcome, code = supervise(cfg, sup, client, names, prom)
         if outcome == "finished":
             try:
                 wait_for_final_sync(client, names, cfg, cfg.trainer.max_steps)
@@ -281,13 +291,15 @@ def run(cfg) -> int:
         if code == 0 and summary.outcome != outcome:  # finished, but weights did not arrive
             print(f"\nrun {summary.outcome}", flush=True)
             code = 1
+        return code
     finally:
-        sup.stop()
+        _keep_stopping()  # a second signal no longer cuts the stop short
+        if sup is not None:
+            sup.stop()
         if prom is not None:
             prom.stop()
         if server is not None:
             server.stop()
-    return code
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
@@ -300,6 +312,9 @@ def main(cfg) -> None:
     except RedisNotRestarted as e:  # every pool was stopped on the way out (run's finally)
         print(f"error: {e}", file=sys.stderr)
         code = 1
+    except KeyboardInterrupt:  # before any pool started; what had started was stopped
+        print("\ninterrupted before the run started", file=sys.stderr)
+        code = 130
     sys.exit(code)
 
 

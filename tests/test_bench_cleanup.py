@@ -163,3 +163,53 @@ def test_sigterm_to_the_vllm_start_bench_stops_its_engine(tmp_path, request):
         time.sleep(0.2)
     assert engine() == [], f"processes of the bench outlived it:\n{out}"
     assert not (tmp_path / "out.json").exists()
+
+
+def in_dir(run_dir: Path) -> list[str]:
+    """``pid name`` of every live process working in ``run_dir`` or below (the embedded
+    redis-server runs in ``run_dir/redis``, without the run's environment marker)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            cwd = os.readlink(f"/proc/{entry}/cwd")
+            name = Path(f"/proc/{entry}/comm").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        if cwd.startswith(f"{run_dir}/") or cwd == str(run_dir):
+            found.append(f"{entry} {name}")
+    return found
+
+
+def test_sigterm_while_the_launcher_starts_its_pools_stops_every_one(tmp_path):
+    """SIGTERM to the launcher as soon as its first pool (the trainer) exists, while it
+    still starts the others: the interrupt used to leave ``spawn_all`` outside the stop
+    on the way out, so the pools started so far and the Redis ran on, orphaned (the
+    async bench's SIGTERM test under load, 2026-11-29). Now each started pool and the
+    Redis are stopped, and the summary says interrupted. Five actors and three
+    preprocessors make the window wide; checked to fail with spawn_all back outside the
+    launcher's try (pools and the redis-server left running, 2 runs of 2)."""
+    from tests.launching import launch_tiny
+
+    run_dir = tmp_path / "run"
+    proc = launch_tiny(
+        tmp_path, run_dir, "actor.num_actors=5", "preprocessor.num_workers=3",
+        "trainer.max_steps=1000",
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not any(" -m trainer " in p for p in run_leftovers(run_dir)):  # no sleep
+            assert proc.poll() is None and time.monotonic() < deadline, "no trainer started"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 30
+    while run_leftovers(run_dir) + in_dir(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = run_leftovers(run_dir) + in_dir(run_dir)  # the Redis: not marked, in run/redis
+    for line in left:
+        os.kill(int(line.split()[0]), signal.SIGKILL)
+    assert left == [], f"processes of the run outlived the launcher:\n{out}"
+    assert proc.returncode == 130, out
+    assert "interrupted while starting the pools: stopping every pool" in out, out

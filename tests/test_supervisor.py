@@ -313,3 +313,43 @@ def test_free_ports_lie_below_the_ephemeral_range_and_can_be_bound(monkeypatch):
     # a range that leaves no room below it: the kernel's pick, as before
     monkeypatch.setattr(redis_server, "ephemeral_range", lambda: (10500, 60999))
     assert free_port() >= 10500
+
+
+def test_a_signal_right_after_a_pools_fork_is_held_until_the_pool_is_recorded(
+    tmp_path, monkeypatch
+):
+    """Ctrl-C or SIGTERM to the launcher between a pool's fork and its record in
+    ``procs`` left that pool unknown to stop(): running on, orphaned (the async bench's
+    SIGTERM test, 2026-11-29). The signal is held until the pool is recorded, then
+    raised for the launcher's handler. Checked to fail with ``signals_held`` left out of
+    Supervisor.spawn (the pool runs on, unrecorded)."""
+    import pipeline.run.supervisor as supervisor
+
+    real = supervisor.subprocess.Popen
+
+    def popen_then_signal(*args, **kw):
+        proc = real(*args, **kw)
+        os.kill(os.getpid(), signal.SIGTERM)  # the signal lands right after the fork
+        return proc
+
+    def interrupt(signum, _frame):
+        raise KeyboardInterrupt(signum)
+
+    sup, marker, pids = make_supervisor(tmp_path, "leave")
+    monkeypatch.setattr(supervisor.subprocess, "Popen", popen_then_signal)
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        try:
+            sup.spawn_all()
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("the held SIGTERM was never raised again")
+        assert "actor-0" in sup.procs, "the pool was started but not recorded"
+        assert signal.getsignal(signal.SIGTERM) is interrupt  # the handler put back
+        started(pids)
+        sup.stop()
+        wait_until(lambda: not marked_processes("NONSTOP_RUN_DIR", marker), 5)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        cleanup(sup, marker)

@@ -44,6 +44,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections import Counter
 
@@ -67,6 +68,25 @@ def tail(path: str, lines: int = 20) -> str:
             return "".join(f.readlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+@contextlib.contextmanager
+def signals_held(signums=(signal.SIGINT, signal.SIGTERM)):
+    """SIGINT and SIGTERM arriving inside are held, then raised again once it ends, for
+    the handlers in place (the launcher's raise KeyboardInterrupt). In the main thread
+    only (the only one that can set handlers); elsewhere it holds nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    old = {n: signal.signal(n, lambda signum, _frame: got.append(signum)) for n in signums}
+    try:
+        yield
+    finally:
+        for n, handler in old.items():
+            signal.signal(n, handler)
+        if got:
+            signal.raise_signal(got[0])
 
 
 class RedisNotRestarted(RuntimeError):
@@ -104,7 +124,9 @@ class Supervisor:
         self.events.write(pool="launcher", event=kind, target=pool, **detail)
 
     def spawn(self, name: str) -> None:
-        with open(self.log_path(name), "ab") as log:
+        # a Ctrl-C or SIGTERM between the fork and the record would leave a pool that
+        # stop() does not know: it is held until the pool is recorded
+        with signals_held(), open(self.log_path(name), "ab") as log:
             self.procs[name] = subprocess.Popen(
                 self.cmds[name],
                 stdout=log,
