@@ -132,13 +132,15 @@ def test_requests_stay_in_flight_while_groups_are_published(setup, monkeypatch):
     got = groups(s)
     assert published == len(got) >= 18
     # once the actor was warm, the engine did not run dry at group boundaries, though the
-    # actor scored and published 12 more groups meanwhile (the batch loop runs dry at every
-    # batch: the control below). One dry spell is allowed: on a loaded 2-core CI machine
-    # the actor's thread was once descheduled for ~30 ms (a scheduling stall, not a refill
-    # that waited for a publish, which would show as a gap per group). The steps ran with
+    # actor scored and published 12 or more groups meanwhile (the batch loop runs dry at
+    # every batch: the control below). A refill that waited for a publish shows as a dry
+    # spell per group; a scheduling stall of the actor's thread on a loaded 2-core machine
+    # (a ~30 ms deschedule; a clean-clone CI run beside other tests saw 4 in 169 groups)
+    # shows as a rare one: one per 20 groups is allowed, at least one. The steps ran with
     # every slot busy (a finished request's replacement joins at the next step, as in vLLM)
     after = at_stop["groups"] - warm["groups"]
-    assert after >= 10 and at_stop["gaps"] - warm["gaps"] <= 1, (warm, at_stop["gaps"], after)
+    dry = at_stop["gaps"] - warm["gaps"]
+    assert after >= 10 and dry <= max(1, after // 20), (warm, at_stop["gaps"], after)
     steps = at_stop["steps"][warm["steps"] :]
     assert sum(running == IN_FLIGHT for running, _ in steps) >= 0.8 * len(steps), steps
     truth = core().truth
