@@ -43,8 +43,8 @@ run: setup-vllm
 	$(PY) -m pipeline.launch $(if $(findstring +exp=,$(ARGS)),,+exp=math) $(ARGS)
 
 # TEST_WORKERS pytest-xdist workers: 2 by default, as CI runs it (a clean clone's .ci/run
-# here: ~29-57 min, as fast as the machine; in one process, TEST_WORKERS=0: ~41-45 min; 3 workers: ~28 min, the CPUs
-# already busy: README, Tests).
+# here: 29-57 min as fast as the machine, measured before the groups below were applied;
+# in one process, TEST_WORKERS=0: ~41-45 min: README, Tests).
 # tests/conftest.py groups the tests: a module whole on one worker, the vllm-marked and
 # the Slurm modules one test at a time
 TEST_WORKERS ?= 2

@@ -187,7 +187,7 @@ def test_sigterm_while_the_launcher_starts_its_pools_stops_every_one(tmp_path):
     async bench's SIGTERM test under load, 2026-11-29). Now each started pool and the
     Redis are stopped, and the summary says interrupted. Five actors and three
     preprocessors make the window wide; checked to fail with spawn_all back outside the
-    launcher's try (pools and the redis-server left running, 2 runs of 2)."""
+    launcher's try (pools or the redis-server left running in 3 runs of 3)."""
     from tests.launching import launch_tiny
 
     run_dir = tmp_path / "run"
