@@ -64,24 +64,32 @@ def batch_groups(
     """Generate and publish batches until stop, each when the Room lets it start.
     Returns the groups published."""
     room, produced, swaps = Room(pool, engine), 0, (0, 0)
-    while not pool.stop.is_set():
-        prompts_n = room.wait()
-        if pool.stop.is_set():
-            break
-        t0, tokens0 = time.monotonic(), engine.stats.tokens
-        made = generate_step(pool, engine, task, tokenizer, rewards, errors, prompts_n)
-        produced += made
-        room.done(made, time.monotonic() - t0)
-        swaps = record_swaps(pool, engine, swaps)
-        rate = (engine.stats.tokens - tokens0) / max(time.monotonic() - t0, 1e-9)
-        pool.status.set(
-            state="generating",
-            version=engine.version,
-            tokens=engine.stats.tokens,
-            weight_updates_applied=receiver.applied,
-            weight_updates_failed=receiver.failed,
-            reward_mean=rewards.mean or 0.0,
-            tokens_per_s=round(rate, 1),
-            swap_ms_max=round(max(engine.stats.swap_ms, default=0.0), 3),  # recent pauses
-        )
+    try:
+        while not pool.stop.is_set():
+            produced += _batch(pool, engine, task, tokenizer, rewards, errors, receiver, room)
+            swaps = record_swaps(pool, engine, swaps)
+    finally:
+        room.close()
     return produced
+
+
+def _batch(pool, engine, task, tokenizer, rewards, errors, receiver, room) -> int:
+    """One batch, when the Room lets it start; the groups it published (0: stop)."""
+    prompts_n = room.wait()
+    if pool.stop.is_set():
+        return 0
+    t0, tokens0 = time.monotonic(), engine.stats.tokens
+    made = generate_step(pool, engine, task, tokenizer, rewards, errors, prompts_n)
+    room.done(made, time.monotonic() - t0)
+    rate = (engine.stats.tokens - tokens0) / max(time.monotonic() - t0, 1e-9)
+    pool.status.set(
+        state="generating",
+        version=engine.version,
+        tokens=engine.stats.tokens,
+        weight_updates_applied=receiver.applied,
+        weight_updates_failed=receiver.failed,
+        reward_mean=rewards.mean or 0.0,
+        tokens_per_s=round(rate, 1),
+        swap_ms_max=round(max(engine.stats.swap_ms, default=0.0), 3),  # recent pauses
+    )
+    return made

@@ -80,18 +80,21 @@ def stream_episodes(
         pool.tick()
         report.tick(published[0], room)
 
-    drive_episodes(
-        engine,
-        runner,
-        cfg.task.group_size,
-        open_target(cfg),
-        admit=lambda: room(0),
-        finished=finished,
-        stop=pool.stop.is_set,
-        tick=tick,
-        next_group=next_group,
-        dropped=dropped,
-    )
+    try:
+        drive_episodes(
+            engine,
+            runner,
+            cfg.task.group_size,
+            open_target(cfg),
+            admit=lambda: room(0),
+            finished=finished,
+            stop=pool.stop.is_set,
+            tick=tick,
+            next_group=next_group,
+            dropped=dropped,
+        )
+    finally:
+        room.close()
     return published[0]
 
 

@@ -151,14 +151,21 @@ class Room:
 
     def _held_back(self, reason: str | None) -> None:
         """Back-pressure: ``reason`` holds new groups back now (None: room again). A
-        ``backpressure`` record (reason, wait_s) when a hold ends; its reason is the one
-        that began it."""
-        if reason is not None and self.held is None:
-            self.held = (reason, time.monotonic())
-        elif reason is None and self.held is not None:
+        ``backpressure`` record (reason, wait_s) when a hold ends or its reason changes
+        (a backlog hold that turns into a lag hold is two records, each reason with its
+        own time: a hold that only changed reasons until the run drained was never
+        recorded, and the histogram stayed empty)."""
+        now = time.monotonic()
+        if self.held is not None and reason != self.held[0]:
             (why, since), self.held = self.held, None
-            wait = time.monotonic() - since
-            self.pool.record(event="backpressure", reason=why, wait_s=round(wait, 4))
+            self.pool.record(event="backpressure", reason=why, wait_s=round(now - since, 4))
+        if reason is not None and self.held is None:
+            self.held = (reason, now)
+
+    def close(self) -> None:
+        """The loop ends (stop): the hold in progress is recorded too, so no held time is
+        lost from the histogram."""
+        self._held_back(None)
 
     # -- async: lag and backlog ------------------------------------------------------
     def changed(self) -> None:

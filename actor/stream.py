@@ -132,6 +132,7 @@ def stream_groups(
             pool.tick()
             report.tick(published, room)
     finally:
+        room.close()
         dropped = engine.abort_open()
         if dropped:
             log.info("stopping: %d unfinished groups aborted, not published", dropped)

@@ -87,9 +87,13 @@ def test_actor_never_exceeds_its_backpressure_bounds(tmp_path, redis_server, rcl
         proc.wait(30)
         log.close()
     assert proc.returncode == 0, (tmp_path / "actor.log").read_text()[-2000:]
-    # the hold for the full backlog is a ``backpressure`` record (the actor's histogram
-    # nonstop_backpressure_wait_seconds{reason}) once room was made: at least the 3 s
-    # watched; the hold for the lag had not ended when the actor stopped
+    # each hold is a ``backpressure`` record (the actor's histogram
+    # nonstop_backpressure_wait_seconds{reason}): the full backlog's once room was made,
+    # the lag's when the actor stopped (a hold in progress is recorded at the end); each
+    # at least the 3 s watched
     holds = [r for r in read_jsonl(str(tmp_path / "metrics.jsonl")) if r["event"] == "backpressure"]
-    assert holds and {r["reason"] for r in holds} == {"backlog"}, holds
-    assert max(r["wait_s"] for r in holds) >= 3.0, holds
+    longest = {}
+    for r in holds:
+        longest[r["reason"]] = max(longest.get(r["reason"], 0.0), r["wait_s"])
+    assert set(longest) == {"backlog", "lag"}, holds
+    assert min(longest.values()) >= 3.0, holds

@@ -25,7 +25,7 @@ from pipeline.redisd.server import EmbeddedRedis
 from pipeline.run.accounting import account, in_flight
 from pipeline.runtime import Pool
 from pipeline.streams import DRAIN_FIELD, Names, connect, count_produced, publish, wait_until
-from pipeline.telemetry import MetricsFile, PoolStatus
+from pipeline.telemetry import MetricsFile, PoolStatus, read_jsonl
 from tests.fault_runs import ReplyDropper, check_account, run_faults_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -123,15 +123,12 @@ def test_pipeline_survives_the_fault_schedule(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:]
 
 
-def test_a_draining_run_holds_every_actor_loop_back(rclient, tmp_path):
-    """The ``drain`` field of <run>:run (what the faults bench sets before it stops a
-    run): the Room's wait (the batch loop) and room(unpublished) (the streaming loop)
-    start no new group while it is there, the actor says ``draining`` and keeps ticking
-    (not a hang to the watchdog), and both go on once it is gone."""
-    cfg = OmegaConf.structured(Config)
-    names = Names("t", f"drain-{time.time_ns()}")
-    pool = Pool(
-        cfg=cfg,
+def _actor_pool(rclient, tmp_path, tag: str) -> Pool:
+    """An actor's Pool on the default config, on a run of its own in ``rclient``'s
+    server, recording into tmp_path/metrics.jsonl."""
+    names = Names("t", f"{tag}-{time.time_ns()}")
+    return Pool(
+        cfg=OmegaConf.structured(Config),
         name="actor-0",
         role="actor",
         client=rclient,
@@ -140,6 +137,47 @@ def test_a_draining_run_holds_every_actor_loop_back(rclient, tmp_path):
         status=PoolStatus(rclient, names, "actor-0", "actor"),
         metrics=MetricsFile(str(tmp_path / "metrics.jsonl")),
     )
+
+
+def test_a_hold_is_recorded_per_reason_and_when_the_loop_ends(rclient, tmp_path):
+    """A hold whose reason changes without room in between (the backlog drains while
+    the trainer runs ahead: backlog, then lag, then the run drains) is one
+    ``backpressure`` record per reason, each with its own time; the hold in progress
+    when the loop ends is recorded too. Recorded only when room came back, such a hold
+    was never recorded, and the actor's histogram stayed empty."""
+    pool = _actor_pool(rclient, tmp_path, "holds")
+    cfg, names = pool.cfg, pool.names
+    engine = SimpleNamespace(version=0, dead=lambda: "")
+    g = cfg.task.group_size
+    room = Room(pool, engine)
+    rclient.set(names.samples_produced, cfg.actor.max_queue_groups * g)
+    assert room(0) is False and room.backlog == cfg.actor.max_queue_groups
+    time.sleep(0.3)
+    rclient.set(names.samples_retired, cfg.actor.max_queue_groups * g)  # the backlog drained,
+    rclient.set(names.trainer_version, cfg.actor.max_lag + 1)  # the trainer ran ahead
+    room.changed()
+    assert room(0) is False and room.behind > cfg.actor.max_lag
+    time.sleep(0.2)
+    rclient.hset(names.run_marker, DRAIN_FIELD, "1")
+    room.changed()
+    assert room(0) is False and room.draining
+    room.close()
+    holds = [
+        (r["reason"], r["wait_s"])
+        for r in read_jsonl(str(tmp_path / "metrics.jsonl"))
+        if r["event"] == "backpressure"
+    ]
+    assert [reason for reason, _ in holds] == ["backlog", "lag", "drain"], holds
+    assert holds[0][1] >= 0.3 and holds[1][1] >= 0.2, holds
+
+
+def test_a_draining_run_holds_every_actor_loop_back(rclient, tmp_path):
+    """The ``drain`` field of <run>:run (what the faults bench sets before it stops a
+    run): the Room's wait (the batch loop) and room(unpublished) (the streaming loop)
+    start no new group while it is there, the actor says ``draining`` and keeps ticking
+    (not a hang to the watchdog), and both go on once it is gone."""
+    pool = _actor_pool(rclient, tmp_path, "drain")
+    cfg, names = pool.cfg, pool.names
     engine = SimpleNamespace(version=0, dead=lambda: "")  # alive, at version 0
     turns, room = Room(pool, engine), Room(pool, engine)  # the batch and streaming loops
     assert turns.wait() == cfg.sampling.prompts_per_batch and room(0)  # not draining

@@ -27,6 +27,7 @@ connects as its role's user (``LocalCluster.role_urls``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import socket
@@ -41,6 +42,8 @@ from pipeline.redisd.tls import TLSFiles, make_run_certs, write_private
 from pipeline.streams import RedisUnavailable
 from pipeline.streams.cluster import format_url, gap
 from pipeline.topology.acl import ADMIN, POOL_ROLES, per_run_users, write_node_acl
+
+log = logging.getLogger(__name__)
 
 NODE_TIMEOUT_MS = 2000  # cluster-node-timeout: a primary silent this long is failed over
 
@@ -146,6 +149,16 @@ class LocalCluster:
                 f"redis-cli --cluster create failed ({out.returncode}): {last[0]}; see the "
                 f"logs in {self.data_dir}/node-*/redis.log"
             )
+        try:
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until :meth:`not_ready` finds nothing missing (then ``replica_of`` and ``ids``
+        are read), adopting the nodes left without a primary (:meth:`adopt_unassigned`);
+        RedisUnavailable naming what is still missing after ``timeout_s``."""
         deadline, missing = time.monotonic() + timeout_s, "nothing checked"
         while time.monotonic() < deadline:
             missing = self.not_ready()
@@ -153,8 +166,14 @@ class LocalCluster:
                 self.replica_of = self.pairs()
                 self.ids = {k: node_id(self.node_client(n)) for k, n in enumerate(self.nodes)}
                 return
+            with contextlib.suppress(redis.RedisError):  # a node not answering: not_ready says
+                for k in self.adopt_unassigned():
+                    log.warning(
+                        "redis-cli --cluster create left node-%d a primary without slots "
+                        "(its CLUSTER REPLICATE failed); told it to replicate now",
+                        k,
+                    )
             time.sleep(0.2)
-        self.stop()
         raise RedisUnavailable(
             f"the local Redis Cluster was not ready in {timeout_s:.0f} s: {missing}; see the "
             f"logs in {self.data_dir}/node-*/redis.log"
@@ -165,6 +184,40 @@ class LocalCluster:
 
     def live(self) -> list[EmbeddedRedis]:
         return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+
+    def adopt_unassigned(self) -> list[int]:
+        """Nodes that say they are a primary without slots, each told to replicate the
+        primary with the fewest replicas (CLUSTER MEET first where it does not know that
+        one yet); the indices told. ``redis-cli --cluster create`` sends CLUSTER
+        REPLICATE to each replica-to-be before and once after the nodes meet, and ignores
+        that command's error: a node that did not know its primary yet both times (seen
+        in a loaded CI run) stays a primary without slots, and the cluster is never
+        whole. Each node's own CLUSTER NODES line says what it is (gossip may lag)."""
+        own = {}  # index -> (id, flags, master id, slots), as the node itself says
+        live = self.live()
+        for k, node in enumerate(self.nodes):
+            if node not in live:
+                continue
+            table = self.node_client(node).execute_command("CLUSTER NODES")
+            me = next(v for v in table.values() if "myself" in v["flags"])
+            own[k] = (me["node_id"], me["flags"], me["master_id"], me["slots"])
+        serving = {k: v[0] for k, v in own.items() if "master" in v[1] and v[3]}
+        followers = {k: sum(v[2] == i for v in own.values()) for k, i in serving.items()}
+        told = []
+        for k, (_, flags, _, slots) in sorted(own.items()):
+            if "master" not in flags or slots or not followers:
+                continue
+            lead = min(followers, key=lambda p: (followers[p], p))
+            if followers[lead] >= self.replicas:
+                continue
+            client = self.node_client(self.nodes[k])
+            if serving[lead] not in _ids(client):
+                client.execute_command("CLUSTER MEET", "127.0.0.1", self.nodes[lead].port)
+                continue  # replicated at a later round, once it knows the primary
+            client.execute_command("CLUSTER REPLICATE", serving[lead])
+            followers[lead] += 1
+            told.append(k)
+        return told
 
     def not_ready(self) -> str | None:
         """None when every live node sees the cluster whole, a live node knows every
