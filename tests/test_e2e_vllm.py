@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.telemetry import read_jsonl
-from tests.launching import launch_tiny, marked_processes, run_leftovers, run_tiny, wait_until
+from tests.launching import launch_tiny, marked_processes, run_leftovers, wait_until
+from tests.listen_builders import CONFIGURED, ListenerWatch
 from tests.vllm_builders import ENV, VLLM
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -63,11 +64,16 @@ def process_of_run(run_dir, name_part: str) -> list[int]:
     return found
 
 
-def test_pipeline_on_real_vllm_applies_every_version_and_leaves_nothing(tmp_path, model_dir):
+def test_pipeline_on_real_vllm_applies_every_version_and_leaves_nothing(tmp_path, model_dir, wrap):
+    """Also: every listener of the run (tests/listen_builders.py, in ``wrap``'s
+    namespace where this host's name resolves off loopback), vLLM's engine core and
+    worker processes among them, is on 127.0.0.1 for the whole run (checked to fail
+    with the vLLM client's GLOO_SOCKET_IFNAME line removed: the worker lists its gloo
+    devices on the network address)."""
     run_dir = tmp_path / "run"
     steps = 5
     t0 = time.monotonic()
-    code, out = run_tiny(
+    proc = launch_tiny(
         tmp_path,
         run_dir,
         f"model.name={model_dir}",
@@ -79,12 +85,21 @@ def test_pipeline_on_real_vllm_applies_every_version_and_leaves_nothing(tmp_path
         "actor.max_lag=1000",
         "actor.max_queue_groups=1000",
         env_extra=ENV,
-        timeout=900,
+        wrap=wrap,
     )
+    try:
+        with ListenerWatch(proc, run_dir) as listeners:
+            out, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    code = proc.returncode
     wall = time.monotonic() - t0
     print(f"\nreal-vLLM pipeline: {steps} steps in {wall:.0f} s (launcher wall clock)")
     print(f"load average at the end: {os.getloadavg()}")
     assert code == 0, out
+    listeners.check(CONFIGURED, {"redis-server", "trainer", "VLLM::Worker"}, out)
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["outcome"] == "finished", s["outcome"]
     assert s["trainer_steps"] == steps

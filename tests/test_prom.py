@@ -36,9 +36,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from pipeline.listeners import listening
 from tests.launching import ROOT, launch_tiny, marked_processes, wait_for_step, wait_until
-from tests.listen_builders import CONFIGURED, _descendants, _name
+from tests.listen_builders import CONFIGURED, ListenerWatch, _name
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "nonstop-rl.json"
 MAX_QUEUE_GROUPS = 4  # the live run's actor.max_queue_groups
@@ -150,20 +149,7 @@ def live(tmp_path_factory, wrap):
         wrap=wrap,
         env_extra={"NOTIFY_SOCKET": notify.path},
     )
-    seen: set[tuple[str, str, int]] = set()
-    done = threading.Event()
-
-    def watch_listeners() -> None:
-        while not done.is_set() and proc.poll() is None:
-            pids = _descendants(proc.pid) | set(
-                marked_processes("NONSTOP_RUN_DIR", str(run_dir.resolve()))
-            )
-            for x in listening(pids):
-                seen.add((_name(x.pid), x.address, x.port))
-            time.sleep(0.2)
-
-    lister = threading.Thread(target=watch_listeners, daemon=True)
-    lister.start()
+    lister = ListenerWatch(proc, run_dir).start()
     facts: dict = {"start": time.time()}
     try:
         wait_for_step(run_dir, proc)
@@ -207,13 +193,12 @@ def live(tmp_path_factory, wrap):
         )
         out, _ = proc.communicate(timeout=300)
     finally:
-        done.set()
+        lister.stop()
         notify.close()
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
     facts["end"] = time.time()
-    lister.join(5)
     # Prometheus again, on the run's storage, to query what it scraped
     port = socket.create_server(("127.0.0.1", 0))
     address = f"127.0.0.1:{port.getsockname()[1]}"
@@ -234,7 +219,7 @@ def live(tmp_path_factory, wrap):
             "code": proc.returncode,
             "out": out,
             "run_dir": run_dir,
-            "seen": seen,
+            "listeners": lister,
             "promql": PromQL(f"http://{address}"),
             "notify": notify,
             **facts,
@@ -351,13 +336,13 @@ def test_a_restarted_actor_is_scraped_under_its_new_port(live):
 
 
 def test_every_listener_of_a_watched_run_is_on_the_configured_address(live):
-    seen = live["seen"]
-    names = {s[0] for s in seen}
-    assert {"prometheus", "redis-server", "trainer"} <= names, seen
-    health = {s for s in seen if s[0] == "python" or s[0].startswith("python")}
-    assert len({s[2] for s in health}) >= 3, seen  # a health server per pool at least
-    wrong = sorted(s for s in seen if s[1] != CONFIGURED)
-    assert not wrong, f"listening past {CONFIGURED}: {wrong}"
+    """Every listener of the run (the default engine's pools, their health servers,
+    redis-server, the trainer's transfer store and gloo device, the actor's, and
+    Prometheus) is on 127.0.0.1 for the whole run."""
+    lister = live["listeners"]
+    lister.check(CONFIGURED, {"prometheus", "redis-server", "trainer", "actor-0"}, live["out"])
+    health = {s for s in lister.seen if s[0] == "python" or s[0].startswith("python")}
+    assert len({s[2] for s in health}) >= 3, lister.seen  # a health server per pool at least
 
 
 def test_every_dashboard_query_returns_data_on_the_live_run(live):

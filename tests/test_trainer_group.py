@@ -15,6 +15,7 @@ import pytest
 
 from pipeline.telemetry import read_jsonl
 from tests.launching import launch_tiny, wait_for_step
+from tests.listen_builders import CONFIGURED, ListenerWatch
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
@@ -71,10 +72,14 @@ def test_one_failed_rank_stops_the_group_under_torchrun(tmp_path):
 
 
 @pytest.mark.slow
-def test_killed_rank_restarts_the_deepspeed_group_from_its_checkpoint(tmp_path):
+def test_killed_rank_restarts_the_deepspeed_group_from_its_checkpoint(tmp_path, wrap):
     """ZeRO-2 on 2 ranks: SIGKILL rank 1 after a checkpoint; the launcher restarts both
     ranks, they resume from the checkpoint and the run finishes with nothing trained twice
-    in the surviving steps and nothing lost."""
+    in the surviving steps and nothing lost. Also: every listener of the run
+    (tests/listen_builders.py, in ``wrap``'s namespace where this host's name resolves
+    off loopback), both ranks' among them, is on 127.0.0.1 for the whole run (checked
+    to fail with ``listen_on_master_addr`` a no-op: the ranks' gloo devices listen on the
+    network address)."""
     pytest.importorskip("deepspeed")
     run_dir = tmp_path / "run"
     proc = launch_tiny(
@@ -85,7 +90,9 @@ def test_killed_rank_restarts_the_deepspeed_group_from_its_checkpoint(tmp_path):
         "trainer.world_size=2",
         "trainer.max_steps=6",
         "trainer.checkpoint_every=2",
+        wrap=wrap,
     )
+    listeners = ListenerWatch(proc, run_dir).start()
     try:
         metrics = run_dir / "metrics.jsonl"
         wait_for_step(run_dir, proc, timeout=180)
@@ -99,10 +106,12 @@ def test_killed_rank_restarts_the_deepspeed_group_from_its_checkpoint(tmp_path):
         os.kill(victims[0], signal.SIGKILL)
         out, _ = proc.communicate(timeout=300)
     finally:
+        listeners.stop()
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out[-3000:]
     assert "restarting its group trainer (2 ranks)" in out
+    listeners.check(CONFIGURED, {"redis-server", "trainer", "trainer-1", "actor-0"}, out)
     records = read_jsonl(str(metrics))
     restarts = [r for r in records if r.get("event") == "restart"]
     assert [r["target"] for r in restarts] == ["trainer"]
