@@ -25,7 +25,7 @@ from pipeline.streams import RedisRefused, RedisUnavailable, connect
 from pipeline.streams.sentinel import NotEnoughReplicas, failover_gap, parse
 from pipeline.topology.ha import RedisHA
 from tests.deploy_builders import stop_processes
-from tests.launching import ROOT, run_tiny
+from tests.launching import ROOT
 from tests.redis_builders import WatchRounds, pool_start_line
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
@@ -188,24 +188,13 @@ def test_bad_sentinel_urls_fail_in_one_line(ha):
 
 
 @pytest.mark.slow
-def test_tiny_pipeline_on_redis_ha(tmp_path):
-    """(d) the launcher starts the topology and the pools run through the sentinels."""
-    run_dir = tmp_path / "run"
-    code, out = run_tiny(tmp_path, run_dir, "redis=ha", timeout=400)
-    assert code == 0, out[-3000:]
-    assert "sentinels on" in out
-    url = (run_dir / "redis" / "url").read_text().strip()
-    assert (
-        url.startswith("redis+sentinel://")
-        and oct((run_dir / "redis" / "url").stat().st_mode)[-3:] == "600"
-    )
-
-
-@pytest.mark.slow
 def test_primary_loss_mid_run_loses_and_duplicates_nothing(tmp_path):
-    """(e) pipeline.bench faults redis_primary_loss on a redis=ha run: SIGKILL the primary
-    and delete its data directory mid-run; the sentinels promote the replica, every pool
-    carries on without a restart, and the account finds 0 groups lost, 0 duplicated."""
+    """(d) the launcher starts the topology (its URL file redis+sentinel://, 0600) and
+    the pools run through the sentinels; (e) pipeline.bench faults redis_primary_loss on
+    that redis=ha run: SIGKILL the primary and delete its data directory mid-run; the
+    sentinels promote the replica, every pool carries on without a restart, and the
+    account finds 0 groups lost, 0 duplicated. (One run for both: a tiny run of its own
+    for (d) cost a minute of CI.)"""
     from tests.fault_runs import check_account, run_faults_bench
 
     proc, result, run_dir = run_faults_bench(
@@ -220,6 +209,11 @@ def test_primary_loss_mid_run_loses_and_duplicates_nothing(tmp_path):
     assert terms["groups_lost"] == 0 and result["groups_duplicated"] == 0
     assert not [k for k in result["restarts"] if not k.startswith("redis-node")], result["restarts"]
     assert result["passed"] and proc.returncode == 0, proc.stdout[-3000:]
+    out = (run_dir / "launcher.out").read_text()
+    assert "sentinels on" in out, out[-3000:]
+    url = run_dir / "redis" / "url"
+    assert url.read_text().strip().startswith("redis+sentinel://"), url.read_text()
+    assert oct(url.stat().st_mode)[-3:] == "600"
 
 
 def _deploy_topology(tmp_path, url: str, **env_extra) -> tuple[list, list[int], list[int]]:
