@@ -679,3 +679,34 @@ def test_a_node_that_create_left_without_a_primary_is_adopted(tmp_path, caplog):
         assert f"left node-{r} a primary without slots" in caplog.text
     finally:
         local.stop()
+
+
+@pytest.mark.parametrize("where", ["forming", "announcing"])
+def test_an_interrupt_while_the_cluster_starts_leaves_no_node_running(tmp_path, monkeypatch, where):
+    """Ctrl-C or SIGTERM (a KeyboardInterrupt in the launcher) while the cluster forms,
+    or after it formed but before start_local_cluster returned it to the launcher (which
+    stops what it holds): every node is stopped, none is left running."""
+    from pipeline.topology import cluster as cluster_mod
+
+    started: list[LocalCluster] = []
+    real_start = LocalCluster.start
+
+    def interrupt(*a, **kw):
+        raise KeyboardInterrupt
+
+    def start(self, *a, **kw):
+        started.append(self)
+        real_start(self, *a, **kw)
+        if where == "announcing":  # formed: the interrupt comes as its files are written
+            monkeypatch.setattr(cluster_mod, "write_private", interrupt)
+
+    monkeypatch.setattr(LocalCluster, "start", start)
+    if where == "forming":
+        monkeypatch.setattr(LocalCluster, "not_ready", interrupt)
+    cfg = OmegaConf.structured(Config)
+    cfg.redis.embedded_appendfsync = "everysec"
+    with pytest.raises(KeyboardInterrupt):
+        cluster_mod.start_local_cluster(cfg, str(tmp_path / "run"))
+    [local] = started
+    ran = [n for n in local.nodes if n.proc is not None]
+    assert len(ran) == len(local.nodes) and all(n.proc.poll() is not None for n in ran)

@@ -497,3 +497,36 @@ def test_a_node_that_cannot_start_leaves_the_primary_not_running(tmp_path):
     primary = ha.nodes[0].proc
     assert primary is not None and primary.poll() is not None
     assert all(p is None for p in ha.sentinel_procs)  # never reached
+
+
+@pytest.mark.parametrize("where", ["forming", "announcing"])
+def test_an_interrupt_while_the_topology_starts_leaves_nothing_running(
+    tmp_path, monkeypatch, where
+):
+    """Ctrl-C or SIGTERM (a KeyboardInterrupt in the launcher) while the primary, replica
+    and sentinels come up, or after but before start_local_ha returned them to the
+    launcher (which stops what it holds): every node and sentinel is stopped."""
+    from pipeline.topology import ha as ha_mod
+
+    started: list[RedisHA] = []
+    real_start = RedisHA.start
+
+    def interrupt(*a, **kw):
+        raise KeyboardInterrupt
+
+    def start(self, *a, **kw):
+        started.append(self)
+        real_start(self, *a, **kw)
+        if where == "announcing":  # formed: the interrupt comes as its files are written
+            monkeypatch.setattr(ha_mod, "write_private", interrupt)
+
+    monkeypatch.setattr(RedisHA, "start", start)
+    if where == "forming":
+        monkeypatch.setattr(RedisHA, "not_ready", interrupt)
+    cfg = OmegaConf.structured(Config)
+    cfg.redis.embedded_appendfsync = "everysec"
+    with pytest.raises(KeyboardInterrupt):
+        ha_mod.start_local_ha(cfg, str(tmp_path / "run"))
+    [ha] = started
+    ran = [p for p in [n.proc for n in ha.nodes] + list(ha.sentinel_procs) if p is not None]
+    assert ha.nodes[0].proc in ran and all(p.poll() is not None for p in ran), ran

@@ -123,11 +123,14 @@ class LocalCluster:
         if self.acl_file:
             self._write_acl(self.nodes)
         try:
-            for node in self.nodes:
-                node.start()
-        except BaseException:  # one would not start: none of the others is left running
-            self.stop()
+            self._form(exe, timeout_s)
+        except BaseException:  # one would not start, or an interrupt (Ctrl-C, SIGTERM):
+            self.stop()  # none of the nodes is left running
             raise
+
+    def _form(self, exe: str, timeout_s: float) -> None:
+        for node in self.nodes:
+            node.start()
         cmd = [exe, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes)]
         cmd += ["--cluster-replicas", str(self.replicas), "--cluster-yes"]
         if self.client_tls is not None:
@@ -137,23 +140,17 @@ class LocalCluster:
         try:
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            self.stop()
             raise RedisUnavailable(
                 f"redis-cli --cluster create did not finish in {timeout_s:.0f} s; see the "
                 f"logs in {self.data_dir}/node-*/redis.log"
             ) from None
         if out.returncode != 0:
-            self.stop()
             last = (out.stdout + out.stderr).strip().splitlines()[-1:] or ["no output"]
             raise RedisUnavailable(
                 f"redis-cli --cluster create failed ({out.returncode}): {last[0]}; see the "
                 f"logs in {self.data_dir}/node-*/redis.log"
             )
-        try:
-            self.wait_ready(timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+        self.wait_ready(timeout_s)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Until :meth:`not_ready` finds nothing missing (then ``replica_of`` and ``ids``
@@ -444,6 +441,17 @@ def start_local_cluster(cfg, run_dir: str) -> LocalCluster:
         acl_file=os.path.join(d, "users.acl") if acl else None,
     )
     local.start()
+    try:
+        _announce(cfg, local, users, d, tls, acl)
+    except BaseException:  # an interrupt before the launcher holds the cluster: stop it
+        local.stop()
+        raise
+    return local
+
+
+def _announce(cfg, local: LocalCluster, users: dict, d: str, tls, acl) -> None:
+    """The pools' per-role URLs, ``redis/auth`` and ``redis/url``, and the lines that
+    say where the cluster is."""
     nodes = [("127.0.0.1", n.port) for n in local.nodes]
     local.role_urls = {
         r: format_url(nodes, pw, r, tls=tls is not None)
@@ -470,4 +478,3 @@ def start_local_cluster(cfg, run_dir: str) -> LocalCluster:
             else ""
         )
     )
-    return local

@@ -227,20 +227,22 @@ class RedisHA:
         other sentinels; RedisUnavailable (one line: the launcher exits 2 with it) naming
         what is missing otherwise."""
         try:
-            self.start_node(0, None)
-            for k in range(1, len(self.nodes)):
-                self.start_node(k, self.nodes[0])
-            for k in range(len(self.sentinel_ports)):
-                self.start_sentinel(k, self.nodes[0])
-        except BaseException:  # one would not start: none of the others is left running
-            self.stop()
+            self._form(timeout_s)
+        except BaseException:  # one would not start, or an interrupt (Ctrl-C, SIGTERM):
+            self.stop()  # none of the nodes and sentinels is left running
             raise
+
+    def _form(self, timeout_s: float) -> None:
+        self.start_node(0, None)
+        for k in range(1, len(self.nodes)):
+            self.start_node(k, self.nodes[0])
+        for k in range(len(self.sentinel_ports)):
+            self.start_sentinel(k, self.nodes[0])
         deadline, missing = time.monotonic() + timeout_s, "nothing checked"
         while time.monotonic() < deadline:
             for k, proc in enumerate(self.sentinel_procs):
                 if proc is not None and proc.poll() is not None:
                     err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-                    self.stop()
                     raise RedisUnavailable(
                         f"redis sentinel {k} exited with {proc.returncode}: {err.strip()}"
                     )
@@ -248,7 +250,6 @@ class RedisHA:
             if missing is None:
                 return
             time.sleep(0.2)
-        self.stop()
         raise RedisUnavailable(
             f"the local Redis primary, replica and sentinels were not ready in {timeout_s:.0f}"
             f" s: {missing}; see the logs in {self.data_dir}/node-*/redis.log and "
@@ -383,6 +384,17 @@ def start_local_ha(cfg, run_dir: str) -> RedisHA:
         acl_users=users,
     )
     ha.start()
+    try:
+        _announce(ha, users, d, tls, acl)
+    except BaseException:  # an interrupt before the launcher holds the topology: stop it
+        ha.stop()
+        raise
+    return ha
+
+
+def _announce(ha: RedisHA, users: dict, d: str, tls, acl) -> None:
+    """The pools' per-role URLs, ``redis/auth`` and ``redis/url``, and the lines that
+    say where the topology is."""
     ha.role_urls = {r: ha.role_url(r) for r in users if r in POOL_ROLES}
     for name, text in (("auth", ha.password), ("url", ha.url)):
         write_private(os.path.join(d, name), text + "\n")
@@ -406,4 +418,3 @@ def start_local_ha(cfg, run_dir: str) -> RedisHA:
             else ""
         )
     )
-    return ha
