@@ -683,6 +683,9 @@ class WeightAnnouncement(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     targets: list[str]
     created: float = 0.0
     kind: str = "full"  # "full": every weight; "lora": a LoRA adapter only (model.lora)
+    # how ``checksums`` were summed (pipeline/transfer/buckets.py checksum): "sum64" from
+    # this build's trainer; absent (an older trainer's) means "sum32"
+    checksum_kind: str = "sum32"
 
 
 # ---------------------------------------------------------------- control and status

@@ -14,7 +14,7 @@ from pipeline.logprobs import completion_logprobs, pad_sequences
 from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement
 from pipeline.models import load_model, materialize_model
 from pipeline.transfer import TensorSource
-from pipeline.transfer.buckets import bucket_layout, checksum, flatten
+from pipeline.transfer.buckets import bucket_layout, bucket_sums, flatten
 
 
 def _engine(tmp_path, **kw):
@@ -64,7 +64,7 @@ def _new_version(engine, version: int, delta: float, bucket_bytes: int = 1 << 16
         version=version,
         dtype="float32",
         buckets=layout,
-        checksums=checksum(new),
+        **bucket_sums(new),
         targets=["actor-0"],
     )
     return ann, new

@@ -38,7 +38,7 @@ from pipeline.streams import Names
 from pipeline.tasks import Problem
 from pipeline.telemetry import MetricsFile, PoolStatus, Window, read_jsonl
 from pipeline.transfer import TensorSource
-from pipeline.transfer.buckets import bucket_layout, checksum, flatten
+from pipeline.transfer.buckets import bucket_layout, bucket_sums, flatten
 from preprocessor.main import to_batches
 from tests.episode_builders import (
     EchoEnv,
@@ -112,7 +112,7 @@ def _swap(engine, version: int, delta: float) -> None:
         version=version,
         dtype="float32",
         buckets=layout,
-        checksums=checksum(new),
+        **bucket_sums(new),
         targets=["actor-0"],
     )
     engine.stage(ann, TensorSource(new), time.monotonic() + 10)

@@ -44,7 +44,7 @@ def test_routes_on_cuda_match_transformers(moe_dirs):
     from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement
     from pipeline.routing import capture, stack_forward
     from pipeline.transfer.base import TensorSource
-    from pipeline.transfer.buckets import bucket_layout, checksum, flatten
+    from pipeline.transfer.buckets import bucket_layout, bucket_sums, flatten
 
     settings = gpu_settings(enforce_eager=True, enable_prefix_caching=True)
     need_gpu()
@@ -64,7 +64,7 @@ def test_routes_on_cuda_match_transformers(moe_dirs):
                 flat = flatten(hf, layout)
                 ann = WeightAnnouncement(
                     schema=SCHEMA_VERSION, version=1, dtype="float32", buckets=layout,
-                    checksums=checksum(flat), targets=["gpu-test"], created=time.time(),
+                    **bucket_sums(flat), targets=["gpu-test"], created=time.time(),
                 )  # fmt: skip
                 e.stage(ann, TensorSource(flat), time.monotonic() + 120)
                 e.swap(1)

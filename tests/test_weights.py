@@ -3,16 +3,17 @@
 import threading
 import time
 
+import msgspec
 import pytest
 import torch
 
 from actor.engines.hf import HFEngine
 from actor.weight_receiver import WeightReceiver
-from pipeline.messages import WeightAnnouncement, decode
+from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement, decode
 from pipeline.models import load_model, materialize_model
 from pipeline.streams import Names, wait_until
 from pipeline.telemetry import PoolStatus
-from pipeline.transfer.buckets import bucket_layout, checksum, flatten
+from pipeline.transfer.buckets import SUM32, SUM64, bucket_layout, bucket_sums, checksum, flatten
 from tests.weight_peers import BUCKET_MB, NAMES, SECRET, TIMEOUT_S, Peer, params_digest
 from trainer.weight_publisher import WeightPublisher
 
@@ -56,10 +57,43 @@ def test_whole_model_digest_sees_swapped_and_permuted_tensors(tmp_path):
         b.copy_(a)
         a.copy_(saved)  # back as they were
     assert params_digest(model) == before
-    with torch.no_grad():
-        a.copy_(a.reshape(-1).flip(0).reshape(a.shape))  # a permutation within one tensor
+    assert a.numel() % 2 == 0  # float32: two elements per 64-bit word that sum64 adds
+    with torch.no_grad():  # a permutation of its words within one tensor
+        a.copy_(a.reshape(-1).view(torch.int64).flip(0).view(a.dtype).reshape(a.shape))
     assert sum(checksum(list(model.parameters()))) == sum_before
     assert params_digest(model) != before
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 1001])
+def test_both_checksum_kinds_are_exact_sums_of_their_words(n):
+    """sum64: the bytes as 64-bit words, the last zero-padded, summed modulo 2**64 (as a
+    signed 64-bit value); sum32: each float32's 32-bit pattern widened and summed: both
+    equal the same sums done here in Python integers, for bucket sizes with and without a
+    partial last word; an unknown kind (a newer trainer's) is refused naming the kinds."""
+    g = torch.Generator().manual_seed(n)
+    b = torch.randn(n, generator=g) * 1e30  # large bit patterns: the sum wraps
+    raw = b.numpy().tobytes()
+    padded = raw + b"\0" * (-len(raw) % 8)
+    words64 = [int.from_bytes(padded[i : i + 8], "little") for i in range(0, len(padded), 8)]
+    want64 = sum(words64) % 2**64
+    want64 -= 2**64 if want64 >= 2**63 else 0
+    words32 = [int.from_bytes(raw[i : i + 4], "little", signed=True) for i in range(0, len(raw), 4)]
+    assert checksum([b], SUM64) == [want64] == checksum([b])  # sum64: this build's default
+    assert checksum([b], SUM32) == [sum(words32)]
+    assert bucket_sums([b]) == {"checksums": [want64], "checksum_kind": SUM64}
+    with pytest.raises(ValueError, match="sum64, sum32.*one build in every pool"):
+        checksum([b], "sum128")
+
+
+def test_an_announcement_without_a_checksum_kind_is_an_older_trainers_sum32():
+    """An older trainer's announcement has no ``checksum_kind``: read, it says sum32, and
+    its sums check against a sum32 receiver (pipeline/transfer/base.py ReceiverSource)."""
+    ann = WeightAnnouncement(
+        schema=SCHEMA_VERSION, version=1, dtype="float32", buckets=[], checksums=[],
+        targets=["actor-0"],
+    )  # fmt: skip
+    old = {k: v for k, v in msgspec.to_builtins(ann).items() if k != "checksum_kind"}
+    assert decode(msgspec.msgpack.encode(old), WeightAnnouncement).checksum_kind == SUM32
 
 
 @pytest.mark.parametrize("staged", [True, False], ids=["staged", "in-place"])

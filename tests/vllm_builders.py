@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from pipeline import lora
 from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement
 from pipeline.transfer import TensorSource
-from pipeline.transfer.buckets import bucket_layout, checksum, flatten
+from pipeline.transfer.buckets import bucket_layout, bucket_sums, flatten
 from tests import vllm_real
 
 if TYPE_CHECKING:
@@ -253,7 +253,7 @@ def install(engine: VLLMEngine, version: int, tensors: dict[str, torch.Tensor]) 
         version=version,
         dtype="bfloat16",
         buckets=layout,
-        checksums=checksum(flat),
+        **bucket_sums(flat),
         targets=["gpu-test"],
         created=time.time(),
     )

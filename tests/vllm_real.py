@@ -42,7 +42,7 @@ import torch
 
 from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement, encode
 from pipeline.transfer.base import TensorSource
-from pipeline.transfer.buckets import bucket_layout, checksum, flatten
+from pipeline.transfer.buckets import bucket_layout, bucket_sums, flatten
 
 VOCAB = 512
 TINY = dict(  # a Llama vLLM's CPU backend runs: head size 32 (hidden / heads)
@@ -95,7 +95,7 @@ def announcement(
         version=version,
         dtype="float32",
         buckets=layout,
-        checksums=checksum(flat),
+        **bucket_sums(flat),
         targets=["actor-0"],
         created=time.time(),
     )

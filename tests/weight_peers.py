@@ -27,7 +27,7 @@ from actor.weight_receiver import WeightReceiver
 from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement, decode, encode
 from pipeline.models import load_model
 from pipeline.streams import Names, connect, publish
-from pipeline.transfer.buckets import bucket_layout, checksum, flatten
+from pipeline.transfer.buckets import bucket_layout, bucket_sums, flatten
 from pipeline.transfer.gloo import broadcast_buckets
 from pipeline.transfer.nccl import broadcast as nccl_broadcast
 from trainer.weight_publisher import WeightPublisher
@@ -159,7 +159,7 @@ def half_trainer(client, model_dir: str, name: str, transport: str = "gloo") -> 
         version=1,
         dtype="float32",
         buckets=layout,
-        checksums=checksum(flat),
+        **bucket_sums(flat),
         targets=publisher.members(),
     )
     publish(client, NAMES.weights, encode(ann), version=1)

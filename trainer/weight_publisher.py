@@ -46,7 +46,7 @@ from pipeline.streams import Lua, Names, publish
 from pipeline.telemetry import read_statuses
 from pipeline.torch_logs import accept_failed
 from pipeline.transfer import Sender, make_sender
-from pipeline.transfer.buckets import bucket_layout, checksum, flatten, join_mac, named_tensors
+from pipeline.transfer.buckets import bucket_layout, bucket_sums, flatten, join_mac, named_tensors
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +259,7 @@ class WeightPublisher:
             version=version,
             dtype=str(flat[0].dtype).removeprefix("torch."),
             buckets=layout,
-            checksums=checksum(flat),
+            **bucket_sums(flat),
             targets=targets,
             created=time.time(),
             kind=self.kind,

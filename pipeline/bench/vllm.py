@@ -245,11 +245,11 @@ class Published:
         self.dtype = str(next(iter(hf.values())).dtype).removeprefix("torch.")
         from safetensors.torch import save_file
 
-        from pipeline.transfer.buckets import bucket_layout, checksum, flatten
+        from pipeline.transfer.buckets import bucket_layout, bucket_sums, flatten
 
         self.layout = bucket_layout(list(hf.items()), int(bucket_mb * 2**20))
         flat = flatten(hf, self.layout)
-        self.checksums = checksum(flat)
+        self.sums = bucket_sums(flat)
         self.path = path
         save_file({f"b{i}": t for i, t in enumerate(flat)}, path)
 
@@ -261,7 +261,7 @@ class Published:
             version=version,
             dtype=self.dtype,
             buckets=self.layout,
-            checksums=self.checksums,
+            **self.sums,
             targets=["actor-0"],
             created=time.time(),
         )

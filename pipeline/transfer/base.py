@@ -128,7 +128,7 @@ class ReceiverSource:
             bounce = torch.empty(out.shape, dtype=out.dtype, device=self.receiver.device)
             self.receiver.receive([bounce], deadline)
             out.copy_(bounce)
-        if checksum([out])[0] != self.ann.checksums[index]:
+        if checksum([out], self.ann.checksum_kind)[0] != self.ann.checksums[index]:
             raise RuntimeError(f"version {self.ann.version} bucket {index} failed its checksum")
 
 

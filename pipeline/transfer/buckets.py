@@ -84,10 +84,45 @@ def flatten(
 _INT_VIEW = {4: torch.int32, 2: torch.int16, 1: torch.int8, 8: torch.int64}
 
 
-def checksum(buckets: list[torch.Tensor]) -> list[int]:
-    """Exact, order-independent sum of each bucket's bit patterns (one sync per call)."""
-    sums = [b.view(_INT_VIEW[b.element_size()]).sum(dtype=torch.int64) for b in buckets]
+SUM32, SUM64 = "sum32", "sum64"  # the checksum kinds (WeightAnnouncement.checksum_kind)
+CHECKSUM_KIND = SUM64  # what this build's publishers send
+
+
+def checksum(buckets: list[torch.Tensor], kind: str = CHECKSUM_KIND) -> list[int]:
+    """Exact sum of each bucket's bit patterns, the same in any order of its words and on
+    any device (one sync per call). ``sum64``: the bucket's bytes as 64-bit words (the
+    last zero-padded) summed modulo 2**64 (integer addition wraps: the same result in
+    any order). ``sum32``: its words of the element size widened to 64 bits and summed,
+    what every announcement meant before ``checksum_kind`` existed; widening each
+    element made it 20-25x slower on a CPU (1.1 s against 0.05 s for 135M float32
+    parameters on one thread here, on the trainer and again on every actor per
+    version)."""
+    if kind == SUM64:
+        sums = [_sum64(b) for b in buckets]
+    elif kind == SUM32:
+        sums = [b.view(_INT_VIEW[b.element_size()]).sum(dtype=torch.int64) for b in buckets]
+    else:
+        raise ValueError(
+            f"checksum kind {kind!r} is unknown to this build (it knows {SUM64}, {SUM32}): "
+            "the trainer runs a newer build than this actor; run one build in every pool"
+        )
     return torch.stack(sums).cpu().tolist() if sums else []
+
+
+def _sum64(b: torch.Tensor) -> torch.Tensor:
+    raw = b.reshape(-1).view(torch.uint8)
+    whole = raw.numel() // 8 * 8
+    total = raw[:whole].view(torch.int64).sum()
+    if whole < raw.numel():
+        tail = torch.zeros(8, dtype=torch.uint8, device=b.device)
+        tail[: raw.numel() - whole] = raw[whole:]
+        total = total + tail.view(torch.int64)[0]
+    return total
+
+
+def bucket_sums(buckets: list[torch.Tensor]) -> dict:
+    """A WeightAnnouncement's ``checksums`` with their ``checksum_kind``."""
+    return {"checksums": checksum(buckets, CHECKSUM_KIND), "checksum_kind": CHECKSUM_KIND}
 
 
 def join_mac(secret: str, join: dict[str, str]) -> str:

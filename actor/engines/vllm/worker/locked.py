@@ -289,7 +289,7 @@ class LockedWeights:
             part = buf[: spec.numel]
             with side:
                 source.fetch(i, part, deadline)
-                if checksum([part])[0] != ann.checksums[i]:
+                if checksum([part], ann.checksum_kind)[0] != ann.checksums[i]:
                     raise RuntimeError(f"version {ann.version} bucket {i} failed its checksum")
                 for p in spec.params:
                     n = 1
@@ -314,7 +314,7 @@ class LockedWeights:
         with torch.cuda.stream(self.side) if self.cuda else nullcontext():
             for i, buf in enumerate(bufs):
                 source.fetch(i, buf, deadline)
-                if checksum([buf])[0] != ann.checksums[i]:
+                if checksum([buf], ann.checksum_kind)[0] != ann.checksums[i]:
                     raise RuntimeError(f"version {ann.version} bucket {i} failed its checksum")
         if self.cuda:
             self.side.synchronize()
