@@ -673,7 +673,7 @@ def test_a_node_that_create_left_without_a_primary_is_adopted(tmp_path, caplog):
         assert local.node_client(local.nodes[r]).info("replication")["role"] == "master"
         assert local.not_ready() is not None
         with caplog.at_level("WARNING", logger="pipeline.topology.cluster"):
-            local.wait_ready(30)
+            local.wait_ready(60)  # the start's own bound
         assert local.replica_of.get(r) == primary, local.replica_of
         assert len(local.replica_of) == 3
         assert f"left node-{r} a primary without slots" in caplog.text
