@@ -52,6 +52,10 @@ from pipeline.tasks import Problem
 #    RolloutGroup.prompt_routes)
 # 4: the episode journal holds per-write deltas (EpisodeDelta, field <k>:<n>), not each
 #    episode's whole state (EpisodeState, field <k>)
+# 4, kept on purpose: WeightAnnouncement.checksum_kind was added with a default, so an
+#    announcement without it (an older trainer's) is still read, as "sum32"; an older
+#    build refuses one with it (unknown field), naming the field. Bumping would have
+#    refused every older entry of every stream for a change old entries survive.
 SCHEMA_VERSION = 4
 MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
 

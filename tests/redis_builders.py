@@ -130,3 +130,35 @@ def tiny_run_as_role_users(tmp_path, topology: str, parse, nodes) -> tuple[set[s
     assert summary["outcome"] == "finished" and summary["trainer_steps"] == 4, summary
     assert acc["groups_lost"] == 0 and acc["groups_duplicated"] == 0, acc
     return users, run_dir
+
+
+def interrupted_start(monkeypatch, tmp_path, cls, module, begin: str, where: str):
+    """Run ``module.begin`` (start_local_cluster, start_local_ha) with a KeyboardInterrupt
+    (the launcher's Ctrl-C or SIGTERM) raised while ``cls`` forms (``where="forming"``:
+    its readiness check) or once formed, as its files are written (``"announcing"``);
+    the ``cls`` instance it started, for the caller to check that nothing runs."""
+    import pytest
+    from omegaconf import OmegaConf
+
+    from pipeline.config import Config
+
+    started, real_start = [], cls.start
+
+    def interrupt(*a, **kw):
+        raise KeyboardInterrupt
+
+    def start(self, *a, **kw):
+        started.append(self)
+        real_start(self, *a, **kw)
+        if where == "announcing":
+            monkeypatch.setattr(module, "write_private", interrupt)
+
+    monkeypatch.setattr(cls, "start", start)
+    if where == "forming":
+        monkeypatch.setattr(cls, "not_ready", interrupt)
+    cfg = OmegaConf.structured(Config)
+    cfg.redis.embedded_appendfsync = "everysec"
+    with pytest.raises(KeyboardInterrupt):
+        getattr(module, begin)(cfg, str(tmp_path / "run"))
+    [topology] = started
+    return topology

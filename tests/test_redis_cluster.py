@@ -49,7 +49,7 @@ from pipeline.streams.durable import Durability, Lua, NotReplicated, attach
 from pipeline.tasks import Problem
 from pipeline.topology.cluster import LocalCluster, bus_port
 from tests.launching import ROOT, launch_tiny, run_tiny
-from tests.redis_builders import WatchRounds, pool_start_line
+from tests.redis_builders import WatchRounds, interrupted_start, pool_start_line
 from trainer.weight_publisher import set_rendezvous
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
@@ -688,25 +688,8 @@ def test_an_interrupt_while_the_cluster_starts_leaves_no_node_running(tmp_path, 
     stops what it holds): every node is stopped, none is left running."""
     from pipeline.topology import cluster as cluster_mod
 
-    started: list[LocalCluster] = []
-    real_start = LocalCluster.start
-
-    def interrupt(*a, **kw):
-        raise KeyboardInterrupt
-
-    def start(self, *a, **kw):
-        started.append(self)
-        real_start(self, *a, **kw)
-        if where == "announcing":  # formed: the interrupt comes as its files are written
-            monkeypatch.setattr(cluster_mod, "write_private", interrupt)
-
-    monkeypatch.setattr(LocalCluster, "start", start)
-    if where == "forming":
-        monkeypatch.setattr(LocalCluster, "not_ready", interrupt)
-    cfg = OmegaConf.structured(Config)
-    cfg.redis.embedded_appendfsync = "everysec"
-    with pytest.raises(KeyboardInterrupt):
-        cluster_mod.start_local_cluster(cfg, str(tmp_path / "run"))
-    [local] = started
+    local = interrupted_start(
+        monkeypatch, tmp_path, LocalCluster, cluster_mod, "start_local_cluster", where
+    )
     ran = [n for n in local.nodes if n.proc is not None]
     assert len(ran) == len(local.nodes) and all(n.proc.poll() is not None for n in ran)

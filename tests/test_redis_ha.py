@@ -26,7 +26,7 @@ from pipeline.streams.sentinel import NotEnoughReplicas, failover_gap, parse
 from pipeline.topology.ha import RedisHA
 from tests.deploy_builders import stop_processes
 from tests.launching import ROOT
-from tests.redis_builders import WatchRounds, pool_start_line
+from tests.redis_builders import WatchRounds, interrupted_start, pool_start_line
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
 
@@ -508,25 +508,6 @@ def test_an_interrupt_while_the_topology_starts_leaves_nothing_running(
     launcher (which stops what it holds): every node and sentinel is stopped."""
     from pipeline.topology import ha as ha_mod
 
-    started: list[RedisHA] = []
-    real_start = RedisHA.start
-
-    def interrupt(*a, **kw):
-        raise KeyboardInterrupt
-
-    def start(self, *a, **kw):
-        started.append(self)
-        real_start(self, *a, **kw)
-        if where == "announcing":  # formed: the interrupt comes as its files are written
-            monkeypatch.setattr(ha_mod, "write_private", interrupt)
-
-    monkeypatch.setattr(RedisHA, "start", start)
-    if where == "forming":
-        monkeypatch.setattr(RedisHA, "not_ready", interrupt)
-    cfg = OmegaConf.structured(Config)
-    cfg.redis.embedded_appendfsync = "everysec"
-    with pytest.raises(KeyboardInterrupt):
-        ha_mod.start_local_ha(cfg, str(tmp_path / "run"))
-    [ha] = started
+    ha = interrupted_start(monkeypatch, tmp_path, RedisHA, ha_mod, "start_local_ha", where)
     ran = [p for p in [n.proc for n in ha.nodes] + list(ha.sentinel_procs) if p is not None]
     assert ha.nodes[0].proc in ran and all(p.poll() is not None for p in ran), ran

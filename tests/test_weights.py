@@ -9,7 +9,7 @@ import torch
 
 from actor.engines.hf import HFEngine
 from actor.weight_receiver import WeightReceiver
-from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement, decode
+from pipeline.messages import SCHEMA_VERSION, WeightAnnouncement, decode, encode
 from pipeline.models import load_model, materialize_model
 from pipeline.streams import Names, wait_until
 from pipeline.telemetry import PoolStatus
@@ -94,6 +94,27 @@ def test_an_announcement_without_a_checksum_kind_is_an_older_trainers_sum32():
     )  # fmt: skip
     old = {k: v for k, v in msgspec.to_builtins(ann).items() if k != "checksum_kind"}
     assert decode(msgspec.msgpack.encode(old), WeightAnnouncement).checksum_kind == SUM32
+
+
+def test_an_older_build_refuses_a_new_announcement_naming_the_field():
+    """SCHEMA_VERSION stayed 4 (pipeline/messages.py says why): an older build's
+    WeightAnnouncement (this one less ``checksum_kind``, unknown fields forbidden as
+    everywhere) refuses this build's announcement, naming the field it does not know,
+    rather than checking its sums the wrong way."""
+    fields = [
+        (f.name, f.type) if f.required else (f.name, f.type, f.default)
+        for f in msgspec.structs.fields(WeightAnnouncement)
+        if f.name != "checksum_kind"
+    ]
+    older = msgspec.defstruct(
+        "WeightAnnouncement", fields, forbid_unknown_fields=True, kw_only=True
+    )
+    ann = WeightAnnouncement(
+        schema=SCHEMA_VERSION, version=1, dtype="float32", buckets=[], targets=["actor-0"],
+        **bucket_sums([torch.ones(3)]),
+    )  # fmt: skip
+    with pytest.raises(msgspec.ValidationError, match="unknown field `checksum_kind`"):
+        msgspec.msgpack.Decoder(older).decode(encode(ann))
 
 
 @pytest.mark.parametrize("staged", [True, False], ids=["staged", "in-place"])
