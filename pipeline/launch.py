@@ -51,7 +51,11 @@ from pipeline.redisd.tls import TLSFiles, make_run_certs
 from pipeline.run.cpu_meter import cores, shares_text
 from pipeline.run.progress import Progress
 from pipeline.run.prometheus import Prometheus, check_metrics
-from pipeline.run.summary import newest_published, status_version, write_summary
+from pipeline.run.summary import (
+    newest_published,
+    wait_for_final_sync,
+    write_summary,
+)
 from pipeline.run.supervisor import RedisNotRestarted, Supervisor
 from pipeline.streams import DRAIN_FIELD, Names, RedisUnavailable, connect, mark_run
 from pipeline.streams.shards import Shards
@@ -85,16 +89,6 @@ def pool_commands(cfg, config_path: str) -> dict[str, list[str]]:
     if cfg.eval.every_steps or cfg.eval.every_s:  # periodic held-out evaluation
         cmds["evaluator"] = py + ["pipeline.evaluator", "--config", config_path]
     return cmds
-
-
-def wait_for_final_sync(client, names: Names, cfg, target: int) -> None:
-    """Give actors a bounded time to apply the trainer's last version."""
-    deadline = time.monotonic() + cfg.launch.final_sync_timeout_s
-    while time.monotonic() < deadline:
-        actors = {k: v for k, v in read_statuses(client, names).items() if v["role"] == "actor"}
-        if actors and all((status_version(v) or 0) >= target for v in actors.values()):
-            return
-        time.sleep(0.2)
 
 
 def supervise(

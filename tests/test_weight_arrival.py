@@ -3,12 +3,18 @@ pipeline/run/summary.py's weight_problems, the live progress line, and (slow) a 
 launcher run whose weight transfers all miss their deadline exiting 1."""
 
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
 from pipeline.run.progress import Progress
 from pipeline.run.summary import weight_problems
-from tests.launching import run_leftovers, run_tiny
+from pipeline.streams import Names
+from tests.config_builders import actor_config
+from tests.launching import ROOT, run_leftovers, run_tiny
 
 
 def statuses(trainer_v: int, **actors: dict) -> dict[str, dict[str, str]]:
@@ -82,6 +88,35 @@ def test_the_progress_line_shows_the_published_version_and_starved_actors():
     )
     st["actor-0"]["weight_versions_failed"] = "0"
     assert "WEIGHTS" not in Progress.line(st, 10, 5.0)
+
+
+def test_a_batch_job_gives_an_actor_still_joining_the_last_version_before_stopping_it(
+    redis_server, rclient, tmp_path
+):
+    """deploy/slurm/run.sbatch's ``python -m pipeline.run.batch_end sync`` after its
+    trainer exits 0: it waits (``launch.final_sync_timeout_s``) while an actor is behind
+    the trainer's last version and returns once that actor has it, as the launcher does.
+    Without it a Slurm job of 6 steps stopped an actor that was still joining the weight
+    transfer and failed "actor-0 applied no weight version (trainer at v6)"."""
+    config = actor_config(
+        tmp_path, redis_server.url, "trainer.max_steps=6", "launch.final_sync_timeout_s=30"
+    )
+    names = Names("nonstop", "tiny")
+    for name, role, version in (("trainer", "trainer", 6), ("actor-0", "actor", 0)):
+        rclient.hset(names.status(name), mapping={"role": role, "version": version})
+    env = dict(os.environ, NONSTOP_CONFIG=config, NONSTOP_REDIS_URL=redis_server.url)
+    env |= {"NONSTOP_RUN": "tiny", "NONSTOP_RUN_DIR": str(tmp_path)}
+    sync = [sys.executable, "-m", "pipeline.run.batch_end", "sync"]
+    proc = subprocess.Popen(sync, cwd=ROOT, env=env)
+    try:
+        time.sleep(3)  # the module's import and a few status reads
+        assert proc.poll() is None, "returned while actor-0 was on v0 and the trainer on v6"
+        rclient.hset(names.status("actor-0"), "version", 6)  # sent v6 on joining
+        assert proc.wait(timeout=20) == 0
+    finally:
+        proc.kill()
+    bad = subprocess.run([*sync[:-1], "syncc"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "sync|summary" in bad.stderr
 
 
 @pytest.mark.slow

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import Counter
 from dataclasses import asdict
 
@@ -178,6 +179,20 @@ def weight_problems(
             continue
         problems.append(line + (f" (last error: {why[:200]})" if why and failed else ""))
     return problems
+
+
+def wait_for_final_sync(client, names: Names, cfg, target: int) -> None:
+    """Give the actors ``launch.final_sync_timeout_s`` to apply the trainer's last version
+    before they are stopped (the launcher, and deploy/slurm/run.sbatch through
+    pipeline/run/batch_end.py): an actor still joining when a short run's trainer
+    finished is sent that version at once, and only one that does not get it in that
+    time fails :func:`weight_problems`."""
+    deadline = time.monotonic() + cfg.launch.final_sync_timeout_s
+    while time.monotonic() < deadline:
+        actors = {k: v for k, v in read_statuses(client, names).items() if v["role"] == "actor"}
+        if actors and all((status_version(v) or 0) >= target for v in actors.values()):
+            return
+        time.sleep(0.2)
 
 
 def status_version(st: dict[str, str]) -> int | None:
