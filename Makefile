@@ -43,7 +43,7 @@ run: setup-vllm
 	$(PY) -m pipeline.launch $(if $(findstring +exp=,$(ARGS)),,+exp=math) $(ARGS)
 
 # TEST_WORKERS pytest-xdist workers: 2 by default, as CI runs it (a clean clone's .ci/run
-# here: 29-57 min as fast as the machine, measured before the groups below were applied;
+# here: 19-57 min as fast as the machine (19.8 min on a quiet AMD EPYC, 2026-12-07);
 # in one process, TEST_WORKERS=0: ~41-45 min: README, Tests).
 # tests/conftest.py groups the tests: a module whole on one worker, the vllm-marked and
 # the Slurm modules one test at a time

@@ -30,8 +30,11 @@ Per run:
 The targets (issue 36, this 2-core machine) are printed beside the medians: steady state
 at most 10 s per step, the trainer idle under 5% with no wait longer than one step, the
 whole run no longer than TRL's ~280 s, cores busy at least 1.85 of 2. TRL's own figures
-(``TRL_REFERENCE``) were measured once on this machine type and are quoted, not re-run:
-TRL is not a dependency of this project.
+(``TRL_REFERENCE``) were measured once on a slower machine of this type and are quoted:
+TRL is not a dependency of this project. Compare on the machine at hand by re-running
+TRL on the same job with ``bench/trl_grpo.py`` (its docstring says how): a faster
+machine passes the absolute targets without meeting them as ratios
+(bench/results/makerun-cpu-2026-12-07.md).
 """
 
 from __future__ import annotations
