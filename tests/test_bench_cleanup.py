@@ -2,6 +2,7 @@
 before anything starts, and SIGTERM to the bench (as from a terminal closing, `kill`,
 systemd or Slurm) stops the launcher it started, its pools and its Redis."""
 
+import json
 import os
 import shutil
 import signal
@@ -135,6 +136,35 @@ def test_the_makerun_bench_refuses_an_unknown_variant_before_launching(tmp_path)
     )
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode != 0 and "unknown ['sglang']" in out, out
+    assert not list(tmp_path.glob("bench-makerun-*")), "it made a run directory"
+
+
+def test_the_makerun_bench_judges_its_targets_against_trl_rerun_here(tmp_path):
+    """``--trl``: bench/trl_grpo.py's runs (TRL re-run on this machine) set the bounds
+    (TRL's s/step / 1.32, TRL's total); without it the figures quoted from issue 36. A
+    file that is not such a list is refused before anything is launched."""
+    from pipeline.bench.makerun import targets_met, trl_reference
+
+    runs = [
+        dict(steady_s_per_step=7.3, samples_per_s=2.19, total_s=150.0, first_step_s=15.0),
+        dict(steady_s_per_step=7.5, samples_per_s=2.13, total_s=160.0, first_step_s=16.0),
+    ]
+    (tmp_path / "trl.json").write_text(json.dumps(runs))
+    ref = trl_reference(str(tmp_path / "trl.json"))
+    assert ref["steady_s_per_step"] == 7.4 and ref["total_s"] == 155.0
+    assert "median of 2 runs" in ref["source"]
+    row = dict(steady_s_per_step=6.0, idle_share=0.01, total_s=200.0, cores_busy=1.9)
+    row["longest_wait_s"] = 0.1
+    here = targets_met(row, ref)
+    assert "steady_s_per_step <= 5.61: NO" in here and "total_s <= 155: NO" in here, here
+    assert "idle_share < 0.05: ok" in here and "cores_busy >= 1.85: ok" in here, here
+    quoted = targets_met(row, trl_reference(None))
+    assert "steady_s_per_step <= 10: ok" in quoted and "total_s <= 276: ok" in quoted, quoted
+    (tmp_path / "bad.json").write_text("{}")
+    argv = ["makerun", "--trl", str(tmp_path / "bad.json"), "--out", str(tmp_path / "m.json")]
+    proc = bench(argv, tmp_path)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "not a JSON list of bench/trl_grpo.py runs" in out, out
     assert not list(tmp_path.glob("bench-makerun-*")), "it made a run directory"
 
 
