@@ -30,11 +30,8 @@ def main(argv: list[str]) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     cfg = load_config(os.environ["NONSTOP_CONFIG"])
-    names = Names(
-        cfg.redis.prefix,
-        os.environ.get("NONSTOP_RUN") or cfg.run.name,
-        cluster=cfg.redis.mode == "cluster",
-    )
+    cfg.run.name = os.environ.get("NONSTOP_RUN") or cfg.run.name  # the job's run name
+    names = Names.of(cfg)
     client = connect(os.environ["NONSTOP_REDIS_URL"], attempts=3)
     if argv == ["sync"]:
         wait_for_final_sync(client, names, cfg, cfg.trainer.max_steps)
