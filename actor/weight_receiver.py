@@ -4,7 +4,8 @@ and installs it in the engine without stopping generation.
 ::
 
     reads   <run>:rendezvous, <run>:weights announcements, buckets over the transport
-    writes  <run>:joins (asking in, again after any failure); the engine's weights;
+    writes  <run>:joins (asking in, again after any failure: a join counts once the
+            trainer confirmed it in the rendezvous hash); the engine's weights;
             the actor's status hash: ``weight_versions_offered`` (announcements naming
             it) and ``weight_versions_failed`` (those it did not apply), HINCRBY;
             each applied version's timings to ``on_applied`` (staging, whole transfer)
@@ -44,7 +45,7 @@ from pipeline.messages import WeightAnnouncement, decode
 from pipeline.streams import Names
 from pipeline.torch_logs import is_join_failure, join_failed, one_line
 from pipeline.transfer import BucketSource, Receiver, ReceiverSource, make_receiver
-from pipeline.transfer.buckets import join_mac
+from pipeline.transfer.buckets import accepted_field, join_mac
 
 log = logging.getLogger(__name__)
 HISTORY = 256  # recent transfer times kept for telemetry
@@ -134,17 +135,38 @@ class WeightReceiver:
         after = last[0][0].decode() if last else "0"
         join = {"actor": self.actor, "nonce": secrets.token_hex(8), "epoch": info.get("epoch", "")}
         join["mac"] = join_mac(self.secret, join)
-        self.client.xadd(self.names.joins, join)
+        entry = self.client.xadd(self.names.joins, join).decode()
+        deadline = time.monotonic() + self.timeout_s
         try:
-            self.transport.connect(info, join["nonce"], time.monotonic() + self.timeout_s)
+            self.transport.connect(info, join["nonce"], deadline)
         except Exception as e:  # one line naming the address, not torch's C++ trace
             if not is_join_failure(e):
                 raise
             host, port = info.get("host", "?"), info.get("port", "?")
             raise ConnectionError(join_failed(host, port, self.timeout_s, e)) from None
+        self._await_accepted(entry, deadline + max(1.0, self.timeout_s / 2))  # + its write
         self.joined, self.epoch = True, join["epoch"]
         log.info("joined the weight transfer as %s (trainer epoch %s)", self.actor, self.epoch)
         return after
+
+    def _await_accepted(self, entry: str, deadline: float) -> None:
+        """Wait for the trainer to confirm this join (:func:`accepted_field`): this side of
+        the transport can be done while the trainer's failed, and a join counted then
+        would wait for versions never sent to it. Unconfirmed by ``deadline``, the join
+        fails and the actor joins again."""
+        field = accepted_field(self.actor)
+        while not self._stop.is_set():
+            got = self.client.hget(self.names.rendezvous, field)
+            if got is not None and got.decode() == entry:
+                return
+            if time.monotonic() >= deadline:
+                raise ConnectionError(
+                    f"the trainer did not confirm join {entry} of {self.actor} in time "
+                    f"(trainer.transfer_timeout_s={self.timeout_s:g} and half as long again):"
+                    " this side connected, the trainer's side failed (see its log) or was "
+                    "busy past the deadline; joining again"
+                )
+            time.sleep(0.05)
 
     def _trainer_changed(self) -> bool:
         """A new trainer process (restart) published a new epoch: join it."""

@@ -4,7 +4,8 @@ newest snapshot of the weights to every actor that joined, all at once.
 ::
 
     reads   <run>:joins (actors asking in), the trainer's submitted snapshots
-    writes  <run>:weights announcements, <run>:rendezvous, <run>:published_version;
+    writes  <run>:weights announcements, <run>:rendezvous (its address, and each accepted
+            join: ``accepted:<actor>`` = the join's entry id), <run>:published_version;
             the buckets over the transport (weights.transport, pipeline/transfer/);
             with ``status``: the trainer status hash's publish counters (HINCRBY)
     blocks  never the training loop: submit() copies and returns; the transport reaches
@@ -46,7 +47,14 @@ from pipeline.streams import Lua, Names, publish
 from pipeline.telemetry import read_statuses
 from pipeline.torch_logs import accept_failed
 from pipeline.transfer import Sender, make_sender
-from pipeline.transfer.buckets import bucket_layout, bucket_sums, flatten, join_mac, named_tensors
+from pipeline.transfer.buckets import (
+    accepted_field,
+    bucket_layout,
+    bucket_sums,
+    flatten,
+    join_mac,
+    named_tensors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +233,10 @@ class WeightPublisher:
         self._latest_received = True  # counted once
 
     def _accept_joins(self) -> list[str]:
-        joined = []
+        """Accept the joins that came in since the last look, each actor's newest only
+        (an older one of the same actor was given up: accepting it would cost a whole
+        deadline), and confirm each accepted one to its actor (:func:`accepted_field`)."""
+        newest: dict[str, tuple[str, str]] = {}  # actor -> (entry id, nonce)
         reply = self.client.xread({self.names.joins: self.joins_id}, count=100)
         for _s, entries in reply or []:
             for entry_id, fields in entries:
@@ -239,17 +250,23 @@ class WeightPublisher:
                     self.refused.append(actor)
                     self._count("joins_refused", "weight_joins_refused")
                     continue
-                try:
-                    self.sender.accept(actor, nonce, time.monotonic() + self.timeout_s)
-                    joined.append(actor)
-                    log.info("actor %s joined the weight transfer", actor)
-                except Exception as e:  # one line naming the address, not torch's C++ trace
-                    where = self.sender.rendezvous()
-                    why = accept_failed(
-                        actor, where.get("host"), where.get("port"), self.timeout_s, e
-                    )
-                    log.error("%s", why)
-                    self._error(why)
+                if actor in newest:
+                    log.info("skipping join %s of %s: it joined again", newest[actor][0], actor)
+                newest[actor] = (self.joins_id, nonce)
+        joined = []
+        for actor, (entry, nonce) in newest.items():
+            try:
+                self.sender.accept(actor, nonce, time.monotonic() + self.timeout_s)
+            except Exception as e:  # one line naming the address, not torch's C++ trace
+                where = self.sender.rendezvous()
+                why = accept_failed(actor, where.get("host"), where.get("port"), self.timeout_s, e)
+                log.error("%s", why)
+                self._error(why)
+                continue
+            # a Redis error here propagates (_run logs it): the actor, unconfirmed, rejoins
+            self.client.hset(self.names.rendezvous, accepted_field(actor), entry)
+            joined.append(actor)
+            log.info("actor %s joined the weight transfer", actor)
         return joined
 
     def _announce(self, snapshot: Snapshot, targets: list[str]) -> None:

@@ -129,3 +129,13 @@ def join_mac(secret: str, join: dict[str, str]) -> str:
     """HMAC of a join request: only holders of the run's secret get a transfer channel."""
     msg = f"{join.get('epoch')}:{join.get('actor')}:{join.get('nonce')}".encode()
     return hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()
+
+
+def accepted_field(actor: str) -> str:
+    """The rendezvous hash field where the trainer confirms an actor's join: the join's
+    entry id in ``<run>:joins``, written once the trainer's side of it succeeded. The
+    actor counts itself joined only then: its side of a transport can complete while
+    the trainer's fails (a stranger's value read by one side only, a deadline met by
+    one side only), and an actor that counted that as a join waited for versions the
+    trainer never sent it."""
+    return f"accepted:{actor}"
