@@ -20,7 +20,9 @@ about actors), and each evaluation sees exactly one version, whole. The cost: it
 only checkpointed versions (``eval.every_steps`` must be a multiple of
 ``trainer.checkpoint_every``) and it needs the checkpoint folder (a shared file system
 when it runs on another machine). The final checkpoint is always evaluated, and the
-launcher waits (``eval.final_timeout_s``) for that before it stops the pools.
+launcher waits (``eval.final_timeout_s``) for that before it stops the pools; it runs
+on every CPU the evaluator may use (training is over), the others on
+``eval.torch_threads``.
 """
 
 from __future__ import annotations
@@ -114,12 +116,28 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(1.0)
             continue
         path, version = due
+        if version >= cfg.trainer.max_steps:
+            final_threads(cfg)
         out = evaluate_once(pool, path, version, problems)
         if out is None or pool.stop.is_set():
             continue
         last, last_t = version, time.monotonic()
         report(pool, version, out, len(problems))
     pool.status.set(state="stopped")
+
+
+def final_threads(cfg: Any) -> int:
+    """The final checkpoint is evaluated on every CPU this process may use, not
+    ``eval.torch_threads``: training is over, so the cores that setting leaves to the
+    trainer and the actors are free, and the launcher waits for this evaluation before
+    the run ends (the default job's last evaluation took 24 s on one thread of two)."""
+    import torch
+
+    threads = max(len(os.sched_getaffinity(0)), int(cfg.eval.torch_threads))
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+        log.info("the final checkpoint: evaluating on %d threads (training is over)", threads)
+    return threads
 
 
 def report(pool: Pool, version: int, out: dict | None, problems: int) -> None:

@@ -13,7 +13,8 @@ The trainer may use the CPUs of its affinity (``cores``). A pool on the same hos
 status's ``host``, with a heartbeat younger than STALE_S) takes as many of them as it
 keeps busy: an actor that is generating (``state`` ``generating``; a vLLM CPU engine runs
 one OpenMP thread per worker, the hf engine ``sampling.torch_threads``), an evaluator
-that is evaluating (``eval.torch_threads``), a preprocessor that is working
+that is evaluating (``eval.torch_threads``; none when ``pipeline.nice.evaluator`` is
+above the trainer's: it then runs on what the trainer leaves), a preprocessor that is working
 (``preprocessor.torch_threads``). An actor held back by back-pressure, or a finished
 evaluator, takes none. The trainer runs ``cores`` minus what they take, at least one.
 Trainer ranks on one host (``LOCAL_WORLD_SIZE``) split what is free. The count is set
@@ -64,10 +65,18 @@ def takes(status: dict[str, str], cfg: Any) -> int:
     if role == "actor" and state == "generating":
         return 1 if cfg.actor.engine == "vllm" else int(cfg.sampling.torch_threads)
     if role == "evaluator" and state.startswith("evaluating"):
+        # niced below the trainer (pipeline.nice.evaluator) it runs only on what the
+        # trainer leaves idle: it takes none of the trainer's cores
+        if _nice(cfg, "evaluator") > _nice(cfg, "trainer"):
+            return 0
         return int(cfg.eval.torch_threads)
     if role == "preprocessor" and state == "working":
         return int(cfg.preprocessor.torch_threads)
     return 0
+
+
+def _nice(cfg: Any, role: str) -> int:
+    return int(getattr(getattr(getattr(cfg, "pipeline", None), "nice", None), role, 0) or 0)
 
 
 class CoreShare:

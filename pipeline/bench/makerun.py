@@ -66,6 +66,15 @@ VARIANTS = {
     # 1 leaves a core idle while the actor is held back; 2 oversubscribes while it generates
     "vllm_threads1": ["actor.engine=vllm", "trainer.torch_threads=1"],
     "vllm_threads2": ["actor.engine=vllm", "trainer.torch_threads=2"],
+    "vllm_auto": ["actor.engine=vllm", "trainer.torch_threads=auto"],
+    # the evaluator runs only on cores the other pools leave idle (its start's version-0
+    # evaluation took a core from vLLM's start and the trainer's first step)
+    "vllm_evalnice": ["actor.engine=vllm", "pipeline.nice.evaluator=19"],
+    "vllm_auto_evalnice": [
+        "actor.engine=vllm",
+        "trainer.torch_threads=auto",
+        "pipeline.nice.evaluator=19",
+    ],
     # the engine's requests in flight (+exp=math: 16, one step's samples): the flow
     "vllm_flight32": ["actor.engine=vllm", "actor.vllm.in_flight=32"],
     "vllm_flight64": ["actor.engine=vllm", "actor.vllm.in_flight=64"],
