@@ -77,6 +77,8 @@ def next_due(
 
 def evaluate_once(pool: Pool, path: str, version: int, problems: list) -> dict | None:
     """Load ``path`` and evaluate it; None when the folder vanished (rotated away)."""
+    import torch
+
     from pipeline.eval import evaluate
     from pipeline.models import load_model
 
@@ -91,7 +93,11 @@ def evaluate_once(pool: Pool, path: str, version: int, problems: list) -> dict |
     pool.status.set(state=f"evaluating v{version}")
     out = evaluate(model, tokenizer, problems, cfg, progress=lambda _n: pool.tick())
     out.pop("per_problem")
-    return out | {"checkpoint_time": written, "eval_s": round(time.monotonic() - t0, 2)}
+    return out | {
+        "checkpoint_time": written,
+        "eval_s": round(time.monotonic() - t0, 2),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

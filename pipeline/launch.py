@@ -73,6 +73,18 @@ def trainer_names(cfg) -> list[str]:
     return ["trainer"] + [f"trainer-{r}" for r in range(1, cfg.trainer.world_size)]
 
 
+# the pools a finished run stops once every actor has the last version, before the final
+# evaluation (pool_commands' names)
+DONE_AT_SYNC = ("actor-", "preprocessor-")
+SYNCED = "every actor has the last version"  # their stop records say it
+
+
+def final_scrape(cfg, prom: Prometheus, client, names: Names) -> None:
+    """Let Prometheus scrape every pool once more (their final values)."""
+    prom.update(read_statuses(client, names))
+    time.sleep(2 * float(cfg.metrics.prometheus_scrape_s) + 0.5)
+
+
 def pool_commands(cfg, config_path: str) -> dict[str, list[str]]:
     """name -> argv for every process of the run, the trainer's ranks first."""
     py = [sys.executable, "-m"]
@@ -264,12 +276,21 @@ def run(cfg) -> int:
         if outcome == "finished":
             try:
                 wait_for_final_sync(client, names, cfg, cfg.trainer.max_steps)
-                wait_for_final_eval(client, names, cfg)
+                if prom is not None:  # one more scrape of every pool: the final values
+                    final_scrape(cfg, prom, client, names)
+                # the actors and preprocessors have nothing left to do: they stop now, so
+                # the final evaluation has the cores (an actor kept generating groups no
+                # step would train, beside it) and their stop overlaps it
+                done = [n for n in sup.procs if n.startswith(DONE_AT_SYNC)]
+                sup.stop(only=done, why=SYNCED)
+                if (
+                    wait_for_final_eval(client, names, cfg)
+                    and prom is not None
+                    and ("evaluator" in sup.procs)
+                ):
+                    final_scrape(cfg, prom, client, names)  # the evaluator's last values
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 print(f"redis did not answer while waiting for the last version ({e})")
-            if prom is not None:  # one more scrape of every pool: the final values
-                prom.update(read_statuses(client, names))
-                time.sleep(2 * float(cfg.metrics.prometheus_scrape_s) + 0.5)
         sup.stop()
         # from disk alone when redis does not answer (the machine shutting down)
         summary = write_summary(run_dir, client, names, outcome, time.time() - start, shards)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.launch import SYNCED
 from pipeline.models import TINY_MODEL, load_model, materialize_model
 from pipeline.tasks import ArithmeticTask, reward
 from pipeline.telemetry import read_jsonl
@@ -123,6 +124,17 @@ def test_periodic_eval_records_each_checkpointed_version(tmp_path):
     for r in evals:
         assert r["pool"] == "evaluator" and r["problems"] == 6 and r["k"] == 2
         assert 0 <= r["greedy_accuracy"] <= 1 and 0 <= r["mean_reward"] <= r["pass_at_k"] + 1e-9
+    # the final checkpoint on every CPU it may use (training is over), the others on one
+    assert [r["threads"] for r in evals] == [1, 1, len(os.sched_getaffinity(0))]
+    # the actor and the preprocessor stopped once they had the last version, before the
+    # launcher waited for the final evaluation; the evaluator at the end
+    stops = {
+        r["target"]: (r["why"], r["time"])
+        for r in read_jsonl(str(run_dir / "metrics.jsonl"))
+        if r.get("event") == "stop"
+    }
+    assert stops["actor-0"][0] == stops["preprocessor-0"][0] == SYNCED, stops
+    assert stops["evaluator"][0] == "the run ends" and stops["evaluator"][1] > evals[-1]["time"]
     # the CLI on the run directory evaluates its latest checkpoint and writes RUN/eval/
     proc = _eval(run_dir, "eval.problems=4", "eval.samples=2", cache=tmp_path / "cache")
     assert proc.returncode == 0, proc.stderr

@@ -296,22 +296,25 @@ class Supervisor:
         self.redis_start_failures = 0
         self.event("restart", "redis")
 
-    def stop(self) -> None:
-        """SIGTERM every pool, wait up to launch.stop_timeout_s, then SIGKILL each pool's
-        whole process group (a pool that did not stop, and whatever any pool left)."""
+    def stop(self, only: list[str] | None = None, why: str = "the run ends") -> None:
+        """SIGTERM every pool (``only``: those named), wait up to launch.stop_timeout_s,
+        then SIGKILL each one's whole process group (a pool that did not stop, and
+        whatever any pool left). Each pool stopped gets a ``stop`` record saying ``why``."""
         self.measure_cpu(record=True)  # the run's CPU per pool, for summary.json
-        for p in self.procs.values():
+        procs = {n: p for n, p in self.procs.items() if only is None or n in only}
+        for n, p in procs.items():
             if not _exited(p):
+                self.event("stop", n, why=why)
                 _signal_group(p, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
                 os.kill(p.pid, signal.SIGTERM)  # the pool: it stops its own children in order
         deadline = time.monotonic() + self.cfg.launch.stop_timeout_s
         # the pools, and what they started (a resource tracker unlinking shared memory
         # after its pool exits), get the grace period to end on their own
         while time.monotonic() < deadline and any(
-            not _exited(p) or _group_alive(p.pid) for p in self.procs.values()
+            not _exited(p) or _group_alive(p.pid) for p in procs.values()
         ):
             time.sleep(0.05)
-        for n, p in self.procs.items():
+        for n, p in procs.items():
             if not _exited(p):
                 print(
                     f"{n} did not stop in {self.cfg.launch.stop_timeout_s}s; "
