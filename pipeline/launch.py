@@ -6,7 +6,10 @@ three sentinels, pipeline/topology/ha.py; ``redis=cluster``: a Redis Cluster of 
 with a replica each, pipeline/topology/cluster.py), spawns the pools as separate OS
 processes (``python -m actor|preprocessor|trainer``) with per-process logs,
 shows a live progress line, and stops everything cleanly: when the trainer
-finishes, on Ctrl-C, or when a pool fails (naming it and showing its log).
+finishes, on Ctrl-C, or when a pool fails (naming it and showing its log). A finished
+run gives the actors ``launch.final_sync_timeout_s`` to apply the last version, stops
+them and the preprocessors, then gives the evaluator ``eval.final_timeout_s`` for the
+final checkpoint before stopping the rest.
 Writes ``config.yaml``, ``logs/``, ``metrics.jsonl``, ``checkpoints/`` and
 ``summary.json`` into the run directory.
 

@@ -71,6 +71,21 @@ def test_the_trainer_takes_the_cores_the_other_pools_leave(share, rclient):
     assert s.take_mean() == 2  # nothing applied since: the current count
 
 
+def test_an_evaluator_niced_below_the_trainer_takes_none_of_its_cores(share):
+    """pipeline.nice.evaluator above the trainer's: the evaluator runs on what the
+    trainer leaves, so the trainer counts it as taking nothing (checked to fail with
+    the nice rule removed: 3 threads, not 4)."""
+    s, st = share
+    st["actor-0"].set(state="waiting")
+    st["preprocessor-0"].set(state="idle")
+    st["evaluator"].set(state="evaluating v0")
+    assert fresh(s) == 3
+    s.cfg.pipeline.nice.evaluator = 19
+    assert fresh(s) == 4
+    s.cfg.pipeline.nice.trainer = 19  # as nice as the trainer: it competes again
+    assert fresh(s) == 3
+
+
 def test_pools_on_another_host_or_long_dead_take_nothing(share, rclient):
     s, st = share
     st["actor-0"].set(state="generating")
