@@ -34,8 +34,8 @@ class CpusConfig:
 class NiceConfig:
     """Each role's scheduling niceness (os.nice, inherited by what the pool starts: vLLM's
     engine-core process too), 0-19: under contention for the cores the pool with the
-    lower value runs first. The math job: the actor and the evaluator yield to the
-    trainer, whose step is the run's critical path (README, *Cores on one machine*)."""
+    lower value runs first. The math job (+exp=math): the evaluator at 19, running on
+    what the other pools leave idle (README, *Cores on one machine*)."""
 
     actor: int = 0
     preprocessor: int = 0
