@@ -243,3 +243,48 @@ def test_sigterm_while_the_launcher_starts_its_pools_stops_every_one(tmp_path):
     assert left == [], f"processes of the run outlived the launcher:\n{out}"
     assert proc.returncode == 130, out
     assert "interrupted while starting the pools: stopping every pool" in out, out
+
+
+def test_the_makerun_bench_counts_its_times_from_the_launch(tmp_path):
+    """first_step_s and the step curve count from the launcher's start, as
+    bench/trl_grpo.py counts TRL's, not from the run's first record (which came ~11 s
+    later: the pools' start). Checked to fail with the first record as the origin."""
+    from pipeline.bench.makerun import measure
+
+    started = 1000.0
+    records = [
+        {
+            "pool": "launcher",
+            "event": "cpu",
+            "time": started + 11.0,
+            "cores": 2,
+            "cpu_s": {"trainer": 1.0},
+            "share": {"trainer": 0.5},
+        }
+    ]
+    for step in range(1, 7):
+        records.append(
+            {
+                "pool": "trainer",
+                "event": "step",
+                "step": step,
+                "samples": 16,
+                "time": started + 30.0 + 5 * (step - 1),
+                "step_s": 5.0,
+                "wait_s": 0.0,
+            }
+        )
+    records.append(
+        {
+            "pool": "launcher",
+            "event": "cpu",
+            "time": started + 60.0,
+            "cores": 2,
+            "cpu_s": {"trainer": 20.0},
+            "share": {"trainer": 0.9},
+        }
+    )
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    got = measure(tmp_path, started)
+    assert got["first_step_s"] == 30.0 and got["step_times"][0] == [1, 30.0]
+    assert got["steady_s_per_step"] == 5.0

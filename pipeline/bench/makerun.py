@@ -18,7 +18,9 @@ waited and whether the machine's cores were busy.
 Per run:
     total_s       the launcher started -> exited (the bench's clock: model load, engine
                   start, the v0 and final evaluations included, as ``make run``)
-    first_step_s  the launcher's first record -> the trainer's step 1 record
+    first_step_s  the launcher started -> the trainer's step 1 record (as
+                  bench/trl_grpo.py counts TRL's; results before 2026-12-07's
+                  evening counted from the run's first record, about 11 s later)
     steady_s_per_step  (time of the last step - time of step STEADY_FROM) over the steps
                   between: the steady state, without the start
     samples_per_s the samples trained in those steps over that time
@@ -117,7 +119,7 @@ def targets(ref: dict) -> dict:
 def run_one(run_dir: Path, overrides: list[str], timeout_s: float, log: Path) -> dict:
     """One whole run to its end; the launcher's output goes to ``log``. Stopped (SIGTERM:
     the launcher stops its pools and Redis) on a timeout, Ctrl-C or SIGTERM."""
-    probe, t0 = LoadProbe(), time.monotonic()
+    probe, t0, started = LoadProbe(), time.monotonic(), time.time()
     cmd = [sys.executable, "-m", "pipeline.launch", "+exp=math", f"run_dir={run_dir}"]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
@@ -136,7 +138,7 @@ def run_one(run_dir: Path, overrides: list[str], timeout_s: float, log: Path) ->
             stop_process(proc, signal.SIGTERM)
     if code != 0:
         raise RuntimeError(f"{run_dir.name} exited {code}; see {log}")
-    return {"total_s": round(time.monotonic() - t0, 1), "load": probe.end()}
+    return {"total_s": round(time.monotonic() - t0, 1), "started": started, "load": probe.end()}
 
 
 def _cpu_at(cpu: list[dict], t: float) -> dict[str, float]:
@@ -146,14 +148,15 @@ def _cpu_at(cpu: list[dict], t: float) -> dict[str, float]:
     return {p: float(np.interp(t, times, [r["cpu_s"].get(p, 0.0) for r in cpu])) for p in pools}
 
 
-def measure(run_dir: Path) -> dict:
-    """The run's figures from its metrics.jsonl (module docstring)."""
+def measure(run_dir: Path, started: float) -> dict:
+    """The run's figures from its metrics.jsonl (module docstring); ``started``: the
+    launcher's start (time.time()), the origin of every time of the run."""
     records = read_jsonl(str(run_dir / "metrics.jsonl"))
     steps = sorted((r for r in records if r.get("event") == "step"), key=lambda r: r["step"])
     cpu = sorted((r for r in records if r.get("event") == "cpu"), key=lambda r: r["time"])
     if len(steps) < STEADY_FROM + 2 or len(cpu) < 2:
         raise RuntimeError(f"{run_dir}: {len(steps)} step and {len(cpu)} cpu records")
-    t0 = min(r["time"] for r in records if "time" in r)
+    t0 = started
     first, last = steps[STEADY_FROM - 1], steps[-1]
     window = [r for r in steps if r["step"] > first["step"]]
     span = last["time"] - first["time"]
@@ -350,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"variant": variant, "repeat": repeat}
                 log = logs / f"{run_dir.name}.launcher.log"
                 row |= run_one(run_dir, VARIANTS[variant] + args.extra, args.timeout_s, log)
-                row |= measure(run_dir)
+                row |= measure(run_dir, row["started"])
                 print(
                     f"    total {row['total_s']} s, first step {row['first_step_s']} s, "
                     f"{row['steady_s_per_step']} s/step, trainer idle {row['idle_share']:.1%}, "
