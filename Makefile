@@ -21,6 +21,8 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 	@pkgs=""; command -v redis-server >/dev/null || pkgs="$$pkgs redis-server"; \
 	 command -v systemd-analyze >/dev/null || pkgs="$$pkgs systemd"; \
 	 command -v prometheus >/dev/null || pkgs="$$pkgs prometheus"; \
+	 python3 -c "import ctypes.util as u, sys; sys.exit(u.find_library('tcmalloc_minimal') is None)" \
+	  || pkgs="$$pkgs libtcmalloc-minimal4"; \
 	 [ -z "$$pkgs" ] || { echo "installing$$pkgs (apt-get)"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) apt-get -o DPkg::Lock::Timeout=600 install -y -qq $$pkgs >/dev/null; }
 	@test -x $(PY) || python3 -m venv $(VENV)

@@ -47,6 +47,7 @@ from pipeline.config import (
     validate,
 )
 from pipeline.config.redis import MIGRATE_SHARDS
+from pipeline.config.run import tcmalloc
 from pipeline.evaluator import wait_for_final_eval
 from pipeline.redisd.server import EmbeddedRedis, check_no_eviction
 from pipeline.redisd.tls import ENV as TLS_ENV
@@ -80,6 +81,21 @@ def trainer_names(cfg) -> list[str]:
 # evaluation (pool_commands' names)
 DONE_AT_SYNC = ("actor-", "preprocessor-")
 SYNCED = "every actor has the last version"  # their stop records say it
+
+
+def preload_malloc(choice: str, env: dict[str, str]) -> str | None:
+    """``launch.malloc``: the pools run on tcmalloc (LD_PRELOAD in their environment, so
+    vLLM's engine processes too) where it is installed (auto) or required (tcmalloc, checked
+    with the config); system: glibc's. Returns the library preloaded. On the default job
+    here it took the run from 191 s to 148 s (README, *Cores on one machine*)."""
+    lib = None if choice == "system" else tcmalloc()
+    if lib is None:
+        return None
+    have = env.get("LD_PRELOAD", "").split()
+    if not any("tcmalloc" in x for x in have):
+        env["LD_PRELOAD"] = " ".join([lib, *have])
+    print(f"launch.malloc={choice}: the pools run on tcmalloc ({lib}, LD_PRELOAD)", flush=True)
+    return lib
 
 
 def final_scrape(cfg, prom: Prometheus, client, names: Names) -> None:
@@ -248,6 +264,7 @@ def run(cfg) -> int:
             with open(os.path.join(run_dir, "redis", "port"), "w") as f:
                 f.write(f"{server.port}\n")
         env["NONSTOP_REDIS_URL"] = url
+        preload_malloc(cfg.launch.malloc, env)  # the pools only: redis-server has its own
         env["NONSTOP_RUN_DIR"] = run_dir  # marks every process of the run (and its children)
         env.setdefault("NONSTOP_RUN_SECRET", secrets.token_hex(16))
         client = client or connect(url, reconnect_s=2.0, tls=client_tls)

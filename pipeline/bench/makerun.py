@@ -69,6 +69,8 @@ VARIANTS = {
     "vllm_threads1": ["actor.engine=vllm", "trainer.torch_threads=1"],
     "vllm_threads2": ["actor.engine=vllm", "trainer.torch_threads=2"],
     "vllm_auto": ["actor.engine=vllm", "trainer.torch_threads=auto"],
+    # glibc's malloc instead of tcmalloc (launch.malloc=auto preloads it where installed)
+    "vllm_glibc": ["actor.engine=vllm", "launch.malloc=system"],
     # the evaluator runs only on cores the other pools leave idle (its start's version-0
     # evaluation took a core from vLLM's start and the trainer's first step)
     "vllm_evalnice": ["actor.engine=vllm", "pipeline.nice.evaluator=19"],

@@ -64,6 +64,9 @@ class LaunchConfig:
     progress_interval_s: float = 1.0
     final_sync_timeout_s: float = 60.0  # wait for actors to apply the last version
     stop_timeout_s: float = 15.0
+    # the pools' malloc: auto (tcmalloc where libtcmalloc_minimal is installed, LD_PRELOAD;
+    # vLLM's CPU build asks for it), tcmalloc (required), system (glibc's)
+    malloc: str = "auto"
 
 
 @dataclass
@@ -113,6 +116,22 @@ def validate_metrics(cfg: Any) -> None:
 def validate_launch(cfg: Any) -> None:
     """The ``launch`` section."""
     check_choice(cfg, "launch.restart_policy", ("on-failure", "never"))
+    check_choice(cfg, "launch.malloc", MALLOCS)
+    if cfg.launch.malloc == "tcmalloc" and tcmalloc() is None:
+        raise ValueError(
+            "launch.malloc=tcmalloc, but libtcmalloc_minimal is not installed here: "
+            "apt-get install libtcmalloc-minimal4 (make setup does), or launch.malloc=auto"
+        )
+
+
+MALLOCS = ("auto", "tcmalloc", "system")
+
+
+def tcmalloc() -> str | None:
+    """The installed tcmalloc library's name (for LD_PRELOAD), or None."""
+    import ctypes.util
+
+    return ctypes.util.find_library("tcmalloc_minimal")
 
 
 def validate_pipeline(cfg: Any) -> None:
