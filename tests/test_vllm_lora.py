@@ -28,6 +28,7 @@ from actor.engines.vllm import client as vllm_engine
 from actor.engines.vllm.client import VLLMEngine
 from pipeline import lora
 from pipeline.messages import encode
+from pipeline.streams import wait_until
 from pipeline.transfer import TensorSource
 from tests import vllm_fake
 from tests.vllm_builders import (
@@ -244,6 +245,14 @@ def test_a_failed_adapter_install_puts_the_old_adapter_back(make, base_dir, monk
     failures["left"] = 2  # the new adapter and the restore both fail
     with pytest.raises(RuntimeError, match="holds neither"):
         engine.swap(2)
+    # a zero-token step (finished ids only) may come now: it generates nothing, and the
+    # engine core lives on. Raising there killed it, and every later call went unanswered
+    # (CI 2026-12-07, when the last generate's finished ids were flushed after the swap);
+    # checked to fail with the zero-token exemption removed
+    flushes = fake.core.flushes
+    fake.core.utility(lambda: fake.core.finished_ids.add("finished-after-the-loss"))
+    assert wait_until(lambda: fake.core.flushes > flushes, 5)
+    assert engine.rpc("nonstop_poll", [])["failed"] >= 1  # it still answers
     # the slot holds no known adapter: the engine refuses to generate (vLLM dies with
     # the step's error and the actor restarts with a fresh engine), never silently
     with pytest.raises(RuntimeError, match="may not generate any more"):
