@@ -252,16 +252,12 @@ def test_the_makerun_bench_counts_its_times_from_the_launch(tmp_path):
     from pipeline.bench.makerun import measure
 
     started = 1000.0
-    records = [
-        {
-            "pool": "launcher",
-            "event": "cpu",
-            "time": started + 11.0,
-            "cores": 2,
-            "cpu_s": {"trainer": 1.0},
-            "share": {"trainer": 0.5},
-        }
-    ]
+
+    def cpu(t: float, cpu_s: float, share: float) -> dict:
+        return {"pool": "launcher", "event": "cpu", "time": started + t, "cores": 2,
+                "cpu_s": {"trainer": cpu_s}, "share": {"trainer": share}}  # fmt: skip
+
+    records = [cpu(11.0, 1.0, 0.5)]
     for step in range(1, 7):
         records.append(
             {
@@ -274,16 +270,7 @@ def test_the_makerun_bench_counts_its_times_from_the_launch(tmp_path):
                 "wait_s": 0.0,
             }
         )
-    records.append(
-        {
-            "pool": "launcher",
-            "event": "cpu",
-            "time": started + 60.0,
-            "cores": 2,
-            "cpu_s": {"trainer": 20.0},
-            "share": {"trainer": 0.9},
-        }
-    )
+    records.append(cpu(60.0, 20.0, 0.9))
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     got = measure(tmp_path, started)
     assert got["first_step_s"] == 30.0 and got["step_times"][0] == [1, 30.0]
