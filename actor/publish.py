@@ -19,7 +19,6 @@ carries them once (``prompt_routes``) and the samples their completion rows only
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import uuid
@@ -151,31 +150,27 @@ def send_group(pool: Pool, group: RolloutGroup, **record) -> None:
     if len(payload) > MAX_GROUP_BYTES:
         dead_letter_group(pool, part, group, len(payload))
         return
-    try:
-        publish(  # (pipeline/streams/shards.py)
-            part.client,
-            part.names.rollouts,
-            payload,
-            token=group.group_id,  # XADD-once: a re-send adds no copy (streams/durable.py)
-            schema=SCHEMA_VERSION,
-            group=group.group_id,
-            actor=pool.name,
-            problem=group.problem_id,
-            versions=f"{versions.min()}-{versions.max()}",
-            reward=f"{np.mean(scores):.3f}",
-            tokens=int(versions.size),
-        )
-    except BaseException:
-        # redis-server may have applied the XADD and gone down before its reply came (a
-        # machine shutdown stops both at once): the entry can be in its AOF, read after a
-        # relaunch, with no ``group`` record. Say so on disk; the account counts such a
-        # group as published where it turns up, and not at all where it does not
-        # (pipeline/run/accounting.py published)
-        with contextlib.suppress(Exception):
-            pool.record(event="group_unconfirmed", group=group.group_id, samples=len(group.samples))
-        raise
+    # said before the XADD: a process killed between redis applying it and the ``group``
+    # record below (a SIGKILL; a machine shutdown that stops redis-server before its
+    # reply) leaves this record, and the account counts the group as published where it
+    # turns up, and not at all where it does not (pipeline/run/accounting.py published)
+    pool.record(event="group_unconfirmed", group=group.group_id, samples=len(group.samples))
+    publish(  # (pipeline/streams/shards.py)
+        part.client,
+        part.names.rollouts,
+        payload,
+        token=group.group_id,  # XADD-once: a re-send adds no copy (streams/durable.py)
+        schema=SCHEMA_VERSION,
+        group=group.group_id,
+        actor=pool.name,
+        problem=group.problem_id,
+        versions=f"{versions.min()}-{versions.max()}",
+        reward=f"{np.mean(scores):.3f}",
+        tokens=int(versions.size),
+    )
     # the actor's own record of what it published (pipeline/run/accounting.py checks the
-    # streams and the trainer's records against it): right after the XADD's reply
+    # streams and the trainer's records against it): right after the XADD's reply, it
+    # confirms the record above
     pool.record(
         event="group",
         group=group.group_id,

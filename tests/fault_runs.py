@@ -91,10 +91,12 @@ def check_account(result: dict, run_dir) -> dict:
 class ReplyDropper:
     """A TCP proxy to a real redis-server that, when armed, lets one command through
     and closes the client's connection instead of passing the reply back: what a
-    client sees when redis-server dies between applying a command and replying."""
+    client sees when redis-server dies between applying a command and replying.
+    ``hold``: instead, every reply from then on is swallowed and the connection kept
+    open (the client waits for a reply that never comes, e.g. until it is killed)."""
 
-    def __init__(self, port: int):
-        self.target, self.armed = port, threading.Event()
+    def __init__(self, port: int, hold: bool = False):
+        self.target, self.armed, self.hold = port, threading.Event(), hold
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -113,6 +115,8 @@ class ReplyDropper:
         try:
             while data := src.recv(65536):
                 if replies and self.armed.is_set():
+                    if self.hold:
+                        continue  # applied; the reply held back, the connection open
                     self.armed.clear()
                     break  # the command was applied; its reply never arrives
                 dst.sendall(data)

@@ -89,8 +89,8 @@ def test_every_outcome_is_counted_once_and_a_missing_group_is_lost():
 
 def test_a_group_whose_xadd_reply_never_came_counts_where_it_turns_up():
     """A machine shutdown stops redis-server and the actor at once: redis may apply an
-    XADD (and keep it in its AOF) whose reply never reaches the actor, which then records
-    ``group_unconfirmed`` instead of ``group`` (actor/publish.py send_group). After the
+    XADD (and keep it in its AOF) whose reply never reaches the actor, which recorded
+    ``group_unconfirmed`` before it and never ``group`` (actor/publish.py send_group). After the
     relaunch the group is trained: published, not a phantom. One that never reached
     redis is nowhere: not published, and so not lost."""
     unconfirmed = [{"event": "group_unconfirmed", "group": g, "samples": G} for g in "bc"]
@@ -298,3 +298,73 @@ def test_an_actor_whose_xadd_failed_says_the_group_is_unconfirmed():
     with pytest.raises(redis.ConnectionError):
         send_group(pool, group("g"))
     assert records == [{"event": "group_unconfirmed", "group": "g", "samples": G}]
+
+
+# an actor that publishes one group through the proxy below, once told to (stdin)
+SENDER = """
+import sys
+from types import SimpleNamespace
+import redis
+from actor.publish import send_group
+from pipeline.streams import Names, publish
+from pipeline.telemetry import MetricsFile
+from tests.test_accounting import group
+url, prefix, run, path = sys.argv[1:]
+client = redis.Redis.from_url(url)
+part = SimpleNamespace(client=client, names=Names(prefix, run))
+publish(client, part.names.rollouts + ":warm", b"w", token="warm")  # the script cached
+metrics = MetricsFile(path)
+pool = SimpleNamespace(name="actor-0", shards=SimpleNamespace(next=lambda: part),
+                       record=lambda **r: metrics.write(**r))
+print("ready", flush=True)
+sys.stdin.readline()
+send_group(pool, group("g"))
+"""
+
+
+def test_an_actor_killed_between_its_xadd_and_the_reply_leaves_no_phantom(
+    redis_server, rclient, tmp_path
+):
+    """A real actor process SIGKILLed after redis applied its group's XADD and before the
+    reply came (a proxy holds the reply; what the faults bench's SIGKILL hit in a CI run):
+    the group is in the stream, the actor wrote no ``group`` record, and its
+    ``group_unconfirmed`` record, written before the XADD, keeps the group published and
+    in flight, not a phantom."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.fault_runs import ROOT, ReplyDropper
+
+    proxy = ReplyDropper(redis_server.port, hold=True)
+    url = f"redis://:{redis_server.password}@127.0.0.1:{proxy.port}/0"
+    path = tmp_path / "metrics.jsonl"
+    args = [sys.executable, "-c", SENDER, url, NAMES.prefix, NAMES.run, str(path)]
+    proc = subprocess.Popen(
+        args, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proxy.armed.set()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + 30
+        while rclient.xlen(NAMES.rollouts) == 0:
+            assert proc.poll() is None and time.monotonic() < deadline, "the XADD never arrived"
+            time.sleep(0.01)
+        assert proc.poll() is None  # still waiting for the reply
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        proc.kill()
+        proc.wait(10)
+        proxy.sock.close()
+    records = [{k: r[k] for k in ("event", "group")} for r in read_jsonl(str(path))]
+    assert records == [{"event": "group_unconfirmed", "group": "g"}]
+    terms = account(
+        read_jsonl(str(path)), in_flight(rclient, NAMES), dead_letters(rclient, NAMES), G
+    )
+    assert problems(terms) == []
+    assert terms["groups_produced"] == 1 and terms["groups_in_flight_at_end"] == 1

@@ -4,7 +4,8 @@ the faults benchmark, checked across sources that do not derive from each other.
 ::
 
     reads   metrics.jsonl, each pool's own records: the actors' ``group`` records (a
-            group id and its sample count, written once the XADD was acknowledged),
+            group id and its sample count, written once the XADD was acknowledged;
+            ``group_unconfirmed`` before it),
             the preprocessors' ``batched`` and ``no_signal``, the trainer's ``step``
             (``sample_ids`` trained, ``stale_ids`` dropped) and ``resume``; from Redis
             (while the run's server is up) the entries physically in ``rollouts`` and
@@ -281,8 +282,10 @@ def account(
     dead_whole = {g for d in dead for g in d["groups"]}  # rollouts entries: whole groups
     flight_rollouts = set(flight.get("rollouts_groups", []))
     flight_samples = set(flight.get("batches_samples", []))
-    # an XADD whose reply never came (actor/publish.py send_group): published if the group
-    # turns up anywhere, not published (and so not lost) if it does not
+    # a group the actor began to send and never confirmed (its ``group_unconfirmed`` record,
+    # written before each XADD, with no ``group`` record after it: the reply never came, or
+    # the actor was killed first; actor/publish.py send_group): published if the group turns
+    # up anywhere, not published (and so not lost) if it does not
     seen = batched | no_signal | dead_whole | flight_rollouts
     seen |= {_group_of(s) for s in set(trained) | stale | dead_samples | flight_samples}
     unconfirmed = {
