@@ -168,9 +168,14 @@ def _check(tmp_path, rclient, written: dict, published: list[RolloutGroup], stat
 def test_an_actor_killed_after_a_finished_turn_resumes_its_episodes_when_restarted(
     tmp_path, redis_server, rclient
 ):
-    """SIGKILL once an episode has a finished turn written and is not done (its next
-    turn generating); the same actor name restarted takes its groups back at once."""
-    config = _config(tmp_path, redis_server.url)
+    """SIGKILL once an episode has a finished turn written and is not done; the same
+    actor name restarted takes its groups back at once. The environment answers from
+    turn 1 on after 3 s, so an episode is in flight for seconds once its first turn is
+    written (8-token turns of the tiny model otherwise finish an episode between two
+    looks at the journal, and the kill found nothing to take over)."""
+    config = _config(
+        tmp_path, redis_server.url, "+task.env_args.tool_s=3", "+task.env_args.slow_from=1"
+    )
 
     def ready(journal) -> bool:
         return any(st.turns > 0 and not st.done for s in journal.values() for st in s.values())
