@@ -8,9 +8,11 @@ tiny Llama's vLLM-layout weights, and writes what it saw to OUT.json (rank-suffi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from actor.engines.vllm.worker.extension import NonstopWorkerExtension
+from actor.engines.vllm.worker.tp import relay_buckets
 from pipeline.messages import encode
 from tests.vllm_builders import FakeVllmModel, announcement, hf_model, hf_state, sched, shard
 
@@ -85,10 +88,33 @@ def main() -> None:
     worker.nonstop_install(lock_timeout_s=5.0, transfer_timeout_s=20.0)
     seen: dict = {"rank": rank}
 
+    # every broadcast on the weights group, by the thread that made it: the engine's
+    # (this process's main thread, as vLLM's engine thread runs execute_model and RPCs)
+    seen["broadcast_threads"] = threads = []
+    broadcast = dist.broadcast
+
+    def recording(tensor, src, group=None, **kw):
+        if group is not None and group is worker._nonstop_group:
+            threads.append(threading.current_thread().name)
+        return broadcast(tensor, src, group=group, **kw)
+
+    dist.broadcast = recording
+
     def stage(version: int, factory: str = "pipeline.transfer:TensorSource", **kw) -> dict:
         ann, flat = announcement(version, states[version])
         spec = {"factory": factory, "buckets": flat, **kw}  # every rank gets the same RPC
+        failed = worker.nonstop_poll([], False)["failed"]
         worker.nonstop_update(encode(ann), spec, False)
+        # the client's loop (VLLMWeights._stage_rpc), here on this rank's own polls: each
+        # rank is ready for a bucket before its broadcast is asked for
+        with contextlib.suppress(RuntimeError):  # a failed version: the poll below says
+            relay_buckets(
+                ann,
+                lambda: worker.nonstop_poll([], False),
+                lambda method, *args: getattr(worker, method)(*args),
+                failed,
+                time.monotonic() + 30,
+            )
         return wait_idle(worker)
 
     # (a) stage version 1: rank 0 reads the buckets, every rank gets its shard

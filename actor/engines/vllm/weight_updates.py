@@ -6,6 +6,8 @@
     stage(ann, source)  --------------->    nonstop_update(ann, source, swap=False):
                                             staging filled on a side stream while
                                             generating; polled until staged on every rank
+      TP > 1, per bucket (worker/tp.py) -->    nonstop_broadcast(version, i, ...): rank 0's
+                                            bucket to every rank, on the engine thread
     swap(version), lock mode  --------->    nonstop_swap: between two forward passes
                                             (the per-forward lock); polled until live
     swap(version), pause mode --------->    pause_generation(keep), nonstop_swap_paused,
@@ -137,6 +139,16 @@ class VLLMWeights:
         """Ask the worker to stage ``ann`` from ``spec`` (None: its channel) and wait."""
         failed = self.rpc("nonstop_poll", [], False)["failed"]
         self.rpc("nonstop_update", encode(ann), spec, False)
+        if int(self.settings.tensor_parallel_size) > 1:  # each bucket's broadcast asked for
+            from actor.engines.vllm.worker.tp import relay_buckets
+
+            relay_buckets(
+                ann,
+                lambda: self.rpc("nonstop_poll", [], False),
+                lambda method, *args: self.rpc(method, *args),
+                failed,
+                deadline,
+            )
         self._wait_worker(
             lambda s: s["busy"] == 0 and s["staged_version"] == ann.version,
             f"staging version {ann.version}",

@@ -50,9 +50,10 @@ actor/engines/vllm/lora_client.py), and the adapter's GPU slot is rewritten unde
 lock, deadline and version bookkeeping (``AdapterSwap.swap``). An announcement of the
 other kind fails the update, saying which ``model.lora`` setting differs.
 
-With ``tensor_parallel_size`` > 1 every worker gets every call; rank 0 receives and
-broadcasts, and the swap is issued from ``nonstop_swap`` itself, in the order vLLM
-delivers calls to all workers (tp.py). The lock, staging and swap live in locked.py
+With ``tensor_parallel_size`` > 1 every worker gets every call; rank 0 receives, each
+bucket is broadcast to the other ranks by ``nonstop_broadcast`` on the engine thread,
+and the swap is issued from ``nonstop_swap`` itself, both in the order vLLM delivers
+calls to all workers (tp.py). The lock, staging and swap live in locked.py
 (``LockedWeights``), the per-step versions in steps.py (all in this folder).
 
 Everything except the vLLM Worker it is mixed into is plain torch, so the lock,
@@ -73,7 +74,7 @@ import torch
 
 from actor.engines.vllm.worker.locked import LockedWeights
 from actor.engines.vllm.worker.steps import StepVersions  # noqa: F401 (re-exported for tests)
-from actor.engines.vllm.worker.tp import TPSource, tp_of, weights_group
+from actor.engines.vllm.worker.tp import TPRelay, broadcast_bucket, tp_of, weights_group
 from pipeline.messages import WeightAnnouncement, decode
 from pipeline.transfer.base import BucketSource
 
@@ -256,6 +257,9 @@ class NonstopWorkerExtension:
         swap. ``source`` names a BucketSource factory (tests, in-memory buckets);
         default: the connected channel. Returns at once: poll for the outcome."""
         ann = decode(announcement, WeightAnnouncement)
+        w = self._nonstop
+        if w.tp_size > 1:  # made here, so the next poll already shows this staging's relay
+            self._nonstop_relay = TPRelay(ann.version, self._nonstop_group, w.tp_rank, w.device)
         self._nonstop_jobs.put(("update" if swap else "stage", ann, source))
 
     def nonstop_swap(self, version: int) -> None:
@@ -323,7 +327,41 @@ class NonstopWorkerExtension:
             "versions": w.steps.take(request_ids or []),
             "routes": w.routes.take(request_ids or []) if w.routes is not None else {},
             "gaps": w.take_gaps(),  # always handed over: the client adds each to its stats
+            "tp_ready": self._nonstop_ready(),
         }
+
+    def _nonstop_ready(self) -> dict | None:
+        """TP > 1: the bucket this rank's receiver thread waits at (tp.py TPRelay)."""
+        relay = getattr(self, "_nonstop_relay", None)
+        return None if relay is None else {"version": relay.version, "index": relay.ready}
+
+    def nonstop_broadcast(self, version: int, index: int, numel: int, dtype: str) -> None:
+        """TP > 1: bucket ``index`` of ``version`` from rank 0 to every rank, here on the
+        engine thread (in vLLM's order of calls and steps, the same on every rank:
+        tp.py). Every rank takes part whatever its state, so the ranks' collectives always
+        match; a failure is recorded (poll), never raised into the engine."""
+        w = self._nonstop
+        relay = getattr(self, "_nonstop_relay", None)
+        try:
+            if relay is not None and relay.version == version:
+                relay.broadcast(index, numel, getattr(torch, dtype))
+            else:  # this rank never started the version: take part, then say so
+                scratch = torch.empty(numel, dtype=getattr(torch, dtype), device=w.device)
+                broadcast_bucket(self._nonstop_group, w.device, index, scratch, False)
+                raise RuntimeError(f"TP rank {w.tp_rank} is not staging version {version}")
+        except Exception as e:
+            w.failed += 1
+            w.last_error = f"version {version}: {e}"
+            log.error("TP broadcast of bucket %d of version %d failed: %s", index, version, e)
+            if relay is not None:
+                relay.abort(f"the broadcast of bucket {index} failed: {e}")
+
+    def nonstop_abort_stage(self, version: int, reason: str) -> None:
+        """TP > 1: give ``version`` up on this rank (the client saw it fail on another):
+        its receiver thread stops waiting for broadcasts and fails the version."""
+        relay = getattr(self, "_nonstop_relay", None)
+        if relay is not None and relay.version == version:
+            relay.abort(reason)
 
     def _nonstop_source(self, ann: WeightAnnouncement, spec: dict | None) -> BucketSource:
         """Where the buckets come from: ``spec`` or the channel; TP > 1: rank 0 reads
@@ -341,7 +379,9 @@ class NonstopWorkerExtension:
             inner = ReceiverSource(receiver, ann)
         if w.tp_size == 1:
             return inner
-        return TPSource(inner, self._nonstop_group, w.tp_rank, w.device)
+        relay = self._nonstop_relay  # nonstop_update's, for this announcement
+        relay.inner = inner
+        return relay
 
     def _nonstop_loop(self) -> None:
         w = self._nonstop

@@ -6,11 +6,17 @@ Every ``collective_rpc`` reaches every worker, and the engine core sends RPCs,
 so every worker sees them in the same order. The extension builds on that::
 
     receive   TP rank 0 alone opens the transfer channel (trainer rank 0 -> this actor
-              is unchanged); each bucket it receives is broadcast over a weights-only
-              process group of the TP ranks (never vLLM's own communicator, which the
-              forward passes use on the engine thread), with a header first (ok, index)
-              so a failure on rank 0 fails every rank's staging at once; every rank
-              checks the bucket's sum and scatters only its own shard (vllm_layout.py)
+              is unchanged) and reads each bucket on its receiver thread; the bucket is
+              then broadcast over a weights-only process group of the TP ranks (never
+              vLLM's own communicator) by ``nonstop_broadcast``, a call the client makes
+              once every rank waits at that bucket (:func:`relay_buckets`): it runs on
+              each rank's engine thread, in the broadcast queue's order, so the weights
+              group's collectives are ordered with the forward passes' on every rank
+              (two NCCL communicators used concurrently in no common order can hang).
+              A header (ok, index) goes first, so a failure on rank 0 fails every rank's
+              staging at once; a failure elsewhere makes the client give the version up
+              on every rank (``nonstop_abort_stage``); every rank checks the bucket's
+              sum and scatters only its own shard (worker/layout.py)
     swap      ``nonstop_swap`` runs in the broadcast queue's order on every rank: between
               two steps it is applied at once; between a step's execute_model and its
               sample_tokens it is armed and applied at the next execute_model entry.
@@ -27,6 +33,8 @@ its next step on, its KV cache kept.
 from __future__ import annotations
 
 import datetime
+import threading
+import time
 from typing import Any
 
 import torch
@@ -57,32 +65,148 @@ def weights_group(size: int, device: torch.device, timeout_s: float) -> Any:
     )
 
 
-class TPSource:
-    """A BucketSource for every TP rank: rank 0 reads ``inner`` (the transfer channel,
-    or in-memory buckets) and broadcasts each bucket; the others receive it. A header
-    (ok, index) goes first, so a failure on rank 0 reaches every rank as an error."""
+class TPRelay:
+    """A BucketSource for every TP rank whose broadcasts run on the engine thread.
 
-    def __init__(self, inner: Any, group: Any, rank: int, device: torch.device):
-        self.inner, self.group, self.rank, self.device = inner, group, rank, device
+    The receiver thread stages as with one rank (``fetch`` per bucket, then the sum
+    check and the scatter); rank 0's ``fetch`` first reads the bucket from ``inner``
+    (the transfer channel, or in-memory buckets). Then every rank's receiver thread
+    waits at bucket ``index`` (``ready``) until the engine thread has run
+    :meth:`broadcast` for it: the client calls ``nonstop_broadcast`` once every rank is
+    ready (:func:`relay_buckets`), and vLLM delivers that call to every worker in the
+    same order relative to its steps, so the weights group's collectives never run
+    concurrently with the forward passes' (NCCL documents two communicators used
+    concurrently in no common order as able to hang). A header (ok, index) goes first,
+    so a failure on rank 0 reaches every rank as an error."""
 
+    def __init__(self, version: int, group: Any, rank: int, device: torch.device):
+        self.version, self.group, self.rank = version, group, rank
+        self.inner: Any = None  # rank 0: set by the receiver thread before its first fetch
+        self.device, self.cuda = device, device.type == "cuda"
+        self.cond = threading.Condition()
+        self.ready = -1  # the bucket this rank's receiver thread waits at
+        self.done = -1  # the last bucket broadcast
+        self.out: torch.Tensor | None = None  # where bucket ``ready`` goes on this rank
+        self.fetched_ok = False  # rank 0: bucket ``ready`` was read from ``inner``
+        self.header_ok = False  # the last header: rank 0 had the bucket
+        self.aborted = ""  # a reason: the client gave this version up
+        self.event: Any = None  # CUDA: the fetch's (rank 0) or the broadcast's end
+
+    # ---- the receiver thread
     def fetch(self, index: int, out: torch.Tensor, deadline: float) -> None:
-        header = torch.tensor([0, index], dtype=torch.int64, device=self.device)
         error = None
         if self.rank == 0:
             try:
                 self.inner.fetch(index, out, deadline)
-                header[0] = 1
-            except Exception as e:  # told to every rank below, then raised here
+            except Exception as e:  # told to every rank by the header, then raised here
                 error = e
-        dist.broadcast(header, src=0, group=self.group)
+        with self.cond:
+            self.out, self.fetched_ok = out, error is None
+            self.event = _recorded() if self.cuda else None  # the fetch's side-stream work
+            self.ready = index
+            self.cond.notify_all()
+            while self.done < index and not self.aborted:
+                if not self.cond.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError(
+                        f"TP rank {self.rank}: bucket {index} of version {self.version} was "
+                        "not broadcast by the engine in time"
+                    )
+            self.out = None
+            if self.aborted:
+                raise RuntimeError(self.aborted)
+            if self.cuda:  # the broadcast ran on the engine's stream
+                torch.cuda.current_stream().wait_event(self.event)
         if error is not None:
             raise error
-        ok, got = (int(x) for x in header.tolist())
-        if not ok:
+        if not self.header_ok:
             raise RuntimeError(f"TP rank 0 failed to receive bucket {index}; see its log")
-        if got != index:
-            raise RuntimeError(f"TP ranks out of step: bucket {got} from rank 0, {index} here")
-        dist.broadcast(out, src=0, group=self.group)
+
+    # ---- the engine thread (nonstop_broadcast / nonstop_abort_stage)
+    def broadcast(self, index: int, numel: int, dtype: torch.dtype) -> None:
+        """Bucket ``index`` from rank 0 to every rank on the weights group. Every rank
+        takes part whatever its state (a rank not waiting at ``index`` receives into a
+        scratch buffer), so the collectives always match across ranks."""
+        with self.cond:
+            here = self.ready == index and self.out is not None and self.done < index
+            out = self.out if here else torch.empty(numel, dtype=dtype, device=self.device)
+            ok = self.rank == 0 and here and self.fetched_ok
+            if self.cuda and here and self.event is not None:
+                torch.cuda.current_stream().wait_event(self.event)
+        header_ok = broadcast_bucket(self.group, self.device, index, out, ok)
+        with self.cond:
+            self.header_ok = header_ok
+            self.event = _recorded() if self.cuda else None
+            if here:
+                self.done = index
+            else:  # its receiver thread would wait for a bucket that went by
+                self.aborted = (
+                    f"bucket {index} of version {self.version} was broadcast before TP rank "
+                    f"{self.rank} was ready for it (it waited at bucket {self.ready})"
+                )
+            self.cond.notify_all()
+
+    def abort(self, reason: str) -> None:
+        with self.cond:
+            self.aborted = reason
+            self.cond.notify_all()
+
+
+def _recorded() -> Any:
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def broadcast_bucket(
+    group: Any, device: torch.device, index: int, out: torch.Tensor, ok: bool
+) -> bool:
+    """Header (ok, index) from rank 0, then the bucket when rank 0 had it; returns
+    whether it had."""
+    header = torch.tensor([int(ok), index], dtype=torch.int64, device=device)
+    dist.broadcast(header, src=0, group=group)
+    sent, got = (int(x) for x in header.tolist())
+    if got != index:
+        raise RuntimeError(f"TP ranks out of step: bucket {got} from rank 0, {index} here")
+    if sent:
+        dist.broadcast(out, src=0, group=group)
+    return bool(sent)
+
+
+def relay_buckets(ann: Any, poll: Any, call: Any, failed_before: int, deadline: float) -> None:
+    """The caller's half of a TP > 1 staging (the client, tests/tp_rank.py): once
+    ``nonstop_update(..., swap=False)`` was sent, for each bucket wait until every rank's
+    receiver thread waits at it (the merged poll's ``tp_ready``; rank 0 has read it from
+    the channel by then), then ``nonstop_broadcast`` it. ``poll()``: the merged
+    ``nonstop_poll`` answer; ``call(method, *args)``: a call on every rank. A failure on
+    any rank, or the deadline, gives the version up on every rank
+    (``nonstop_abort_stage``) and raises."""
+
+    def give_up(why: str) -> None:
+        call("nonstop_abort_stage", ann.version, why)
+
+    for i, bucket in enumerate(ann.buckets):
+        while True:
+            status = poll()
+            if status["failed"] > failed_before:
+                give_up(f"given up: another TP rank failed: {status['last_error']}")
+                raise RuntimeError(
+                    f"staging version {ann.version} failed in the vLLM worker: "
+                    f"{status['last_error']}"
+                )
+            ready = status.get("tp_ready")
+            if ready is not None and ready["version"] == ann.version and ready["index"] >= i:
+                break
+            if time.monotonic() > deadline:
+                give_up(f"given up: bucket {i} was not ready on every TP rank in time")
+                raise TimeoutError(
+                    f"staging version {ann.version}: bucket {i} was not ready on every TP "
+                    "rank in time"
+                )
+            time.sleep(RELAY_POLL_S)
+        call("nonstop_broadcast", ann.version, i, bucket.numel, ann.dtype)
+
+
+RELAY_POLL_S = 0.005  # between polls while a bucket is awaited (each poll is a step boundary)
 
 
 def merge_polls(answers: list[dict]) -> dict:
@@ -114,4 +238,12 @@ def merge_polls(answers: list[dict]) -> dict:
         "versions": answers[0]["versions"],
         "routes": answers[0].get("routes", {}),  # the router is replicated: rank 0's
         "gaps": answers[0].get("gaps", []),  # rank 0's steps: every rank's are the same
+        "tp_ready": _merged_ready([a.get("tp_ready") for a in answers]),
     }
+
+
+def _merged_ready(readies: list[dict | None]) -> dict | None:
+    """The bucket every rank waits at or beyond (the lowest), when all stage one version."""
+    if any(r is None for r in readies) or len({r["version"] for r in readies}) != 1:
+        return None
+    return {"version": readies[0]["version"], "index": min(r["index"] for r in readies)}
