@@ -136,8 +136,15 @@ def stop_ids(tokenizer) -> list[int]:
 
 
 @torch.inference_mode()
-def complete(model, tokenizer, prompts: list[list[int]], sample: bool, k: int, ev) -> list:
-    """Completions (token id lists), k per prompt in prompt order; greedy when not sample."""
+def complete(model, tokenizer, prompts: list[list[int]], k: int, ev) -> tuple[list, list]:
+    """Per prompt one greedy and ``k`` sampled completions (token id lists, prompt order),
+    from one prefill: the prompts' KV cache is computed once and repeated 1 + k times.
+    transformers' ``generate`` prefills every returned sequence and every call again (3
+    prefills per prompt for a greedy and 2 samples, most of the evaluation's arithmetic
+    at 32 new tokens), and keeps a finished sequence in the batch to the end; here a row
+    leaves the batch at its stop token. Sampling is ``ev["temperature"]`` over the whole
+    vocabulary (top_p 1, top_k 0, as the engines sample); nothing of the model's
+    generation_config applies."""
     width = max(len(p) for p in prompts)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -145,22 +152,46 @@ def complete(model, tokenizer, prompts: list[list[int]], sample: bool, k: int, e
     for i, p in enumerate(prompts):  # left padding: every prompt ends at the same column
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
-    sampling = {"do_sample": True, "temperature": ev["temperature"], "top_p": 1.0, "top_k": 0}
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=ev["max_new_tokens"],
-        num_return_sequences=k if sample else 1,
-        pad_token_id=pad,
-        eos_token_id=stop_ids(tokenizer),
-        **(sampling if sample else {"do_sample": False}),
+    position = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(
+        input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, logits_to_keep=1
     )
-    stops = set(stop_ids(tokenizer))
-    result = []
-    for row in out[:, width:].tolist():
-        end = next((j for j, t in enumerate(row) if t in stops), len(row))
-        result.append(row[:end])
-    return result
+    cache, rows = out.cache, 1 + k
+    cache.batch_repeat_interleave(rows)  # row i * rows: greedy; the k after it: sampled
+    logits = out.logits[:, -1].float().repeat_interleave(rows, 0)
+    mask = mask.repeat_interleave(rows, 0)
+    position = position[:, -1:].repeat_interleave(rows, 0)
+    live = torch.arange(len(prompts) * rows)  # the rows still generating, in the batch
+    greedy = live % rows == 0
+    stops = torch.tensor(stop_ids(tokenizer), dtype=torch.long)
+    result: list[list[int]] = [[] for _ in range(len(live))]
+    for t in range(ev["max_new_tokens"]):
+        sampled = torch.multinomial(torch.softmax(logits / ev["temperature"], -1), 1)[:, 0]
+        token = torch.where(greedy, logits.argmax(-1), sampled)
+        ended = torch.isin(token, stops)
+        for row, tok, end in zip(live.tolist(), token.tolist(), ended.tolist(), strict=True):
+            if not end:  # a completion ends before its stop token
+                result[row].append(tok)
+        if bool(ended.all()) or t + 1 == ev["max_new_tokens"]:
+            break
+        if bool(ended.any()):  # finished rows leave the batch (and its arithmetic)
+            keep = (~ended).nonzero()[:, 0]
+            cache.batch_select_indices(keep)
+            live, greedy, token = live[keep], greedy[keep], token[keep]
+            mask, position = mask[keep], position[keep]
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        position = position + 1
+        out = model(
+            input_ids=token[:, None],
+            attention_mask=mask,
+            position_ids=position,
+            cache=cache,
+            use_cache=True,
+        )
+        logits = out.logits[:, -1].float()
+    return [result[i * rows] for i in range(len(prompts))], [
+        c for i in range(len(prompts)) for c in result[i * rows + 1 : (i + 1) * rows]
+    ]
 
 
 def evaluate(model, tokenizer, problems: list[Problem], cfg: Any, progress=None) -> dict:
@@ -180,8 +211,7 @@ def evaluate(model, tokenizer, problems: list[Problem], cfg: Any, progress=None)
     for start in range(0, len(problems), ev.batch_size):
         chunk = problems[start : start + ev.batch_size]
         prompts = [build_prompt_ids(tokenizer, p.question, system) for p in chunk]
-        greedy = complete(model, tokenizer, prompts, False, 1, settings)
-        sampled = complete(model, tokenizer, prompts, True, k, settings)
+        greedy, sampled = complete(model, tokenizer, prompts, k, settings)
         lengths += [len(c) for c in greedy + sampled]
         for i, p in enumerate(chunk):
             texts = tokenizer.batch_decode(

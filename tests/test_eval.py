@@ -141,3 +141,47 @@ def test_periodic_eval_records_each_checkpointed_version(tmp_path):
     saved = json.loads((run_dir / "eval" / "step-000004.json").read_text())
     assert saved["version"] == 4 and saved["problems"] == 4
     assert saved["source"].startswith("arithmetic held-out split")
+
+
+def test_one_prefill_gives_what_generate_gives_with_rows_leaving_at_their_stop(tmp_path):
+    """pipeline.eval.complete (one prefill per prompt, its cache repeated for the samples,
+    finished rows leaving the batch) against transformers' generate on the tiny model:
+    prompts of different lengths (left padding), a stop token that ends some completions
+    early. Greedy: the same tokens as generate's greedy; sampled at a temperature near 0:
+    the greedy tokens again (each sampled row continues its own prompt's cache)."""
+    import torch
+
+    from pipeline.eval import complete
+
+    model, tok = load_model(materialize_model(TINY_MODEL, tiny_cache(tmp_path / "cache")))
+    prompts = [[5 + i, 17, 30 + 7 * i, 42][: 2 + i % 3] + [9] * (i % 2) for i in range(6)]
+    torch.manual_seed(0)
+    free, _ = complete(model, tok, prompts, 1, {"max_new_tokens": 10, "temperature": 1.0})
+    # a token that some greedy completions emit early and others not at all: a stop
+    counts: dict[int, int] = {}
+    for c in free:
+        for t in set(c[1:6]):
+            counts[t] = counts.get(t, 0) + 1
+    stop = max((t for t, n in counts.items() if n < len(free)), key=lambda t: counts[t])
+    tok.eos_token_id = stop
+
+    def generate(p: list[int]) -> list[int]:
+        out = model.generate(
+            input_ids=torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=10,
+            do_sample=False,
+            eos_token_id=[stop],
+            pad_token_id=tok.pad_token_id,
+        )[0, len(p) :].tolist()
+        return out[: out.index(stop)] if stop in out else out
+
+    expected = [generate(p) for p in prompts]
+    assert any(len(e) < 10 for e in expected) and any(len(e) == 10 for e in expected)
+    greedy, sampled = complete(model, tok, prompts, 2, {"max_new_tokens": 10, "temperature": 1e-6})
+    assert greedy == expected
+    assert sampled == [e for e in expected for _ in range(2)]
+    # and at temperature 1 the samples differ from greedy somewhere: they are sampled
+    torch.manual_seed(1)
+    _, hot = complete(model, tok, prompts, 2, {"max_new_tokens": 10, "temperature": 1.0})
+    assert hot != [e for e in expected for _ in range(2)]

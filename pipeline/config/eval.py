@@ -22,7 +22,7 @@ class EvalConfig:
     samples: int = 4  # sampled completions per problem, for mean reward and pass@k
     temperature: float | None = None  # None: sampling.temperature
     max_new_tokens: int | None = None  # None: sampling.max_new_tokens
-    batch_size: int = 16  # prompts per generate call
+    batch_size: int = 32  # prompts per batch (each with 1 + samples completions)
     torch_threads: int = 1
     seed: int = 0
     final_timeout_s: float = 600.0  # the launcher waits this long for the final evaluation
