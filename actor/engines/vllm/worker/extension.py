@@ -353,7 +353,7 @@ class NonstopWorkerExtension:
             w.failed += 1
             w.last_error = f"version {version}: {e}"
             log.error("TP broadcast of bucket %d of version %d failed: %s", index, version, e)
-            if relay is not None:
+            if relay is not None and relay.version == version:
                 relay.abort(f"the broadcast of bucket {index} failed: {e}")
 
     def nonstop_abort_stage(self, version: int, reason: str) -> None:
