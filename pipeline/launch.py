@@ -87,7 +87,8 @@ def preload_malloc(choice: str, env: dict[str, str]) -> str | None:
     """``launch.malloc``: the pools run on tcmalloc (LD_PRELOAD in their environment, so
     vLLM's engine processes too) where it is installed (auto) or required (tcmalloc, checked
     with the config); system: glibc's. Returns the library preloaded. On the default job
-    here it took the run from 191 s to 148 s (README, *Cores on one machine*)."""
+    here: 173.9 s against 191.6 s on glibc, medians of 3 interleaved rounds (README,
+    *Cores on one machine*)."""
     lib = None if choice == "system" else tcmalloc()
     if lib is None:
         return None

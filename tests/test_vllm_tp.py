@@ -103,7 +103,7 @@ def relay_run(polls: list[dict], buckets: int = 3, deadline_s: float = 5.0):
     """relay_buckets against scripted merged polls (the last repeats); returns the calls."""
     from types import SimpleNamespace
 
-    from actor.engines.vllm.worker.tp import relay_buckets
+    from actor.engines.vllm.weight_updates import relay_buckets
 
     ann = SimpleNamespace(
         version=7, dtype="float32", buckets=[SimpleNamespace(numel=10 + i) for i in range(buckets)]

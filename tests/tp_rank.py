@@ -19,8 +19,8 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from actor.engines.vllm.weight_updates import relay_buckets
 from actor.engines.vllm.worker.extension import NonstopWorkerExtension
-from actor.engines.vllm.worker.tp import relay_buckets
 from pipeline.messages import encode
 from tests.vllm_builders import FakeVllmModel, announcement, hf_model, hf_state, sched, shard
 

@@ -35,6 +35,40 @@ from pipeline.transfer import BucketSource, ReceiverSource
 POLL_S = 0.01  # between polls of the worker while an update runs
 
 
+def relay_buckets(ann: Any, poll: Any, call: Any, failed_before: int, deadline: float) -> None:
+    """The client's half of a TP > 1 staging (worker/tp.py; tests/tp_rank.py drives it
+    too): once ``nonstop_update(..., swap=False)`` was sent, for each bucket wait until every rank's
+    receiver thread waits at it (the merged poll's ``tp_ready``; rank 0 has read it from
+    the channel by then), then ``nonstop_broadcast`` it. ``poll()``: the merged
+    ``nonstop_poll`` answer; ``call(method, *args)``: a call on every rank. A failure on
+    any rank, or the deadline, gives the version up on every rank
+    (``nonstop_abort_stage``) and raises."""
+
+    def give_up(why: str) -> None:
+        call("nonstop_abort_stage", ann.version, why)
+
+    for i, bucket in enumerate(ann.buckets):
+        while True:
+            status = poll()
+            if status["failed"] > failed_before:
+                give_up(f"given up: another TP rank failed: {status['last_error']}")
+                raise RuntimeError(
+                    f"staging version {ann.version} failed in the vLLM worker: "
+                    f"{status['last_error']}"
+                )
+            ready = status.get("tp_ready")
+            if ready is not None and ready["version"] == ann.version and ready["index"] >= i:
+                break
+            if time.monotonic() > deadline:
+                give_up(f"given up: bucket {i} was not ready on every TP rank in time")
+                raise TimeoutError(
+                    f"staging version {ann.version}: bucket {i} was not ready on every TP "
+                    "rank in time"
+                )
+            time.sleep(POLL_S)
+        call("nonstop_broadcast", ann.version, i, bucket.numel, ann.dtype)
+
+
 class EngineChannel:
     """The actor-side handle of the worker's transfer channel: the WeightReceiver joins
     through Redis as usual and calls connect(), which opens ``weights.transport`` in
@@ -140,8 +174,6 @@ class VLLMWeights:
         failed = self.rpc("nonstop_poll", [], False)["failed"]
         self.rpc("nonstop_update", encode(ann), spec, False)
         if int(self.settings.tensor_parallel_size) > 1:  # each bucket's broadcast asked for
-            from actor.engines.vllm.worker.tp import relay_buckets
-
             relay_buckets(
                 ann,
                 lambda: self.rpc("nonstop_poll", [], False),

@@ -9,7 +9,8 @@ so every worker sees them in the same order. The extension builds on that::
               is unchanged) and reads each bucket on its receiver thread; the bucket is
               then broadcast over a weights-only process group of the TP ranks (never
               vLLM's own communicator) by ``nonstop_broadcast``, a call the client makes
-              once every rank waits at that bucket (:func:`relay_buckets`): it runs on
+              once every rank waits at that bucket (the client's ``relay_buckets``,
+              actor/engines/vllm/weight_updates.py): it runs on
               each rank's engine thread, in the broadcast queue's order, so the weights
               group's collectives are ordered with the forward passes' on every rank
               (two NCCL communicators used concurrently in no common order can hang).
@@ -73,11 +74,11 @@ class TPRelay:
     (the transfer channel, or in-memory buckets). Then every rank's receiver thread
     waits at bucket ``index`` (``ready``) until the engine thread has run
     :meth:`broadcast` for it: the client calls ``nonstop_broadcast`` once every rank is
-    ready (:func:`relay_buckets`), and vLLM delivers that call to every worker in the
-    same order relative to its steps, so the weights group's collectives never run
-    concurrently with the forward passes' (NCCL documents two communicators used
-    concurrently in no common order as able to hang). A header (ok, index) goes first,
-    so a failure on rank 0 reaches every rank as an error."""
+    ready (``relay_buckets``, actor/engines/vllm/weight_updates.py), and vLLM delivers
+    that call to every worker in the same order relative to its steps, so the weights
+    group's collectives never run concurrently with the forward passes' (NCCL documents
+    two communicators used concurrently in no common order as able to hang). A header
+    (ok, index) goes first, so a failure on rank 0 reaches every rank as an error."""
 
     def __init__(self, version: int, group: Any, rank: int, device: torch.device):
         self.version, self.group, self.rank = version, group, rank
@@ -170,43 +171,6 @@ def broadcast_bucket(
     if sent:
         dist.broadcast(out, src=0, group=group)
     return bool(sent)
-
-
-def relay_buckets(ann: Any, poll: Any, call: Any, failed_before: int, deadline: float) -> None:
-    """The caller's half of a TP > 1 staging (the client, tests/tp_rank.py): once
-    ``nonstop_update(..., swap=False)`` was sent, for each bucket wait until every rank's
-    receiver thread waits at it (the merged poll's ``tp_ready``; rank 0 has read it from
-    the channel by then), then ``nonstop_broadcast`` it. ``poll()``: the merged
-    ``nonstop_poll`` answer; ``call(method, *args)``: a call on every rank. A failure on
-    any rank, or the deadline, gives the version up on every rank
-    (``nonstop_abort_stage``) and raises."""
-
-    def give_up(why: str) -> None:
-        call("nonstop_abort_stage", ann.version, why)
-
-    for i, bucket in enumerate(ann.buckets):
-        while True:
-            status = poll()
-            if status["failed"] > failed_before:
-                give_up(f"given up: another TP rank failed: {status['last_error']}")
-                raise RuntimeError(
-                    f"staging version {ann.version} failed in the vLLM worker: "
-                    f"{status['last_error']}"
-                )
-            ready = status.get("tp_ready")
-            if ready is not None and ready["version"] == ann.version and ready["index"] >= i:
-                break
-            if time.monotonic() > deadline:
-                give_up(f"given up: bucket {i} was not ready on every TP rank in time")
-                raise TimeoutError(
-                    f"staging version {ann.version}: bucket {i} was not ready on every TP "
-                    "rank in time"
-                )
-            time.sleep(RELAY_POLL_S)
-        call("nonstop_broadcast", ann.version, i, bucket.numel, ann.dtype)
-
-
-RELAY_POLL_S = 0.005  # between polls while a bucket is awaited (each poll is a step boundary)
 
 
 def merge_polls(answers: list[dict]) -> dict:
